@@ -1,0 +1,68 @@
+"""Controller <-> tp_worker channel: one ForwardBatch per step, one StepResult back (rank 0).
+
+A step carries only what changed: new tokens, the KV slots they go to, rows of the worker's
+request->slot table to fill from the prefix cache, and per-row sampling / logprob asks, as
+parallel integer and float arrays. B rows, T = sum(extend_lens) new tokens.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from tokenmill.protocol.arrays import Array
+
+
+class SamplingBatch(msgspec.Struct, frozen=True, array_like=True):
+    """Per-row sampling parameters; rows mid-prompt carry them too (they are ignored)."""
+
+    temperature: Array  # [B] float32; 0 = greedy
+    top_k: Array  # [B] int32; 0 = no top-k filter
+    top_p: Array  # [B] float32; 1 = no nucleus filter
+    min_p: Array  # [B] float32; 0 = no min-p filter
+    seed: Array  # [B] int64; noise is a hash of (seed, position), so reruns reproduce
+
+
+class LogprobAsks(msgspec.Struct, frozen=True, array_like=True):
+    """What each row wants back besides the sampled token and its logprob."""
+
+    num_top: Array  # [B] int32 top logprobs per scored position; 0 = none (<= 20)
+    token_ids_offsets: Array  # [B+1] int32: row b scores token_ids[o[b]:o[b+1]]
+    token_ids: Array  # [M] int32 caller-given ids scored at every sampled position
+    # Prompt logprobs: the chunk scores prompt positions p >= prompt_start[b] (p >= 1) that
+    # its hidden states predict; -1 = none. prompt_next_id[b] is the prompt token right after
+    # the chunk (the target of its last position), -1 when the chunk ends the prompt.
+    prompt_start: Array  # [B] int32
+    prompt_next_id: Array  # [B] int32
+
+
+class ForwardBatch(msgspec.Struct, frozen=True, tag="forward"):
+    step_id: int
+    input_ids: Array  # [T] int32 new tokens, rows concatenated in batch order
+    out_slots: Array  # [T] int32 KV slot each new token writes
+    req_rows: Array  # [B] int32 rows of the worker's request->slot table
+    prefix_lens: Array  # [B] int32 tokens of the row already in the KV cache
+    extend_lens: Array  # [B] int32 new tokens of the row in this step
+    fill_rows: Array  # [F] int32 table rows whose first fill_lens[f] slots are (re)written
+    fill_lens: Array  # [F] int32
+    fill_slots: Array  # [sum(fill_lens)] int32 cached-prefix slots, rows concatenated
+    sampling: SamplingBatch
+    logprobs: LogprobAsks
+    # Multi-step decoding: after the first token, num_steps - 1 more decode iterations run on
+    # the device; decode_slots[i, b] is the slot of the row's token from iteration i + 1.
+    num_steps: int = 1
+    decode_slots: Array | None = None  # [num_steps - 1, B] int32
+
+
+class StepResult(msgspec.Struct, frozen=True, tag="step"):
+    """N = num_steps; R = rows with num_top > 0 (batch order); K = max num_top."""
+
+    step_id: int
+    next_ids: Array  # [N, B] int32 sampled ids (rows mid-prompt: ignore)
+    logprobs: Array  # [N, B] float32 logprob of next_ids
+    top_ids: Array  # [N, R, K] int32
+    top_logprobs: Array  # [N, R, K] float32
+    token_ids_logprobs: Array  # [N, M] float32, aligned with LogprobAsks.token_ids
+    prompt_offsets: Array  # [B+1] int32: row b's scored prompt positions are [o[b]:o[b+1]]
+    prompt_logprobs: Array  # [P] float32 logprob of each scored prompt token
+    prompt_top_ids: Array  # [P, Kp] int32, Kp = max num_top over rows scoring prompts
+    prompt_top_logprobs: Array  # [P, Kp] float32

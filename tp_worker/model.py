@@ -1,0 +1,125 @@
+"""The decoder shared by Llama, Qwen2 and Mistral checkpoints (tp_worker).
+
+The three families differ only in fields of ModelConfig (q/k/v bias, tied embeddings,
+sliding window, RoPE scaling), so one module runs them all. Layers are tensor-parallel
+(parallel.py); q/k/v and gate/up projections are fused into one matmul each.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.tp_worker.attention import AttentionBatch, attend
+from tokenmill.tp_worker.model_config import ModelConfig
+from tokenmill.tp_worker.parallel import ShardedLinear, TpGroup, VocabEmbedding
+from tokenmill.tp_worker.rope import Rotary, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(
+            torch.ones(hidden, dtype=dtype, device=device), requires_grad=False
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # NOTE: variance in float32, cast back before the weight, as transformers does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def local_kv_heads(config: ModelConfig, group: TpGroup) -> int:
+    """KV heads on this rank: a share, or one replicated head when there are fewer than ranks."""
+    return max(1, config.num_kv_heads // group.size)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self, config: ModelConfig, group: TpGroup, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        hidden, head_dim = config.hidden_size, config.head_dim
+        self.num_heads = config.num_heads // group.size
+        self.num_kv_heads = local_kv_heads(config, group)
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.sliding_window = config.sliding_window
+        qkv_out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        inter = config.intermediate_size // group.size
+        self.input_layernorm = RMSNorm(hidden, config.rms_norm_eps, dtype, device)
+        self.qkv_proj = ShardedLinear(
+            hidden, qkv_out, config.attention_bias, False, group, dtype, device
+        )
+        self.o_proj = ShardedLinear(
+            self.num_heads * head_dim, hidden, False, True, group, dtype, device
+        )
+        self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps, dtype, device)
+        self.gate_up_proj = ShardedLinear(hidden, 2 * inter, False, False, group, dtype, device)
+        self.down_proj = ShardedLinear(inter, hidden, False, True, group, dtype, device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, ...],
+        batch: AttentionBatch,
+        kv: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        h = self.input_layernorm(x)
+        qkv = self.qkv_proj(h)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), *cos_sin)
+        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), *cos_sin)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        x = x + self.o_proj(attend(q, k, v, kv[0], kv[1], batch, self.scale))
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class CausalLM(nn.Module):
+    def __init__(
+        self, config: ModelConfig, group: TpGroup, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.group = group
+        self.dtype = dtype
+        self.embed_tokens = VocabEmbedding(
+            config.vocab_size, config.hidden_size, group, dtype, device
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, group, dtype, device) for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.lm_head = (
+            self.embed_tokens
+            if config.tie_word_embeddings
+            else VocabEmbedding(config.vocab_size, config.hidden_size, group, dtype, device)
+        )
+        self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling, device)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """input_ids, positions [T] -> final-normed hidden states [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        cos_sin = self.rotary.cos_sin(positions, self.dtype)
+        for layer, kv in zip(self.layers, kv_cache, strict=True):
+            x = layer(x, cos_sin, batch, kv)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> float32 logits [N, vocab], gathered from every rank."""
+        local = F.linear(hidden, self.lm_head.weight).float()
+        return self.group.all_gather_last_dim(local)[:, : self.config.vocab_size]

@@ -1,0 +1,107 @@
+"""ModelRunner: turns one ForwardBatch into one StepResult (runs in every tp_worker).
+
+It owns the tensors: weights, the KV cache, and the request->slot table on the device. The
+controller owns the bookkeeping and tells it, per step, which slots to write and which table
+rows to fill. Usable in-process (tests, `tokenmill generate`) as well as inside a worker.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from tokenmill.protocol.step import ForwardBatch, StepResult
+from tokenmill.tp_worker.attention import build_attention_batch
+from tokenmill.tp_worker.logprobs import ScoredPositions, default_chunk_size, score_prompt
+from tokenmill.tp_worker.model import CausalLM, local_kv_heads
+from tokenmill.tp_worker.model_config import ModelConfig, load_model_config
+from tokenmill.tp_worker.parallel import TpGroup
+from tokenmill.tp_worker.runner_config import RunnerConfig, resolve_device, resolve_dtype
+from tokenmill.tp_worker.step_inputs import StepInputs
+from tokenmill.tp_worker.step_outputs import StepOutputs, score_sampled
+from tokenmill.tp_worker.weight_loader import load_weights
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: RunnerConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.group = TpGroup.current()
+        self.model_config: ModelConfig = load_model_config(config.model)
+        self.model = CausalLM(self.model_config, self.group, self.dtype, self.device)
+        load_weights(self.model, Path(config.model))
+        self.model.eval()
+        kv_shape = (
+            config.kv_cache_tokens,
+            local_kv_heads(self.model_config, self.group),
+            self.model_config.head_dim,
+        )
+        self.kv_cache = [
+            (
+                torch.zeros(kv_shape, dtype=self.dtype, device=self.device),
+                torch.zeros(kv_shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(self.model_config.num_layers)
+        ]
+        self.table = torch.zeros(
+            config.max_running_requests, config.max_model_len, dtype=torch.int32, device=self.device
+        )
+        self.prompt_chunk = config.prompt_logprob_chunk or default_chunk_size(
+            self.model_config.vocab_size
+        )
+
+    @torch.inference_mode()
+    def step(self, batch: ForwardBatch) -> StepResult:
+        inputs = StepInputs.from_batch(batch, self.device)
+        self._fill_table(inputs)
+        outputs = StepOutputs(inputs)
+        for i in range(batch.num_steps):
+            if i > 0:
+                inputs = inputs.next_decode_step(i, outputs.last_ids)
+            hidden = self._forward(inputs)
+            last = inputs.starts + inputs.extend_lens - 1
+            logits = self.model.logits(hidden[last])  # [B, V] float32
+            if i == 0 and inputs.prompt_rows.numel():
+                outputs.prompt = self._score_prompt(inputs, hidden)
+            outputs.add(score_sampled(logits, inputs))
+        return outputs.to_result(batch.step_id)
+
+    def _fill_table(self, inputs: StepInputs) -> None:
+        if inputs.fill_rows.numel():
+            rows = inputs.fill_rows.repeat_interleave(inputs.fill_lens)
+            cols = _ragged_arange(inputs.fill_lens)
+            self.table[rows, cols] = inputs.fill_slots
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        rows = inputs.req_rows.repeat_interleave(inputs.extend_lens)
+        self.table[rows, inputs.positions] = inputs.out_slots.int()
+        attention = build_attention_batch(
+            self.table,
+            inputs.req_rows,
+            inputs.prefix_lens,
+            inputs.extend_lens,
+            inputs.out_slots,
+            self.model_config.sliding_window,
+        )
+        return self.model(inputs.input_ids, inputs.positions, attention, self.kv_cache)
+
+    def _score_prompt(self, inputs: StepInputs, hidden: torch.Tensor) -> ScoredPositions:
+        return score_prompt(
+            hidden[inputs.prompt_hidden_index],
+            inputs.prompt_targets,
+            self.model.logits,
+            inputs.prompt_num_top,
+            self.prompt_chunk,
+        )
+
+
+def _ragged_arange(lens: torch.Tensor) -> torch.Tensor:
+    """[2, 3] -> [0, 1, 0, 1, 2]."""
+    starts = torch.cumsum(lens, 0) - lens
+    total = int(lens.sum())
+    return torch.arange(total, device=lens.device) - starts.repeat_interleave(lens)

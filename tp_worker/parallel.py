@@ -1,0 +1,109 @@
+"""Tensor-parallel layers for the tp_worker processes.
+
+Column-parallel layers shard output features, row-parallel layers shard input features and
+all-reduce their partial sums; the vocabulary is sharded across ranks for the embedding and
+the lm_head, whose logits are all-gathered so that every rank samples the same token.
+With one rank every collective is a no-op, so the same model code runs in-process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TpGroup:
+    rank: int = 0
+    size: int = 1
+
+    @staticmethod
+    def current() -> TpGroup:
+        if dist.is_available() and dist.is_initialized():
+            return TpGroup(dist.get_rank(), dist.get_world_size())
+        return TpGroup()
+
+    def shard(self, total: int, name: str) -> tuple[int, int]:
+        """The [start, end) of this rank's equal share of `total`."""
+        if total % self.size:
+            raise ValueError(f"{name}={total} is not divisible by tensor-parallel size {self.size}")
+        per_rank = total // self.size
+        return self.rank * per_rank, (self.rank + 1) * per_rank
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x)
+        return x
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=-1)
+
+
+class ShardedLinear(nn.Module):
+    """y = x W^T (+ b) with W holding this rank's rows (column-parallel) or columns
+    (row-parallel). Row-parallel layers all-reduce, and add the bias once, after the sum."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        row_parallel: bool,
+        group: TpGroup,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.row_parallel = row_parallel
+        self.group = group
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False
+        )
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
+            if bias
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.row_parallel:
+            return F.linear(x, self.weight, self.bias)
+        out = self.group.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
+class VocabEmbedding(nn.Module):
+    """Embedding rows [vocab_start, vocab_end) live on this rank; others contribute zeros."""
+
+    def __init__(
+        self, vocab_size: int, hidden: int, group: TpGroup, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.group = group
+        self.vocab_start, self.vocab_end = group.shard(_padded(vocab_size, group.size), "vocab")
+        self.weight = nn.Parameter(
+            torch.zeros(self.vocab_end - self.vocab_start, hidden, dtype=dtype, device=device),
+            requires_grad=False,
+        )
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.group.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.group.all_reduce(out)
+
+
+def _padded(vocab_size: int, tp_size: int) -> int:
+    """Vocab rounded up so that every rank holds the same number of rows."""
+    return -(-vocab_size // tp_size) * tp_size

@@ -1,0 +1,88 @@
+"""Batched sampling on the device: greedy, temperature, top-k, top-p, min-p (tp_worker).
+
+Randomness is a counter-based hash of (seed, position, token id) turned into exponential
+noise (the Gumbel-max trick in its exponential-race form). A request's samples therefore
+depend only on its seed and its positions: not on the batch it shares, not on how many decode
+steps run per round trip, not on the rank that computes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class SamplingTensors:
+    temperature: torch.Tensor  # [B] float32; 0 = greedy
+    top_k: torch.Tensor  # [B] int64; 0 = off
+    top_p: torch.Tensor  # [B] float32; 1 = off
+    min_p: torch.Tensor  # [B] float32; 0 = off
+    seed: torch.Tensor  # [B] int64
+
+    def rows(self, index: torch.Tensor) -> SamplingTensors:
+        return SamplingTensors(
+            *(t[index] for t in (self.temperature, self.top_k, self.top_p, self.min_p, self.seed))
+        )
+
+
+def sample(logits: torch.Tensor, params: SamplingTensors, positions: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] float32, positions [B] (of the token being sampled) -> ids [B] int64."""
+    ids = logits.argmax(dim=-1)
+    random_rows = (params.temperature > 0).nonzero().squeeze(1)
+    if len(random_rows) == 0:
+        return ids
+    sub = params.rows(random_rows)
+    probs = filtered_probs(logits[random_rows], sub)
+    noise = exponential_noise(sub.seed, positions[random_rows], logits.shape[1])
+    ids[random_rows] = (probs / noise).argmax(dim=-1)
+    return ids
+
+
+def filtered_probs(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    """The distribution sampled from: softmax(logits / T), then top-k, top-p and min-p, each
+    on the renormalised result of the one before. Removed tokens get probability 0."""
+    probs = torch.softmax(logits / params.temperature[:, None], dim=-1)
+    use_top_k = bool((params.top_k > 0).any())
+    use_top_p = bool((params.top_p < 1).any())
+    if use_top_k or use_top_p:
+        probs = _top_k_top_p(probs, params.top_k, params.top_p)
+    if bool((params.min_p > 0).any()):
+        floor = params.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < floor, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def _top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(probs.shape[1], device=probs.device)[None, :]
+    k = torch.where(top_k > 0, top_k, probs.shape[1])[:, None]
+    sorted_probs = sorted_probs.masked_fill(rank >= k, 0.0)
+    sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
+    # A token stays while the mass before it is below top_p: the first token always stays.
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p[:, None], 0.0)
+    return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+
+
+def exponential_noise(seed: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) noise [B, V] as a pure function of (seed[b], positions[b], token id)."""
+    seed = seed.long()
+    key = (seed & _MASK32) ^ _mix((seed >> 32) & _MASK32)
+    key = _mix((key + positions.long() * 0x9E3779B1) & _MASK32)  # [B]
+    token = torch.arange(vocab, device=seed.device, dtype=torch.int64)
+    bits = _mix(_mix(key[:, None] ^ ((token[None, :] * 0x85EBCA77) & _MASK32)))  # [B, V]
+    uniform = ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
+    return -torch.log(uniform)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser (lowbias32) on int64 tensors holding values < 2**32."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)

@@ -1,0 +1,154 @@
+"""A ForwardBatch decoded into device tensors, with the indices every step derives (tp_worker).
+
+Positions, row starts, and which hidden states score which prompt tokens are computed here
+once, so the model runner's step reads as a short sequence of calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from tokenmill.protocol.arrays import Array, unpack
+from tokenmill.protocol.step import ForwardBatch
+from tokenmill.tp_worker.sampling import SamplingTensors
+
+
+def _tensor(array: Array, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    return torch.from_numpy(np.array(unpack(array))).to(device=device, dtype=dtype)
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    out_slots: torch.Tensor  # [T] int64
+    req_rows: torch.Tensor  # [B] int64
+    prefix_lens: torch.Tensor  # [B] int64
+    extend_lens: torch.Tensor  # [B] int64
+    starts: torch.Tensor  # [B] int64 index of each row's first token in [T]
+    fill_rows: torch.Tensor  # [F] int64
+    fill_lens: torch.Tensor  # [F] int64
+    fill_slots: torch.Tensor  # [sum(fill_lens)] int32
+    sampling: SamplingTensors
+    num_top: torch.Tensor  # [B] int64
+    top_rows: torch.Tensor  # [R] int64 rows with num_top > 0
+    max_top: int
+    token_id_rows: torch.Tensor  # [M] int64 row of each caller-given id
+    token_ids: torch.Tensor  # [M] int64
+    prompt_rows: torch.Tensor  # [Pr] int64 rows scoring prompt positions
+    prompt_hidden_index: torch.Tensor  # [P] int64 token index in [T] of each scoring state
+    prompt_targets: torch.Tensor  # [P] int64 token each of those states predicts
+    prompt_counts: torch.Tensor  # [B] int64 scored prompt positions per row
+    prompt_num_top: int
+    decode_slots: torch.Tensor | None  # [N-1, B] int64
+
+    @staticmethod
+    def from_batch(batch: ForwardBatch, device: torch.device) -> StepInputs:
+        extend_lens = _tensor(batch.extend_lens, device)
+        prefix_lens = _tensor(batch.prefix_lens, device)
+        starts = torch.cumsum(extend_lens, 0) - extend_lens
+        offsets = torch.arange(int(extend_lens.sum()), device=device) - starts.repeat_interleave(
+            extend_lens
+        )
+        input_ids = _tensor(batch.input_ids, device)
+        num_top = _tensor(batch.logprobs.num_top, device)
+        token_offsets = unpack(batch.logprobs.token_ids_offsets)
+        prompt = _prompt_plan(batch, unpack(batch.extend_lens), unpack(batch.prefix_lens))
+        s = batch.sampling
+        return StepInputs(
+            input_ids=input_ids,
+            positions=prefix_lens.repeat_interleave(extend_lens) + offsets,
+            out_slots=_tensor(batch.out_slots, device),
+            req_rows=_tensor(batch.req_rows, device),
+            prefix_lens=prefix_lens,
+            extend_lens=extend_lens,
+            starts=starts,
+            fill_rows=_tensor(batch.fill_rows, device),
+            fill_lens=_tensor(batch.fill_lens, device),
+            fill_slots=_tensor(batch.fill_slots, device, torch.int32),
+            sampling=SamplingTensors(
+                temperature=_tensor(s.temperature, device, torch.float32),
+                top_k=_tensor(s.top_k, device),
+                top_p=_tensor(s.top_p, device, torch.float32),
+                min_p=_tensor(s.min_p, device, torch.float32),
+                seed=_tensor(s.seed, device),
+            ),
+            num_top=num_top,
+            top_rows=(num_top > 0).nonzero().squeeze(1),
+            max_top=int(num_top.max()) if num_top.numel() else 0,
+            token_id_rows=torch.from_numpy(
+                np.repeat(np.arange(len(token_offsets) - 1), np.diff(token_offsets))
+            ).to(device),
+            token_ids=_tensor(batch.logprobs.token_ids, device),
+            prompt_rows=torch.from_numpy(prompt.rows).to(device),
+            prompt_hidden_index=torch.from_numpy(prompt.hidden_index).to(device),
+            prompt_targets=torch.from_numpy(prompt.targets).to(device),
+            prompt_counts=torch.from_numpy(prompt.counts),
+            prompt_num_top=prompt.num_top,
+            decode_slots=None
+            if batch.decode_slots is None
+            else _tensor(batch.decode_slots, device),
+        )
+
+    def next_decode_step(self, step: int, sampled: torch.Tensor) -> StepInputs:
+        """Inputs of decode iteration `step` (>= 1) of a multi-step run: every row extends by
+        the token it sampled last (`sampled` [B]), written to decode_slots[step - 1]."""
+        assert self.decode_slots is not None, "num_steps > 1 needs decode_slots"
+        seq_lens = self.prefix_lens + self.extend_lens
+        ones = torch.ones_like(self.extend_lens)
+        return replace(
+            self,
+            positions=seq_lens,
+            out_slots=self.decode_slots[step - 1],
+            prefix_lens=seq_lens,
+            extend_lens=ones,
+            starts=torch.arange(len(ones), device=ones.device),
+            input_ids=sampled,
+        )
+
+
+@dataclass(frozen=True)
+class _PromptPlan:
+    rows: np.ndarray
+    hidden_index: np.ndarray
+    targets: np.ndarray
+    counts: np.ndarray
+    num_top: int
+
+
+def _prompt_plan(
+    batch: ForwardBatch, extend_lens: np.ndarray, prefix_lens: np.ndarray
+) -> _PromptPlan:
+    """Which hidden states score which prompt tokens: the state at position p predicts the
+    token at p + 1, scored when p + 1 >= prompt_start (the chunk's last state predicts
+    prompt_next_id, or nothing when the chunk ends the prompt)."""
+    asks = batch.logprobs
+    prompt_start, next_ids = unpack(asks.prompt_start), unpack(asks.prompt_next_id)
+    num_top = unpack(asks.num_top)
+    input_ids = unpack(batch.input_ids).astype(np.int64)
+    starts = np.cumsum(extend_lens) - extend_lens
+    rows = np.flatnonzero(prompt_start >= 0)
+    counts = np.zeros(len(extend_lens), np.int64)
+    hidden, targets = [], []
+    for b in rows:  # NOTE: a loop over rows that asked, not over tokens or the vocabulary.
+        first = max(int(prompt_start[b]) - 1, int(prefix_lens[b])) - int(prefix_lens[b])
+        end = int(extend_lens[b]) - (1 if next_ids[b] < 0 else 0)
+        if end <= first:
+            continue
+        idx = np.arange(first, end) + starts[b]
+        tgt = np.append(
+            input_ids[idx[:-1] + 1], next_ids[b] if next_ids[b] >= 0 else input_ids[idx[-1] + 1]
+        )
+        hidden.append(idx)
+        targets.append(tgt)
+        counts[b] = len(idx)
+    return _PromptPlan(
+        rows=rows.astype(np.int64),
+        hidden_index=np.concatenate(hidden) if hidden else np.zeros(0, np.int64),
+        targets=np.concatenate(targets) if targets else np.zeros(0, np.int64),
+        counts=counts,
+        num_top=int(num_top[rows].max()) if len(rows) else 0,
+    )

@@ -1,0 +1,89 @@
+"""What a step sends back: sampled ids and the logprob arrays rows asked for (tp_worker).
+
+Everything stays on the device until the step ends; one transfer packs it into a StepResult.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tokenmill.protocol.arrays import pack
+from tokenmill.protocol.step import StepResult
+from tokenmill.tp_worker.logprobs import ScoredPositions
+from tokenmill.tp_worker.sampling import sample
+from tokenmill.tp_worker.step_inputs import StepInputs
+
+
+@dataclass(frozen=True)
+class SampledScores:
+    next_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor  # [B] float32
+    top_ids: torch.Tensor  # [R, K] int32
+    top_logprobs: torch.Tensor  # [R, K] float32
+    token_ids_logprobs: torch.Tensor  # [M] float32
+
+
+def score_sampled(logits: torch.Tensor, inputs: StepInputs) -> SampledScores:
+    """logits [B, V] float32 of each row's last position -> the sampled ids and their scores."""
+    positions = inputs.prefix_lens + inputs.extend_lens
+    next_ids = sample(logits, inputs.sampling, positions)
+    logprobs = torch.log_softmax(logits, dim=-1)
+    if inputs.max_top:
+        top = logprobs[inputs.top_rows].topk(inputs.max_top, dim=-1)
+        top_ids, top_logprobs = top.indices.int(), top.values
+    else:
+        top_ids = torch.empty(0, 0, dtype=torch.int32, device=logits.device)
+        top_logprobs = torch.empty(0, 0, device=logits.device)
+    return SampledScores(
+        next_ids=next_ids,
+        logprobs=logprobs.gather(1, next_ids[:, None]).squeeze(1),
+        top_ids=top_ids,
+        top_logprobs=top_logprobs,
+        token_ids_logprobs=logprobs[inputs.token_id_rows, inputs.token_ids],
+    )
+
+
+class StepOutputs:
+    """Accumulates one SampledScores per decode iteration, and the prompt scores."""
+
+    def __init__(self, inputs: StepInputs) -> None:
+        self.inputs = inputs
+        self.sampled: list[SampledScores] = []
+        self.prompt: ScoredPositions | None = None
+
+    @property
+    def last_ids(self) -> torch.Tensor:
+        return self.sampled[-1].next_ids
+
+    def add(self, scores: SampledScores) -> None:
+        self.sampled.append(scores)
+
+    def to_result(self, step_id: int) -> StepResult:
+        def stacked(name: str) -> np.ndarray:
+            return torch.stack([getattr(s, name) for s in self.sampled]).cpu().numpy()
+
+        prompt = self.prompt
+        counts = self.inputs.prompt_counts.numpy()
+        return StepResult(
+            step_id=step_id,
+            next_ids=pack(stacked("next_ids").astype(np.int32)),
+            logprobs=pack(stacked("logprobs")),
+            top_ids=pack(stacked("top_ids")),
+            top_logprobs=pack(stacked("top_logprobs")),
+            token_ids_logprobs=pack(stacked("token_ids_logprobs")),
+            prompt_offsets=pack(np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)),
+            prompt_logprobs=pack(_numpy(prompt.logprobs if prompt else None, np.float32, (0,))),
+            prompt_top_ids=pack(_numpy(prompt.top_ids if prompt else None, np.int32, (0, 0))),
+            prompt_top_logprobs=pack(
+                _numpy(prompt.top_logprobs if prompt else None, np.float32, (0, 0))
+            ),
+        )
+
+
+def _numpy(t: torch.Tensor | None, dtype: type, empty_shape: tuple[int, ...]) -> np.ndarray:
+    if t is None:
+        return np.zeros(empty_shape, dtype)
+    return t.cpu().numpy().astype(dtype, copy=False)

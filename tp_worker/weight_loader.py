@@ -1,0 +1,153 @@
+"""Loads Hugging Face safetensors (one file or sharded) into this rank's CausalLM shard.
+
+Each tensor is read once, sliced to this rank's rows or columns, and copied into the fused
+parameter it belongs to; a checkpoint missing a tensor fails loudly with its name.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from tokenmill.tp_worker.model import CausalLM, local_kv_heads
+
+logger = logging.getLogger(__name__)
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    return files
+
+
+def load_weights(model: CausalLM, model_dir: Path) -> None:
+    files = checkpoint_files(model_dir)
+    expected = _expected_names(model)
+    started = time.monotonic()
+    for number, path in enumerate(files, 1):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if _load_one(model, name, f.get_tensor(name)):
+                    expected.discard(name)
+        if len(files) > 1:
+            logger.info(
+                "loaded weights %d/%d (%s) in %.1fs",
+                number,
+                len(files),
+                path.name,
+                time.monotonic() - started,
+            )
+    if expected:
+        raise ValueError(
+            f"checkpoint {model_dir} lacks {len(expected)} tensors, e.g. {sorted(expected)[:3]}"
+        )
+
+
+def _expected_names(model: CausalLM) -> set[str]:
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not model.config.tie_word_embeddings:
+        names.add("lm_head.weight")
+    per_layer = [
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+        "self_attn.o_proj.weight",
+    ]
+    per_layer += [f"self_attn.{p}_proj.weight" for p in "qkv"]
+    if model.config.attention_bias:
+        per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
+    for i in range(model.config.num_layers):
+        names.update(f"model.layers.{i}.{p}" for p in per_layer)
+    return names
+
+
+def _load_one(model: CausalLM, name: str, tensor: torch.Tensor) -> bool:
+    if name == "model.embed_tokens.weight":
+        return _copy_vocab_rows(model.embed_tokens.weight, model.embed_tokens.vocab_start, tensor)
+    if name == "lm_head.weight":
+        if model.config.tie_word_embeddings:
+            return False
+        return _copy_vocab_rows(model.lm_head.weight, model.lm_head.vocab_start, tensor)
+    if name == "model.norm.weight":
+        return _copy(model.norm.weight, tensor)
+    match = _LAYER.fullmatch(name)
+    if match is None:
+        return False
+    return _load_layer(model, model.layers[int(match[1])], match[2], tensor)
+
+
+def _load_layer(model: CausalLM, layer: torch.nn.Module, part: str, tensor: torch.Tensor) -> bool:
+    group, config = model.group, model.config
+    if part in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+        return _copy(getattr(layer, part.split(".")[0]).weight, tensor)
+    if part == "self_attn.o_proj.weight":
+        start, end = group.shard(tensor.shape[1], "num_attention_heads * head_dim")
+        return _copy(layer.o_proj.weight, tensor[:, start:end])
+    if part == "mlp.down_proj.weight":
+        start, end = group.shard(tensor.shape[1], "intermediate_size")
+        return _copy(layer.down_proj.weight, tensor[:, start:end])
+    if part in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
+        start, end = group.shard(tensor.shape[0], "intermediate_size")
+        offset = 0 if "gate" in part else end - start
+        return _copy(layer.gate_up_proj.weight[offset : offset + end - start], tensor[start:end])
+    proj = re.fullmatch(r"self_attn\.([qkv])_proj\.(weight|bias)", part)
+    if proj is None:
+        return False
+    rows = _qkv_rows(model, proj[1])
+    shard = tensor[
+        _head_rows(
+            config.num_heads if proj[1] == "q" else config.num_kv_heads,
+            config.head_dim,
+            proj[1],
+            model,
+        )
+    ]
+    return _copy(getattr(layer.qkv_proj, proj[2])[rows], shard)
+
+
+def _qkv_rows(model: CausalLM, which: str) -> slice:
+    head_dim = model.config.head_dim
+    q_size = model.config.num_heads // model.group.size * head_dim
+    kv_size = local_kv_heads(model.config, model.group) * head_dim
+    start = {"q": 0, "k": q_size, "v": q_size + kv_size}[which]
+    return slice(start, start + (q_size if which == "q" else kv_size))
+
+
+def _head_rows(num_heads: int, head_dim: int, which: str, model: CausalLM) -> slice:
+    group = model.group
+    if which != "q" and num_heads < group.size:
+        # NOTE: fewer KV heads than ranks: each rank keeps a copy of the head its q heads use.
+        head = group.rank * num_heads // group.size
+        return slice(head * head_dim, (head + 1) * head_dim)
+    start, end = group.shard(
+        num_heads, "num_attention_heads" if which == "q" else "num_key_value_heads"
+    )
+    return slice(start * head_dim, end * head_dim)
+
+
+def _copy_vocab_rows(param: torch.Tensor, vocab_start: int, tensor: torch.Tensor) -> bool:
+    rows = tensor[vocab_start : vocab_start + param.shape[0]]
+    param[: rows.shape[0]].copy_(rows)
+    return True
+
+
+def _copy(param: torch.Tensor, tensor: torch.Tensor) -> bool:
+    if param.shape != tensor.shape:
+        raise ValueError(f"weight shape {tuple(tensor.shape)} does not fit {tuple(param.shape)}")
+    param.copy_(tensor)
+    return True
