@@ -42,6 +42,10 @@ class ForwardBatch(msgspec.Struct, frozen=True, tag="forward"):
     req_rows: Array  # [B] int32 rows of the worker's request->slot table
     prefix_lens: Array  # [B] int32 tokens of the row already in the KV cache
     extend_lens: Array  # [B] int32 new tokens of the row in this step
+    # [B] bool: the row's new tokens are prompt tokens (a prefill chunk), not a sampled token.
+    # Prompt tokens always take the prefill attention path and sampled ones the decode path, so
+    # that a token's numbers do not depend on how the prompt was chunked or cached.
+    is_prefill: Array
     fill_rows: Array  # [F] int32 table rows whose first fill_lens[f] slots are (re)written
     fill_lens: Array  # [F] int32
     fill_slots: Array  # [sum(fill_lens)] int32 cached-prefix slots, rows concatenated

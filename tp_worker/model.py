@@ -13,7 +13,7 @@ from torch import nn
 
 from tokenmill.tp_worker.attention import AttentionBatch, attend
 from tokenmill.tp_worker.model_config import ModelConfig
-from tokenmill.tp_worker.parallel import ShardedLinear, TpGroup, VocabEmbedding
+from tokenmill.tp_worker.parallel import ShardedLinear, TpGroup, VocabEmbedding, invariant_linear
 from tokenmill.tp_worker.rope import Rotary, apply_rotary
 
 
@@ -121,5 +121,5 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab], gathered from every rank."""
-        local = F.linear(hidden, self.lm_head.weight).float()
+        local = invariant_linear(hidden, self.lm_head.weight).float()
         return self.group.all_gather_last_dim(local)[:, : self.config.vocab_size]

@@ -120,6 +120,9 @@ class OfflineEngine:
             req_rows=_i32([row.index for row, _ in plan]),
             prefix_lens=_i32([row.num_computed for row, _ in plan]),
             extend_lens=_i32([take for _, take in plan]),
+            is_prefill=pack(
+                np.array([r.num_computed < len(r.request.prompt_ids) for r, _ in plan], dtype=bool)
+            ),
             fill_rows=_i32([]),
             fill_lens=_i32([]),
             fill_slots=_i32([]),

@@ -28,6 +28,7 @@ class StepInputs:
     req_rows: torch.Tensor  # [B] int64
     prefix_lens: torch.Tensor  # [B] int64
     extend_lens: torch.Tensor  # [B] int64
+    is_prefill: torch.Tensor  # [B] bool
     starts: torch.Tensor  # [B] int64 index of each row's first token in [T]
     fill_rows: torch.Tensor  # [F] int64
     fill_lens: torch.Tensor  # [F] int64
@@ -65,6 +66,7 @@ class StepInputs:
             req_rows=_tensor(batch.req_rows, device),
             prefix_lens=prefix_lens,
             extend_lens=extend_lens,
+            is_prefill=_tensor(batch.is_prefill, device, torch.bool),
             starts=starts,
             fill_rows=_tensor(batch.fill_rows, device),
             fill_lens=_tensor(batch.fill_lens, device),
@@ -105,6 +107,7 @@ class StepInputs:
             out_slots=self.decode_slots[step - 1],
             prefix_lens=seq_lens,
             extend_lens=ones,
+            is_prefill=torch.zeros_like(self.is_prefill),
             starts=torch.arange(len(ones), device=ones.device),
             input_ids=sampled,
         )

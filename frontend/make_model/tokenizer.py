@@ -1,0 +1,165 @@
+"""Byte-level BPE tokenizer for the locally built demo and test checkpoints.
+
+Run by the frontend (once, when a checkpoint is built). It trains on text every Python
+installation has, the stdlib's `pydoc_data.topics` and stdlib sources, so a fresh machine
+with nothing downloaded gets a real tokenizer; same Python and inputs give the same file.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
+
+BOS = "<|begin_of_text|>"
+EOS = "<|end_of_text|>"
+PAD = "<|pad|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+# NOTE: trained first, so they take ids 0..4 whatever the vocab size.
+SPECIAL_TOKENS = (BOS, EOS, PAD, IM_START, IM_END)
+
+# Stdlib source characters used per vocab entry asked for (beyond pydoc topics):
+# enough text for the merges, capped so that medium (32768) trains in a few seconds.
+_CHARS_PER_VOCAB = 300
+_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test"})
+
+# NOTE: one approach to bos, used by every arch that has one: the template itself emits
+# {{ bos_token }}, and callers encode the rendered chat with add_special_tokens=False (as
+# transformers' apply_chat_template and vLLM do), so the post-processor does not double it.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def _stdlib_sources() -> Iterator[str]:
+    """Stdlib .py files in sorted path order, tests and site-packages excluded."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    paths = sorted(
+        p for p in root.rglob("*.py") if not _SKIP_DIRS.intersection(p.relative_to(root).parts)
+    )
+    for path in paths:
+        yield path.read_text(encoding="utf-8", errors="replace")
+
+
+def training_texts(vocab_target: int) -> list[str]:
+    """pydoc topics, then stdlib sources up to a budget that grows with the vocab target."""
+    import pydoc_data.topics
+
+    topics: dict[str, str] = pydoc_data.topics.topics
+    texts = [topics[key] for key in sorted(topics)]
+    budget = vocab_target * _CHARS_PER_VOCAB - sum(len(t) for t in texts)
+    for source in _stdlib_sources():
+        if budget <= 0:
+            break
+        texts.append(source)
+        budget -= len(source)
+    return texts
+
+
+# NOTE: transformers 5 ignores tokenizer_class for qwen2 and rebuilds the pipeline as
+# Qwen2Tokenizer does (NFC, this split regex, then ByteLevel without its own regex); the
+# qwen2 tokenizer.json uses the same pipeline so that both ways of loading it agree.
+_QWEN2_SPLIT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
+def _set_pre_tokenization(tokenizer: Tokenizer, qwen2_style: bool) -> None:
+    if not qwen2_style:
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        return
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+def _post_processor(add_bos: bool) -> processors.PostProcessor:
+    byte_level = processors.ByteLevel(trim_offsets=False)
+    if not add_bos:
+        return byte_level
+    template = processors.TemplateProcessing(
+        single=f"{BOS} $A",
+        pair=f"{BOS} $A {BOS}:1 $B:1",
+        special_tokens=[(BOS, SPECIAL_TOKENS.index(BOS))],
+    )
+    return processors.Sequence([byte_level, template])
+
+
+def train_tokenizer(vocab_target: int, arch: str) -> Tokenizer:
+    """Train a byte-level BPE of at most `vocab_target` tokens (fewer if the text runs out).
+
+    Llama and Mistral add bos in the post-processor; Qwen2 adds nothing, as upstream.
+    """
+    tokenizer = Tokenizer(models.BPE())
+    _set_pre_tokenization(tokenizer, qwen2_style=arch == "qwen2")
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_target,
+        special_tokens=[AddedToken(tok, special=True, normalized=False) for tok in SPECIAL_TOKENS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(training_texts(vocab_target), trainer)
+    tokenizer.post_processor = _post_processor(add_bos=arch != "qwen2")
+    return tokenizer
+
+
+def special_token_ids(tokenizer: Tokenizer) -> dict[str, int]:
+    """bos/eos/pad ids as the config files name them."""
+    ids: dict[str, int] = {}
+    for name, token in (("bos", BOS), ("eos", EOS), ("pad", PAD)):
+        token_id = tokenizer.token_to_id(token)
+        if token_id is None:
+            raise RuntimeError(f"special token {token} missing from the trained vocab")
+        ids[f"{name}_token_id"] = token_id
+    return ids
+
+
+def tokenizer_config(tokenizer: Tokenizer, arch: str, max_len: int) -> dict[str, Any]:
+    """tokenizer_config.json contents for `PreTrainedTokenizerFast`."""
+    added = {
+        str(tokenizer.token_to_id(tok)): {
+            "content": tok,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for tok in SPECIAL_TOKENS
+    }
+    template = ("" if arch == "qwen2" else "{{- bos_token }}") + CHAT_TEMPLATE
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        # NOTE: explicit null, or transformers' Qwen2Tokenizer adds an <|endoftext|> unk.
+        "unk_token": None,
+        "model_max_length": max_len,
+        "clean_up_tokenization_spaces": False,
+        "added_tokens_decoder": added,
+        "chat_template": template,
+    }

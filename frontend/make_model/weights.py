@@ -1,0 +1,239 @@
+"""config.json and random safetensors weights for the locally built checkpoints.
+
+Run by the frontend when it builds a demo or test checkpoint. The weights are random but
+scaled so that next-token distributions are peaked and depend on context (attention and
+MLP outputs are as large as the embedding), which is what logprob and KV-cache tests need.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import save_file
+
+ARCHS = ("llama", "qwen2", "mistral")
+PRESETS = ("tiny", "small", "medium")
+
+# Above this many bytes of weights, write HF-style shards plus an index file.
+SHARD_BYTES = 200 * 1024 * 1024
+MAX_POSITION_EMBEDDINGS = 16384
+
+# Standard deviation of the final logits over the vocab (before softmax). With the
+# context-dependent hidden state this makes the top-1 probability typically > 0.3.
+LOGIT_STD = 6.0
+# Scale of q/k projections relative to 1/sqrt(hidden): > 1 makes attention non-uniform.
+QK_GAIN = 2.0
+# Scale of o_proj/down_proj: layer outputs well above the embedding's rms, so that with tied
+# embeddings (qwen2) a token's own logit does not dominate and the model does not just repeat.
+OUT_GAIN = 3.0
+BIAS_STD = 0.1
+
+# (tensor name, shape, init std); std 0 means a norm weight of ones.
+TensorSpec = tuple[str, tuple[int, ...], float]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Sizes of one preset; every head is `head_dim` wide."""
+
+    hidden_size: int
+    """Residual width, = num_attention_heads * head_dim."""
+    num_attention_heads: int
+    """Query heads."""
+    num_key_value_heads: int
+    """KV heads (GQA when fewer than the query heads)."""
+    num_hidden_layers: int
+    """Decoder layers."""
+    intermediate_size: int
+    """MLP width."""
+    vocab_size: int
+    """Embedding rows; also the tokenizer's training target."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+PRESET_SHAPES = {
+    "tiny": ModelShape(64, 4, 2, 2, 128, 1024),
+    "small": ModelShape(512, 8, 2, 6, 1408, 8192),
+    "medium": ModelShape(768, 12, 4, 12, 2048, 32768),
+}
+
+_ARCH_CLASSES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+_LLAMA3_ROPE_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def _arch_fields(arch: str) -> dict[str, Any]:
+    """The config keys in which the three families differ."""
+    if arch == "llama":
+        return {
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 500000.0,
+            "rope_scaling": dict(_LLAMA3_ROPE_SCALING),
+            "attention_bias": False,
+            "mlp_bias": False,
+            "tie_word_embeddings": False,
+        }
+    if arch == "mistral":
+        return {
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 1000000.0,
+            "sliding_window": None,
+            "tie_word_embeddings": False,
+        }
+    if arch == "qwen2":
+        return {
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "max_window_layers": 0,
+            "tie_word_embeddings": True,
+        }
+    raise ValueError(f"arch={arch!r} is not one of {ARCHS}")
+
+
+def make_config(arch: str, shape: ModelShape, token_ids: dict[str, int]) -> dict[str, Any]:
+    """config.json contents; `token_ids` holds bos_token_id, eos_token_id, pad_token_id."""
+    config: dict[str, Any] = {
+        "architectures": [_ARCH_CLASSES[arch]],
+        "model_type": arch,
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.intermediate_size,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_key_value_heads": shape.num_key_value_heads,
+        "num_hidden_layers": shape.num_hidden_layers,
+        "vocab_size": shape.vocab_size,
+        "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "attention_dropout": 0.0,
+        "use_cache": True,
+        "torch_dtype": "float32",
+        **token_ids,
+        **_arch_fields(arch),
+    }
+    if arch != "qwen2":
+        config["head_dim"] = shape.head_dim
+    return config
+
+
+def _layer_specs(config: dict[str, Any], i: int) -> list[TensorSpec]:
+    """(name, shape, init std) of decoder layer `i`; std 0 means a norm weight of ones."""
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    q_dim = config["num_attention_heads"] * (hidden // config["num_attention_heads"])
+    kv_dim = config["num_key_value_heads"] * (hidden // config["num_attention_heads"])
+    std, p = 1.0 / math.sqrt(hidden), f"model.layers.{i}."
+    specs: list[TensorSpec] = [
+        (p + "input_layernorm.weight", (hidden,), 0.0),
+        (p + "self_attn.q_proj.weight", (q_dim, hidden), QK_GAIN * std),
+        (p + "self_attn.k_proj.weight", (kv_dim, hidden), QK_GAIN * std),
+        (p + "self_attn.v_proj.weight", (kv_dim, hidden), std),
+        (p + "self_attn.o_proj.weight", (hidden, q_dim), OUT_GAIN / math.sqrt(q_dim)),
+        (p + "post_attention_layernorm.weight", (hidden,), 0.0),
+        (p + "mlp.gate_proj.weight", (inter, hidden), std),
+        (p + "mlp.up_proj.weight", (inter, hidden), std),
+        (p + "mlp.down_proj.weight", (hidden, inter), OUT_GAIN / math.sqrt(inter)),
+    ]
+    if config["model_type"] == "qwen2":
+        for name, dim in (("q", q_dim), ("k", kv_dim), ("v", kv_dim)):
+            specs.append((p + f"self_attn.{name}_proj.bias", (dim,), BIAS_STD))
+    return specs
+
+
+def tensor_specs(config: dict[str, Any]) -> list[TensorSpec]:
+    """Every tensor of the checkpoint in file order: (name, shape, init std)."""
+    vocab, hidden = config["vocab_size"], config["hidden_size"]
+    # NOTE: with the final RMSNorm the hidden state has rms ~1, so a row std of
+    # LOGIT_STD / sqrt(hidden) gives logits of std ~LOGIT_STD (tied or not).
+    head_std = LOGIT_STD / math.sqrt(hidden)
+    specs: list[TensorSpec] = [("model.embed_tokens.weight", (vocab, hidden), head_std)]
+    for i in range(config["num_hidden_layers"]):
+        specs.extend(_layer_specs(config, i))
+    specs.append(("model.norm.weight", (hidden,), 0.0))
+    if not config["tie_word_embeddings"]:
+        specs.append(("lm_head.weight", (vocab, hidden), head_std))
+    return specs
+
+
+def _make_tensor(
+    rng: np.random.Generator, name: str, shape: tuple[int, ...], std: float, num_used: int
+) -> np.ndarray:
+    if std == 0.0:
+        return np.ones(shape, dtype=np.float32)
+    tensor = rng.standard_normal(shape, dtype=np.float32)
+    tensor *= np.float32(std)
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        # Padding rows past the tokenizer: logit 0, far below the top tokens, never sampled
+        # in practice, like the padded vocab of real checkpoints.
+        tensor[num_used:] = 0.0
+    return tensor
+
+
+def _plan_shards(specs: list[TensorSpec], shard_bytes: int) -> list[list[TensorSpec]]:
+    """Group tensors in order; a tensor larger than `shard_bytes` gets a shard of its own."""
+    shards: list[list[TensorSpec]] = [[]]
+    size = 0
+    for spec in specs:
+        nbytes = 4 * math.prod(spec[1])
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += nbytes
+    return shards
+
+
+def _shard_tensors(
+    shards: list[list[TensorSpec]], seed: int, num_used: int
+) -> Iterator[dict[str, np.ndarray]]:
+    """Tensors one shard at a time, so that at most one shard is in memory."""
+    rng = np.random.default_rng(seed)
+    for shard in shards:
+        yield {name: _make_tensor(rng, name, shape, std, num_used) for name, shape, std in shard}
+
+
+def write_weights(
+    out_dir: Path,
+    config: dict[str, Any],
+    seed: int,
+    num_used_tokens: int,
+    shard_bytes: int = SHARD_BYTES,
+) -> list[Path]:
+    """Write model.safetensors, or shards plus model.safetensors.index.json; return the files."""
+    specs = tensor_specs(config)
+    shards = _plan_shards(specs, shard_bytes)
+    metadata = {"format": "pt"}
+    if len(shards) == 1:
+        tensors = next(_shard_tensors(shards, seed, num_used_tokens))
+        save_file(tensors, str(out_dir / "model.safetensors"), metadata=metadata)
+        return [out_dir / "model.safetensors"]
+    files: list[Path] = []
+    weight_map: dict[str, str] = {}
+    for i, tensors in enumerate(_shard_tensors(shards, seed, num_used_tokens)):
+        path = out_dir / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(tensors, str(path), metadata=metadata)
+        weight_map.update(dict.fromkeys(tensors, path.name))
+        files.append(path)
+        del tensors
+    total = sum(4 * math.prod(shape) for _, shape, _ in specs)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return files

@@ -1,0 +1,33 @@
+"""Shared fixtures: small checkpoints built by make-model, and runners over them."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ARCHS = ("llama", "qwen2", "mistral")
+
+
+@pytest.fixture(scope="session")
+def checkpoint_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("checkpoints")
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(checkpoint_root: Path):
+    """tiny_checkpoint(arch) -> the directory of a tiny checkpoint of that family."""
+    from tokenmill.frontend.make_model import build_checkpoint
+
+    built: dict[str, Path] = {}
+
+    def get(arch: str = "llama") -> Path:
+        if arch not in built:
+            built[arch] = build_checkpoint(checkpoint_root / f"tiny-{arch}", arch, "tiny")
+        return built[arch]
+
+    return get

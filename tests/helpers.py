@@ -1,0 +1,66 @@
+"""Test helpers: an in-process runner, and the transformers oracle."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tokenmill.tp_worker.model_runner import ModelRunner
+from tokenmill.tp_worker.offline import OfflineEngine
+from tokenmill.tp_worker.runner_config import RunnerConfig
+
+
+def make_engine(
+    model: Path,
+    prompt_chunk: int = 0,
+    max_prefill_tokens: int = 4096,
+    decode_steps: int = 1,
+    rows: int = 8,
+) -> OfflineEngine:
+    config = RunnerConfig(
+        model=str(model),
+        kv_cache_tokens=rows * 512,
+        max_running_requests=rows,
+        max_model_len=512,
+        dtype="float32",
+        device="cpu",
+        prompt_logprob_chunk=prompt_chunk,
+    )
+    return OfflineEngine(
+        ModelRunner(config), max_prefill_tokens=max_prefill_tokens, decode_steps=decode_steps
+    )
+
+
+@dataclass(frozen=True)
+class Oracle:
+    """Teacher-forced transformers log-softmax over a whole token sequence."""
+
+    logprobs: np.ndarray  # [len - 1, V]: row i is the distribution of token i + 1
+
+    def of(self, positions: np.ndarray, ids: list[int]) -> np.ndarray:
+        return self.logprobs[positions, ids]
+
+
+def oracle(hf_model: torch.nn.Module, ids: list[int]) -> Oracle:
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([ids])).logits[0].float()
+    return Oracle(torch.log_softmax(logits, dim=-1)[:-1].numpy())
+
+
+def assert_top_close(
+    our_ids: np.ndarray, our_lps: np.ndarray, ref: np.ndarray, atol: float, tie: float = 1e-6
+) -> None:
+    """Our top-k at one position against the reference distribution `ref` [V]: the same
+    values rank by rank, and the same ids except where the reference has ties within `tie`."""
+    k = len(our_ids)
+    order = np.argsort(-ref, kind="stable")
+    ref_vals = ref[order[:k]]
+    np.testing.assert_allclose(our_lps, ref_vals, atol=atol, rtol=0)
+    np.testing.assert_allclose(ref[our_ids], ref_vals, atol=atol, rtol=0)
+    kth = ref_vals[-1]
+    must_have = set(order[:k][ref_vals > kth + tie].tolist())
+    missing = must_have - set(our_ids.tolist())
+    assert not missing, f"top-{k} lacks ids {missing} that the reference ranks clearly higher"

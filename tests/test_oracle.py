@@ -1,0 +1,80 @@
+"""The numbers match transformers: prompt logprobs at every position, and 32 greedy tokens
+with their logprobs and top-20, for every supported architecture (float32, CPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from conftest import ARCHS
+from helpers import assert_top_close, make_engine, oracle
+from tokenizers import Tokenizer
+
+from tokenmill.tp_worker.offline import OfflineRequest
+
+TEXTS = [
+    "The module",
+    "Return a new list containing all items from the iterable in ascending order.",
+    "Ünïcödé and emoji 🎉 split over byte-level tokens, then some ordinary words follow "
+    "so that this prompt is clearly longer than the others in the batch.",
+]
+ATOL = 1e-4
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_matches_transformers(arch: str, tiny_checkpoint) -> None:
+    model_dir = tiny_checkpoint(arch)
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompts = [tokenizer.encode(t).ids for t in TEXTS]
+    requests = [
+        OfflineRequest(p, max_tokens=32, num_top=20, prompt_logprob_start=0) for p in prompts
+    ]
+    outputs = make_engine(model_dir).generate(requests)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        ref = oracle(hf, prompt + out.output_ids)
+        n = len(prompt)
+        gen_pos = np.arange(n - 1, n - 1 + len(out.output_ids))
+        assert out.output_ids == ref.logprobs[gen_pos].argmax(-1).tolist()
+        np.testing.assert_allclose(out.logprobs, ref.of(gen_pos, out.output_ids), atol=ATOL, rtol=0)
+        prompt_pos = np.arange(n - 1)
+        assert len(out.prompt_logprobs) == n - 1
+        np.testing.assert_allclose(
+            out.prompt_logprobs, ref.of(prompt_pos, prompt[1:]), atol=ATOL, rtol=0
+        )
+        for i, pos in enumerate(gen_pos):
+            assert_top_close(out.top_ids[i], out.top_logprobs[i], ref.logprobs[pos], ATOL)
+        for i, pos in enumerate(prompt_pos):
+            assert_top_close(
+                out.prompt_top_ids[i], out.prompt_top_logprobs[i], ref.logprobs[pos], ATOL
+            )
+
+
+def test_distributions_are_peaked(tiny_checkpoint) -> None:
+    """Top-k order must mean something: the demo weights are not a flat distribution."""
+    out = make_engine(tiny_checkpoint("llama")).generate(
+        [OfflineRequest(list(range(5, 40)), max_tokens=16)]
+    )[0]
+    assert np.mean(np.exp(out.logprobs)) > 0.2
+
+
+def test_token_ids_logprob_and_chosen_outside_top_k(tiny_checkpoint) -> None:
+    """Caller-given ids are scored at every position, and the sampled token's own logprob
+    comes back even when it falls outside the requested top-k."""
+    model_dir = tiny_checkpoint("llama")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompt = list(range(10, 30))
+    req = OfflineRequest(
+        prompt, max_tokens=8, num_top=1, temperature=5.0, seed=3, token_ids=(7, 100, 500)
+    )
+    out = make_engine(model_dir).generate([req])[0]
+    ref = oracle(hf, prompt + out.output_ids)
+    gen_pos = np.arange(len(prompt) - 1, len(prompt) - 1 + len(out.output_ids))
+    np.testing.assert_allclose(out.logprobs, ref.of(gen_pos, out.output_ids), atol=ATOL, rtol=0)
+    outside = [i for i, t in enumerate(out.output_ids) if t != out.top_ids[i][0]]
+    assert outside, "at temperature 5 some sampled token should not be the top-1"
+    for i, pos in enumerate(gen_pos):
+        np.testing.assert_allclose(
+            out.token_ids_logprobs[i], ref.logprobs[pos, [7, 100, 500]], atol=ATOL, rtol=0
+        )
