@@ -143,7 +143,7 @@ class OfflineEngine:
             num_steps=steps,
             decode_slots=_i32(
                 [
-                    [row.slot_base + end + i for (row, _), end in zip(plan, seq_ends)]
+                    [row.slot_base + end + i for (row, _), end in zip(plan, seq_ends, strict=True)]
                     for i in range(steps - 1)
                 ]
             )
