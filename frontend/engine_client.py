@@ -1,0 +1,45 @@
+"""The frontend's view of the engine: submit a request, iterate its outputs, abort it.
+
+The HTTP layer talks only to this interface; `ZmqEngineClient` (engine_zmq.py) implements it
+over the controller and detokenizer sockets, and tests can implement it with a fake.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from tokenmill.protocol.outputs import DetokenizedOutput
+from tokenmill.protocol.requests import GenerateRequest
+
+
+class EngineDeadError(RuntimeError):
+    """The engine's processes stopped; requests in flight cannot complete."""
+
+
+@dataclass
+class EngineStats:
+    """What /metrics and /health show of the engine; updated by the controller's reports."""
+
+    alive: bool = True
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_slots_total: int = 0
+    kv_slots_free: int = 0
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    last_report: float = 0.0  # time.monotonic() of the controller's last report
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class EngineClient(Protocol):
+    stats: EngineStats
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[DetokenizedOutput]:
+        """Submits `request` and yields its outputs until one has a finish_reason.
+        Raises EngineDeadError if the engine dies. Closing the iterator early (a client
+        that went away) aborts the request."""
+        ...
+
+    async def abort(self, req_id: str) -> None: ...

@@ -1,0 +1,157 @@
+"""The server's configuration: frozen dataclasses, one per concern, composed into one.
+
+`tokenmill serve --help` is generated from these classes: each field becomes a flag named
+after it, and the docstring under the field is the flag's help. Validation errors name the
+flag, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import textwrap
+import typing
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    model: str | None = None
+    """Hugging Face checkpoint directory (default: the built-in demo checkpoint, built once)."""
+    served_model_name: str | None = None
+    """Model name the API answers to (default: the --model argument as given)."""
+    dtype: str = "auto"
+    """auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16."""
+    device: str = "auto"
+    """auto (cuda when available, else cpu), cpu or cuda."""
+    max_model_len: int = 0
+    """Longest prompt + output in tokens (0 = the checkpoint's max_position_embeddings,
+    capped at 8192)."""
+
+
+@dataclass(frozen=True)
+class SchedulerArgs:
+    kv_cache_tokens: int = 0
+    """KV cache size in tokens (0 = derived from available memory; printed at start)."""
+    max_running_requests: int = 64
+    """Requests decoded together at most; more wait in the queue."""
+    max_prefill_tokens: int = 2048
+    """Prompt tokens prefilled per step at most (longer prompts are chunked)."""
+    max_logprobs: int = 20
+    """Largest top-logprobs count a request may ask for (completions `logprobs`)."""
+
+
+@dataclass(frozen=True)
+class HttpArgs:
+    host: str = "127.0.0.1"
+    """Address to listen on."""
+    port: int = 8000
+    """Port to listen on."""
+    log_level: str = "info"
+    """debug, info, warning or error."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: ModelArgs = field(default_factory=ModelArgs)
+    scheduler: SchedulerArgs = field(default_factory=SchedulerArgs)
+    http: HttpArgs = field(default_factory=HttpArgs)
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model.served_model_name or self.model.model or "tokenmill-demo"
+
+
+SECTIONS = {"model": ModelArgs, "scheduler": SchedulerArgs, "http": HttpArgs}
+
+
+@cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass, read from its source."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, after in zip(body, body[1:], strict=False):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+        ):
+            docs[node.target.id] = " ".join(str(after.value.value).split())
+    return docs
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    for section, cls in SECTIONS.items():
+        group = parser.add_argument_group(section)
+        docs = field_docs(cls)
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            kind = _scalar_type(hints[f.name])
+            default = f.default
+            help_text = f"{docs.get(f.name, '')} (default: {default})"
+            flag = "--" + f.name.replace("_", "-")
+            if kind is bool:
+                group.add_argument(
+                    flag, action=argparse.BooleanOptionalAction, default=default, help=help_text
+                )
+            else:
+                group.add_argument(
+                    flag, type=kind, default=default, help=help_text, metavar=f.name.upper()
+                )
+
+
+def from_namespace(args: argparse.Namespace) -> ServerConfig:
+    sections: dict[str, Any] = {}
+    for section, cls in SECTIONS.items():
+        sections[section] = cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+    config = ServerConfig(**sections)
+    validate(config)
+    return config
+
+
+def validate(config: ServerConfig) -> None:
+    s, m, h = config.scheduler, config.model, config.http
+    checks = [
+        (
+            s.max_running_requests >= 1,
+            "--max-running-requests",
+            s.max_running_requests,
+            "use 1 or more",
+        ),
+        (s.max_prefill_tokens >= 1, "--max-prefill-tokens", s.max_prefill_tokens, "use 1 or more"),
+        (0 <= s.max_logprobs <= 20, "--max-logprobs", s.max_logprobs, "use 0..20"),
+        (
+            s.kv_cache_tokens >= 0,
+            "--kv-cache-tokens",
+            s.kv_cache_tokens,
+            "use 0 (auto) or a positive size",
+        ),
+        (m.max_model_len >= 0, "--max-model-len", m.max_model_len, "use 0 (auto) or positive"),
+        (
+            m.dtype in ("auto", "float32", "bfloat16", "float16"),
+            "--dtype",
+            m.dtype,
+            "use auto, float32, bfloat16 or float16",
+        ),
+        (0 <= h.port < 65536, "--port", h.port, "use 0..65535"),
+        (
+            h.log_level.lower() in ("debug", "info", "warning", "error"),
+            "--log-level",
+            h.log_level,
+            "use debug, info, warning or error",
+        ),
+    ]
+    for ok, flag, value, fix in checks:
+        if not ok:
+            raise ValueError(f"{flag}={value!r} is invalid: {fix}")
+
+
+def _scalar_type(hint: Any) -> type:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint

@@ -1,0 +1,79 @@
+"""Controller -> detokenizer -> frontend: outputs of requests, as arrays then as text.
+
+The controller sends compact arrays per request per step (BatchOutput); the detokenizer
+turns them into text deltas and formatted logprob entries (DetokenizedBatch) that the
+frontend only wraps into the API's response shapes.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from tokenmill.protocol.arrays import Array
+from tokenmill.protocol.requests import DetokenizeParams
+
+# Why a request ended, in OpenAI's words ("abort" and "error" are ours).
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """Prompt tokens from position `start`; logprobs from max(start, 1): position 0 has none."""
+
+    start: int
+    token_ids: Array  # [P - start] int32
+    logprobs: Array  # [P - max(start, 1)] float32
+    top_ids: Array  # [P - max(start, 1), K] int32
+    top_logprobs: Array  # [P - max(start, 1), K] float32
+
+
+class RequestOutput(msgspec.Struct, frozen=True, array_like=True):
+    """New output of one request since its last RequestOutput (n = new tokens)."""
+
+    req_id: str
+    new_ids: Array  # [n] int32
+    logprobs: Array | None = None  # [n] float32, when asked
+    top_ids: Array | None = None  # [n, K] int32, when num_top > 0
+    top_logprobs: Array | None = None  # [n, K] float32
+    token_ids_logprobs: Array | None = None  # [n, M] float32, when token_ids were given
+    prompt: PromptLogprobs | None = None  # once, with the first output, when asked
+    finish_reason: str | None = None
+    finish_detail: str | None = None  # the stop token id or the error message
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    detokenize: DetokenizeParams | None = None  # with the request's first output only
+
+
+class BatchOutput(msgspec.Struct, frozen=True, tag="batch_output"):
+    outputs: list[RequestOutput]
+
+
+class TokenEntry(msgspec.Struct, frozen=True, array_like=True):
+    """One logprob entry as the APIs show it: token string, its exact bytes, its value."""
+
+    token_id: int
+    token: str  # the UTF-8 text, or "bytes:\\xNN..." when not valid UTF-8 by itself
+    bytes: bytes | None  # None for special tokens with no byte form
+    logprob: float  # clamped to -9999.0 for -inf / NaN
+
+
+class PositionLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    chosen: TokenEntry
+    top: list[TokenEntry] = []
+    token_ids_logprobs: list[float] = []  # aligned with the request's token_ids
+
+
+class DetokenizedOutput(msgspec.Struct, frozen=True, array_like=True):
+    req_id: str
+    text: str  # new text since the last output (stop strings and what follows removed)
+    token_ids: list[int]  # new output ids (small: a step's worth)
+    logprobs: list[PositionLogprobs] = []  # one per new token, when asked
+    prompt_logprobs: list[PositionLogprobs | None] = []  # once, from start; None for position 0
+    finish_reason: str | None = None
+    finish_detail: str | None = None  # matched stop string / stop token id / error
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # total so far
+    num_cached_tokens: int = 0
+
+
+class DetokenizedBatch(msgspec.Struct, frozen=True, tag="detokenized"):
+    outputs: list[DetokenizedOutput]

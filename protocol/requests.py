@@ -1,0 +1,52 @@
+"""Frontend -> controller channel: a tokenized request, or an abort.
+
+A request's static data crosses once, here; the controller passes `detokenize` on to the
+detokenizer with the request's first output, so that channel stays ordered.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from tokenmill.protocol.arrays import Array
+
+
+class SamplingParams(msgspec.Struct, frozen=True):
+    max_tokens: int
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    seed: int = 0  # the frontend draws one when the caller gives none
+    stop_token_ids: tuple[int, ...] = ()  # end generation (kept in the output ids)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+
+class LogprobParams(msgspec.Struct, frozen=True):
+    return_logprob: bool = False  # logprob of every generated token
+    num_top: int = 0  # top logprobs per scored position, 0..20
+    token_ids: tuple[int, ...] = ()  # ids scored at every generated position
+    prompt_start: int = -1  # score prompt tokens from this position; -1 = none
+
+
+class DetokenizeParams(msgspec.Struct, frozen=True):
+    stop: tuple[str, ...] = ()  # stop strings, matched across token boundaries
+    skip_special_tokens: bool = True
+    include_stop_str: bool = False
+    text_in_logprobs: bool = True  # token strings in logprob entries (native API may not)
+
+
+class GenerateRequest(msgspec.Struct, frozen=True, tag="generate"):
+    req_id: str
+    input_ids: Array  # [P] int32
+    sampling: SamplingParams
+    logprobs: LogprobParams
+    detokenize: DetokenizeParams
+
+
+class AbortRequest(msgspec.Struct, frozen=True, tag="abort"):
+    req_id: str
+
+
+FrontendMessage = GenerateRequest | AbortRequest
