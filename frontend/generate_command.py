@@ -38,9 +38,9 @@ def run(args: argparse.Namespace) -> int:
     from tokenizers import Tokenizer
 
     from tokenmill.frontend.demo_checkpoint import demo_checkpoint
+    from tokenmill.tp_worker.config import RunnerConfig
     from tokenmill.tp_worker.model_runner import ModelRunner
     from tokenmill.tp_worker.offline import OfflineEngine, OfflineRequest
-    from tokenmill.tp_worker.runner_config import RunnerConfig
 
     if not 0 <= args.top_logprobs <= 20:
         raise SystemExit("--top-logprobs must be in 0..20")

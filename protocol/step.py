@@ -70,3 +70,21 @@ class StepResult(msgspec.Struct, frozen=True, tag="step"):
     prompt_logprobs: Array  # [P] float32 logprob of each scored prompt token
     prompt_top_ids: Array  # [P, Kp] int32, Kp = max num_top over rows scoring prompts
     prompt_top_logprobs: Array  # [P, Kp] float32
+
+
+class WorkerReady(msgspec.Struct, frozen=True, tag="worker_ready"):
+    """Rank 0, once the model is loaded and the KV cache allocated."""
+
+    kv_cache_tokens: int  # KV slots per layer, 0..kv_cache_tokens-1
+    max_model_len: int  # longest sequence a row of the request->slot table holds
+    eos_token_ids: tuple[int, ...]
+
+
+class WorkerFailed(msgspec.Struct, frozen=True, tag="worker_failed"):
+    """Rank 0 could not run a step; the controller fails the batch's requests and exits."""
+
+    step_id: int
+    message: str
+
+
+WorkerMessage = WorkerReady | StepResult | WorkerFailed

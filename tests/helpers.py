@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tokenmill.tp_worker.config import RunnerConfig
 from tokenmill.tp_worker.model_runner import ModelRunner
 from tokenmill.tp_worker.offline import OfflineEngine
-from tokenmill.tp_worker.runner_config import RunnerConfig
 
 
 def make_engine(

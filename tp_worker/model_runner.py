@@ -14,11 +14,12 @@ import torch
 
 from tokenmill.protocol.step import ForwardBatch, StepResult
 from tokenmill.tp_worker.attention import build_attention_batch
+from tokenmill.tp_worker.config import RunnerConfig
+from tokenmill.tp_worker.device import auto_kv_cache_tokens, resolve_device, resolve_dtype
 from tokenmill.tp_worker.logprobs import ScoredPositions, default_chunk_size, score_prompt
 from tokenmill.tp_worker.model import CausalLM, local_kv_heads
 from tokenmill.tp_worker.model_config import ModelConfig, load_model_config
 from tokenmill.tp_worker.parallel import TpGroup
-from tokenmill.tp_worker.runner_config import RunnerConfig, resolve_device, resolve_dtype
 from tokenmill.tp_worker.step_inputs import StepInputs
 from tokenmill.tp_worker.step_outputs import StepOutputs, score_sampled
 from tokenmill.tp_worker.weight_loader import load_weights
@@ -36,8 +37,15 @@ class ModelRunner:
         self.model = CausalLM(self.model_config, self.group, self.dtype, self.device)
         load_weights(self.model, Path(config.model))
         self.model.eval()
+        self.kv_cache_tokens = config.kv_cache_tokens or auto_kv_cache_tokens(
+            self._kv_bytes_per_token(),
+            self.device,
+            config.max_running_requests * config.max_model_len,
+        )
+        # NOTE: a row can never hold more tokens than the whole cache.
+        self.max_model_len = min(config.max_model_len, self.kv_cache_tokens)
         kv_shape = (
-            config.kv_cache_tokens,
+            self.kv_cache_tokens,
             local_kv_heads(self.model_config, self.group),
             self.model_config.head_dim,
         )
@@ -49,11 +57,16 @@ class ModelRunner:
             for _ in range(self.model_config.num_layers)
         ]
         self.table = torch.zeros(
-            config.max_running_requests, config.max_model_len, dtype=torch.int32, device=self.device
+            config.max_running_requests, self.max_model_len, dtype=torch.int32, device=self.device
         )
         self.prompt_chunk = config.prompt_logprob_chunk or default_chunk_size(
             self.model_config.vocab_size
         )
+
+    def _kv_bytes_per_token(self) -> int:
+        heads = local_kv_heads(self.model_config, self.group)
+        per_layer = 2 * heads * self.model_config.head_dim * self.dtype.itemsize
+        return per_layer * self.model_config.num_layers
 
     @torch.inference_mode()
     def step(self, batch: ForwardBatch) -> StepResult:

@@ -1,0 +1,23 @@
+"""The controller process's configuration (addresses and scheduling limits)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    request_addr: str
+    """ZMQ address the controller binds to receive GenerateRequest / AbortRequest."""
+    worker_addrs: tuple[str, ...]
+    """One address per tensor-parallel rank, bound by the controller to push ForwardBatch."""
+    result_addr: str
+    """Address the controller binds to receive rank 0's WorkerReady / StepResult."""
+    detokenizer_addr: str
+    """Address of the detokenizer's input (the controller connects)."""
+    report_addr: str
+    """Address of the frontend's report input (the controller connects)."""
+    max_running_requests: int
+    max_prefill_tokens: int
+    parent_pid: int | None = None
+    report_interval_s: float = 0.25

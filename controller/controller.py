@@ -1,0 +1,214 @@
+"""The controller process: receives requests, schedules steps, sends them to the tp_workers,
+turns their results into per-request outputs for the detokenizer.
+
+Its loop reads as a table of contents: receive, schedule, step, emit, report.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import msgspec
+import numpy as np
+import zmq
+
+from tokenmill.controller.batch_builder import build_forward_batch
+from tokenmill.controller.config import ControllerConfig
+from tokenmill.controller.output_processor import OutputProcessor
+from tokenmill.controller.request import Request
+from tokenmill.controller.scheduler import ScheduledRow, Scheduler
+from tokenmill.controller.slot_pool import IndexPool
+from tokenmill.protocol.arrays import pack
+from tokenmill.protocol.outputs import BatchOutput, RequestOutput
+from tokenmill.protocol.process import exit_with_parent, setup_process
+from tokenmill.protocol.requests import AbortRequest, FrontendMessage, GenerateRequest
+from tokenmill.protocol.stats import EngineReport
+from tokenmill.protocol.step import StepResult, WorkerFailed, WorkerMessage, WorkerReady
+
+logger = logging.getLogger(__name__)
+
+
+class Controller:
+    def __init__(
+        self, config: ControllerConfig, ready: WorkerReady, sockets: ControllerSockets
+    ) -> None:
+        self.config = config
+        self.sockets = sockets
+        self.slots = IndexPool(ready.kv_cache_tokens, "kv slots")
+        self.rows = IndexPool(config.max_running_requests, "table rows")
+        self.scheduler = Scheduler(
+            self.slots, self.rows, config.max_running_requests, config.max_prefill_tokens
+        )
+        self.outputs = OutputProcessor(ready.eos_token_ids, ready.max_model_len)
+        self.max_model_len = ready.max_model_len
+        self.requests: dict[str, Request] = {}
+        self.num_steps = 0
+        self.num_arrivals = 0
+        self.last_report = 0.0
+        self.handlers = {GenerateRequest: self.handle_generate, AbortRequest: self.handle_abort}
+
+    def run(self) -> None:
+        while True:
+            self.receive(block=not self.scheduler.has_work())
+            rows = self.scheduler.schedule()
+            if rows:
+                result = self.step(rows)
+                self.emit(self.outputs.apply(rows, result))
+            self.report()
+
+    def receive(self, block: bool) -> None:
+        for message in self.sockets.receive_requests(timeout_ms=100 if block else 0):
+            self.handlers[type(message)](message)
+
+    def step(self, rows: list[ScheduledRow]) -> StepResult:
+        self.num_steps += 1
+        self.sockets.send_batch(build_forward_batch(self.num_steps, rows))
+        result = self.sockets.receive_result()
+        if isinstance(result, WorkerFailed):
+            raise RuntimeError(f"tp_worker failed step {result.step_id}: {result.message}")
+        if not isinstance(result, StepResult) or result.step_id != self.num_steps:
+            raise RuntimeError(f"expected StepResult {self.num_steps}, got {result!r:.200}")
+        return result
+
+    def emit(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            if output.finish_reason is not None:
+                self._drop(self.requests[output.req_id])
+        if outputs:
+            self.sockets.send_outputs(BatchOutput(outputs))
+
+    def handle_generate(self, message: GenerateRequest) -> None:
+        if message.req_id in self.requests:
+            logger.error("duplicate req_id %s dropped", message.req_id)
+            return
+        request = Request.from_message(message, self.num_arrivals)
+        self.num_arrivals += 1
+        self.requests[message.req_id] = request
+        self.scheduler.waiting.append(request)
+
+    def handle_abort(self, message: AbortRequest) -> None:
+        request = self.requests.get(message.req_id)
+        if request is None:
+            return
+        request.finish_reason = "abort"
+        self._drop(request)
+        self.sockets.send_outputs(
+            BatchOutput(
+                [
+                    RequestOutput(
+                        req_id=request.req_id,
+                        new_ids=_EMPTY_IDS,
+                        finish_reason="abort",
+                        num_prompt_tokens=request.num_prompt_tokens,
+                    )
+                ]
+            )
+        )
+
+    def _drop(self, request: Request) -> None:
+        self.scheduler.finish(request)
+        del self.requests[request.req_id]
+
+    def report(self) -> None:
+        now = time.monotonic()
+        if now - self.last_report < self.config.report_interval_s:
+            return
+        self.last_report = now
+        if not self.scheduler.has_work():
+            self.slots.check_integrity()
+            self.rows.check_integrity()
+        self.sockets.send_report(
+            EngineReport(
+                ready=True,
+                num_running=len(self.scheduler.running),
+                num_waiting=len(self.scheduler.waiting),
+                kv_slots_total=self.slots.size,
+                kv_slots_free=self.slots.num_free,
+                num_steps=self.num_steps,
+                num_preemptions=self.scheduler.num_preemptions,
+                max_model_len=self.max_model_len,
+            )
+        )
+
+
+_EMPTY_IDS = pack(np.zeros(0, np.int32))
+
+
+class ControllerSockets:
+    """The controller's five sockets, each with one typed decoder."""
+
+    def __init__(self, config: ControllerConfig) -> None:
+        self.context = zmq.Context()
+        self.requests = self._socket(zmq.PULL, config.request_addr, bind=True)
+        self.workers = [self._socket(zmq.PUSH, a, bind=True) for a in config.worker_addrs]
+        self.results = self._socket(zmq.PULL, config.result_addr, bind=True)
+        self.detokenizer = self._socket(zmq.PUSH, config.detokenizer_addr, bind=False)
+        self.reports = self._socket(zmq.PUSH, config.report_addr, bind=False)
+        self.request_decoder = msgspec.msgpack.Decoder(FrontendMessage)
+        self.result_decoder = msgspec.msgpack.Decoder(WorkerMessage)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.poller = zmq.Poller()
+        self.poller.register(self.requests, zmq.POLLIN)
+
+    def _socket(self, kind: int, addr: str, bind: bool) -> zmq.Socket:
+        sock = self.context.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        (sock.bind if bind else sock.connect)(addr)
+        return sock
+
+    def receive_requests(self, timeout_ms: int) -> list[FrontendMessage]:
+        messages = []
+        if not self.poller.poll(timeout_ms):
+            return messages
+        while True:
+            try:
+                frame = self.requests.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return messages
+            try:
+                messages.append(self.request_decoder.decode(frame))
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                logger.error("dropped a frame that is not a frontend message: %s", e)
+
+    def receive_result(self) -> WorkerMessage:
+        while True:
+            frame = self.results.recv()
+            try:
+                return self.result_decoder.decode(frame)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                logger.error("dropped a frame that is not a worker message: %s", e)
+
+    def send_batch(self, batch: object) -> None:
+        frame = self.encoder.encode(batch)
+        for sock in self.workers:
+            sock.send(frame, copy=False)
+
+    def send_outputs(self, batch: BatchOutput) -> None:
+        self.detokenizer.send(self.encoder.encode(batch), copy=False)
+
+    def send_report(self, report: EngineReport) -> None:
+        self.reports.send(self.encoder.encode(report), copy=False)
+
+
+def run_controller(config: ControllerConfig) -> None:
+    """The controller process's entry point."""
+    setup_process("tokenmill::controller")
+    exit_with_parent(config.parent_pid)
+    sockets = ControllerSockets(config)
+    ready = sockets.receive_result()
+    if not isinstance(ready, WorkerReady):
+        raise RuntimeError(f"expected WorkerReady from rank 0, got {type(ready).__name__}")
+    logger.info(
+        "KV cache: %d tokens; max model len %d; max running requests %d",
+        ready.kv_cache_tokens,
+        ready.max_model_len,
+        config.max_running_requests,
+    )
+    controller = Controller(config, ready, sockets)
+    try:
+        controller.run()
+    except Exception:
+        logger.exception("controller failed")
+        os._exit(1)

@@ -1,0 +1,142 @@
+"""Applies a StepResult to the requests and says what each produced (controller process).
+
+Appends sampled tokens, gathers prompt logprobs chunk by chunk, applies stop conditions,
+and slices the step's arrays into one RequestOutput per request that has news.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tokenmill.controller.request import Request
+from tokenmill.controller.scheduler import ScheduledRow
+from tokenmill.protocol.arrays import pack, unpack
+from tokenmill.protocol.outputs import PromptLogprobs, RequestOutput
+from tokenmill.protocol.step import StepResult
+
+
+@dataclass(frozen=True)
+class StepArrays:
+    next_ids: np.ndarray  # [B] int32 (first decode iteration)
+    logprobs: np.ndarray  # [B] float32
+    top_ids: np.ndarray  # [R, K] int32
+    top_logprobs: np.ndarray  # [R, K] float32
+    top_row: np.ndarray  # [B] int64 row in the top arrays, -1 = none
+    token_ids_logprobs: np.ndarray  # [M] float32
+    token_ids_offsets: np.ndarray  # [B+1]
+    prompt_offsets: np.ndarray  # [B+1]
+    prompt_logprobs: np.ndarray
+    prompt_top_ids: np.ndarray
+    prompt_top_logprobs: np.ndarray
+
+    @staticmethod
+    def from_result(result: StepResult, rows: list[ScheduledRow]) -> StepArrays:
+        wants_top = np.array([r.request.message.logprobs.num_top > 0 for r in rows])
+        top_row = np.where(wants_top, np.cumsum(wants_top) - 1, -1)
+        counts = [len(r.request.message.logprobs.token_ids) for r in rows]
+        return StepArrays(
+            next_ids=unpack(result.next_ids)[0],
+            logprobs=unpack(result.logprobs)[0],
+            top_ids=unpack(result.top_ids)[0] if wants_top.any() else np.zeros((0, 0), np.int32),
+            top_logprobs=unpack(result.top_logprobs)[0]
+            if wants_top.any()
+            else np.zeros((0, 0), np.float32),
+            top_row=top_row,
+            token_ids_logprobs=unpack(result.token_ids_logprobs)[0],
+            token_ids_offsets=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+            prompt_offsets=unpack(result.prompt_offsets),
+            prompt_logprobs=unpack(result.prompt_logprobs),
+            prompt_top_ids=unpack(result.prompt_top_ids),
+            prompt_top_logprobs=unpack(result.prompt_top_logprobs),
+        )
+
+
+class OutputProcessor:
+    def __init__(self, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+
+    def apply(self, rows: list[ScheduledRow], result: StepResult) -> list[RequestOutput]:
+        arrays = StepArrays.from_result(result, rows)
+        outputs = []
+        for b, row in enumerate(rows):
+            request = row.request
+            request.num_computed_tokens = row.end
+            self._gather_prompt_scores(request, arrays, b)
+            if row.samples and not self._ends_at_prompt(request):
+                self._append(request, int(arrays.next_ids[b]))
+            if row.samples or request.finished:
+                outputs.append(self._output(request, arrays, b))
+        return outputs
+
+    def _ends_at_prompt(self, request: Request) -> bool:
+        """max_tokens 0 scores the prompt (lm-evaluation-harness' echo) and samples nothing."""
+        if request.message.sampling.max_tokens == 0 and not request.output_ids:
+            request.finish_reason = "length"
+            return True
+        return False
+
+    def _gather_prompt_scores(self, request: Request, arrays: StepArrays, b: int) -> None:
+        lo, hi = arrays.prompt_offsets[b], arrays.prompt_offsets[b + 1]
+        scores = request.prompt_scores
+        if scores is None or hi == lo:
+            return
+        k = request.message.logprobs.num_top
+        scores.logprobs.append(arrays.prompt_logprobs[lo:hi])
+        scores.top_ids.append(arrays.prompt_top_ids[lo:hi, :k])
+        scores.top_logprobs.append(arrays.prompt_top_logprobs[lo:hi, :k])
+
+    def _append(self, request: Request, token: int) -> None:
+        request.output_ids.append(token)
+        params = request.message.sampling
+        num_out = len(request.output_ids)
+        is_eos = not params.ignore_eos and token in self.eos_token_ids
+        if num_out >= params.min_tokens and (is_eos or token in params.stop_token_ids):
+            request.finish_reason, request.finish_detail = "stop", str(token)
+        elif num_out >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            request.finish_reason = "length"
+
+    def _output(self, request: Request, arrays: StepArrays, b: int) -> RequestOutput:
+        new_ids = request.output_ids[request.num_sent_outputs :]
+        asks = request.message.logprobs
+        n, k = len(new_ids), asks.num_top
+        first = request.num_sent_outputs == 0
+        request.num_sent_outputs = len(request.output_ids)
+        lo, hi = arrays.token_ids_offsets[b], arrays.token_ids_offsets[b + 1]
+        row = arrays.top_row[b]
+        return RequestOutput(
+            req_id=request.req_id,
+            new_ids=pack(np.asarray(new_ids, np.int32)),
+            logprobs=pack(arrays.logprobs[b : b + 1][:n]) if asks.return_logprob else None,
+            top_ids=pack(arrays.top_ids[row : row + 1, :k][:n]) if k else None,
+            top_logprobs=pack(arrays.top_logprobs[row : row + 1, :k][:n]) if k else None,
+            token_ids_logprobs=pack(arrays.token_ids_logprobs[None, lo:hi][:n])
+            if asks.token_ids
+            else None,
+            prompt=self._prompt_output(request),
+            finish_reason=request.finish_reason,
+            finish_detail=request.finish_detail,
+            num_prompt_tokens=request.num_prompt_tokens,
+            detokenize=request.message.detokenize if first else None,
+        )
+
+    def _prompt_output(self, request: Request) -> PromptLogprobs | None:
+        scores = request.prompt_scores
+        if scores is None or request.prompt_scores_sent:
+            return None
+        request.prompt_scores_sent = True
+        start = request.message.logprobs.prompt_start
+        k = request.message.logprobs.num_top
+        return PromptLogprobs(
+            start=start,
+            token_ids=pack(np.asarray(request.prompt_ids[start:], np.int32)),
+            logprobs=pack(_cat(scores.logprobs, (0,), np.float32)),
+            top_ids=pack(_cat(scores.top_ids, (0, k), np.int32)),
+            top_logprobs=pack(_cat(scores.top_logprobs, (0, k), np.float32)),
+        )
+
+
+def _cat(parts: list[np.ndarray], empty: tuple[int, ...], dtype: type) -> np.ndarray:
+    return np.concatenate(parts).astype(dtype) if parts else np.zeros(empty, dtype)

@@ -1,0 +1,81 @@
+"""A request as the controller tracks it: counters, not phases (controller process).
+
+"Prefill" and "decode" are derived from `num_computed_tokens` against the token count, which
+makes chunked prefill, preemption-and-recompute and (later) prefix hits one mechanism.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tokenmill.protocol.arrays import unpack
+from tokenmill.protocol.requests import GenerateRequest
+
+
+@dataclass
+class PromptScores:
+    """Prompt logprobs gathered chunk by chunk until the prompt is done."""
+
+    logprobs: list[np.ndarray] = field(default_factory=list)  # [p] float32 each
+    top_ids: list[np.ndarray] = field(default_factory=list)  # [p, K] int32 each
+    top_logprobs: list[np.ndarray] = field(default_factory=list)
+
+
+@dataclass
+class Request:
+    message: GenerateRequest
+    prompt_ids: list[int]
+    arrival: int  # admission order, for preemption (latest first)
+    output_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    slots: list[int] = field(default_factory=list)  # KV slot of each computed/allocated position
+    row: int = -1  # row of the worker's request->slot table, -1 while waiting
+    finish_reason: str | None = None
+    finish_detail: str | None = None
+    num_sent_outputs: int = 0  # output tokens already sent to the detokenizer
+    prompt_scores: PromptScores | None = None
+    prompt_scores_sent: bool = False
+
+    @staticmethod
+    def from_message(message: GenerateRequest, arrival: int) -> Request:
+        prompt = unpack(message.input_ids).astype(np.int64).tolist()
+        wants_prompt = message.logprobs.prompt_start >= 0
+        return Request(
+            message, prompt, arrival, prompt_scores=PromptScores() if wants_prompt else None
+        )
+
+    @property
+    def req_id(self) -> str:
+        return self.message.req_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_prefill(self) -> bool:
+        """True until every prompt token (and, after a preemption, every earlier output
+        token but the last) is in the KV cache."""
+        return self.num_computed_tokens < self.num_tokens - (1 if self.output_ids else 0)
+
+    def token_at(self, position: int) -> int:
+        if position < len(self.prompt_ids):
+            return self.prompt_ids[position]
+        return self.output_ids[position - len(self.prompt_ids)]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        return (self.prompt_ids + self.output_ids)[start:end]
+
+    @property
+    def wants_prompt_scores(self) -> bool:
+        return self.prompt_scores is not None and not self.prompt_scores_sent
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,131 @@
+"""The real EngineClient: requests go to the controller, outputs come from the detokenizer,
+engine reports from the controller, all over ZeroMQ with msgspec frames (main process).
+
+One receive task per input socket dispatches to per-request queues. When the engine dies
+every open request gets EngineDeadError; a request whose consumer goes away is aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from tokenmill.frontend.engine_client import EngineDeadError, EngineStats
+from tokenmill.protocol.outputs import DetokenizedBatch, DetokenizedOutput
+from tokenmill.protocol.requests import AbortRequest, GenerateRequest
+from tokenmill.protocol.stats import EngineReport
+
+logger = logging.getLogger(__name__)
+
+_DEAD = object()
+
+
+class ZmqEngineClient:
+    def __init__(self, request_addr: str, output_addr: str, report_addr: str) -> None:
+        self.context = zmq.asyncio.Context()
+        self.requests = self._socket(zmq.PUSH, request_addr, bind=False)
+        self.outputs = self._socket(zmq.PULL, output_addr, bind=True)
+        self.reports = self._socket(zmq.PULL, report_addr, bind=True)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.stats = EngineStats(alive=True)
+        self.ready = asyncio.Event()
+        self.max_model_len = 0
+        self.draining = False  # set on SIGTERM: the app refuses new requests with 503
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._tasks: list[asyncio.Task] = []
+
+    def _socket(self, kind: int, addr: str, bind: bool) -> zmq.asyncio.Socket:
+        sock = self.context.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        (sock.bind if bind else sock.connect)(addr)
+        return sock
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._queues)
+
+    def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._receive_outputs()),
+            asyncio.create_task(self._receive_reports()),
+        ]
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[DetokenizedOutput]:
+        if not self.stats.alive:
+            raise EngineDeadError("the engine is not running")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request.req_id] = queue
+        finished = False
+        try:
+            await self.requests.send(self.encoder.encode(request))
+            while not finished:
+                item = await queue.get()
+                if item is _DEAD:
+                    raise EngineDeadError("the engine stopped while the request ran")
+                finished = item.finish_reason is not None
+                yield item
+        finally:
+            self._queues.pop(request.req_id, None)
+            if not finished and self.stats.alive:
+                await self.abort(request.req_id)
+
+    async def abort(self, req_id: str) -> None:
+        await self.requests.send(self.encoder.encode(AbortRequest(req_id)))
+
+    def mark_dead(self) -> None:
+        self.stats.alive = False
+        for queue in self._queues.values():
+            queue.put_nowait(_DEAD)
+
+    async def _receive_outputs(self) -> None:
+        decoder = msgspec.msgpack.Decoder(DetokenizedBatch)
+        while True:
+            frame = await self.outputs.recv()
+            try:
+                batch = decoder.decode(frame)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                logger.error("dropped a frame that is not a DetokenizedBatch: %s", e)
+                continue
+            for output in batch.outputs:
+                queue = self._queues.get(output.req_id)
+                if queue is not None:
+                    queue.put_nowait(output)
+                if output.finish_reason == "stop" and output.finish_detail and queue:
+                    # NOTE: a stop string is found by the detokenizer; the controller must
+                    # stop too (aborting a request it already finished is a no-op).
+                    await self.abort(output.req_id)
+
+    async def _receive_reports(self) -> None:
+        decoder = msgspec.msgpack.Decoder(EngineReport)
+        while True:
+            frame = await self.reports.recv()
+            try:
+                report = decoder.decode(frame)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                logger.error("dropped a frame that is not an EngineReport: %s", e)
+                continue
+            self._update_stats(report)
+
+    def _update_stats(self, report: EngineReport) -> None:
+        s = self.stats
+        s.num_running, s.num_waiting = report.num_running, report.num_waiting
+        s.kv_slots_total, s.kv_slots_free = report.kv_slots_total, report.kv_slots_free
+        s.prefix_queried_tokens = report.prefix_queried_tokens
+        s.prefix_hit_tokens = report.prefix_hit_tokens
+        s.last_report = time.monotonic()
+        s.extra["num_steps"] = report.num_steps
+        s.extra["num_preemptions"] = report.num_preemptions
+        self.max_model_len = report.max_model_len
+        if report.ready:
+            self.ready.set()
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self.context.destroy(linger=0)

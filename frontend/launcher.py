@@ -1,0 +1,157 @@
+"""Starts the engine's processes and watches them (main process).
+
+Each child is a fresh `python -m tokenmill.<folder>` with its config as JSON on the command
+line: no pickle, nothing inherited but the environment. Sockets live under a private
+runtime directory (mode 0700) that is removed at exit. If any child exits, the supervisor
+reports it and the server goes down with a non-zero status.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+
+from tokenmill.controller.config import ControllerConfig
+from tokenmill.detokenizer.config import DetokenizerConfig
+from tokenmill.frontend.server_config import ServerConfig
+from tokenmill.tp_worker.config import RunnerConfig, WorkerConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Addresses:
+    requests: str  # frontend -> controller
+    results: str  # rank 0 -> controller
+    outputs: str  # controller -> detokenizer
+    detokenized: str  # detokenizer -> frontend
+    reports: str  # controller -> frontend
+    workers: tuple[str, ...]  # controller -> each rank
+
+    @staticmethod
+    def under(runtime_dir: Path, world_size: int) -> Addresses:
+        def ipc(name: str) -> str:
+            return f"ipc://{runtime_dir / name}"
+
+        return Addresses(
+            ipc("requests"),
+            ipc("results"),
+            ipc("outputs"),
+            ipc("detokenized"),
+            ipc("reports"),
+            tuple(ipc(f"worker{r}") for r in range(world_size)),
+        )
+
+
+@dataclass
+class EngineProcesses:
+    runtime_dir: Path
+    addresses: Addresses
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def start(self, name: str, module: str, config: object) -> None:
+        argv = [sys.executable, "-m", module, msgspec.json.encode(config).decode()]
+        self.procs[name] = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+
+    def exited(self) -> tuple[str, int] | None:
+        """The first child that has exited, with its status."""
+        for name, proc in self.procs.items():
+            code = proc.poll()
+            if code is not None:
+                return name, code
+        return None
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+
+def make_runtime_dir() -> Path:
+    base = os.environ.get("XDG_RUNTIME_DIR") or None
+    path = Path(tempfile.mkdtemp(prefix="tokenmill-", dir=base))
+    os.chmod(path, 0o700)
+    return path
+
+
+def launch_engine(
+    config: ServerConfig, model_dir: Path, max_model_len: int, world_size: int = 1
+) -> EngineProcesses:
+    runtime_dir = make_runtime_dir()
+    addrs = Addresses.under(runtime_dir, world_size)
+    engine = EngineProcesses(runtime_dir, addrs)
+    parent = os.getpid()
+    s, m = config.scheduler, config.model
+    engine.start(
+        "detokenizer",
+        "tokenmill.detokenizer",
+        DetokenizerConfig(
+            tokenizer_path=str(model_dir),
+            input_addr=addrs.outputs,
+            output_addr=addrs.detokenized,
+            parent_pid=parent,
+        ),
+    )
+    engine.start(
+        "controller",
+        "tokenmill.controller",
+        ControllerConfig(
+            request_addr=addrs.requests,
+            worker_addrs=addrs.workers,
+            result_addr=addrs.results,
+            detokenizer_addr=addrs.outputs,
+            report_addr=addrs.reports,
+            max_running_requests=s.max_running_requests,
+            max_prefill_tokens=s.max_prefill_tokens,
+            parent_pid=parent,
+        ),
+    )
+    runner = RunnerConfig(
+        model=str(model_dir),
+        kv_cache_tokens=s.kv_cache_tokens,
+        max_running_requests=s.max_running_requests,
+        max_model_len=max_model_len,
+        dtype=m.dtype,
+        device=m.device,
+    )
+    dist_addr = f"tcp://127.0.0.1:{_free_port()}"
+    for rank in range(world_size):
+        engine.start(
+            f"tp_worker{rank}",
+            "tokenmill.tp_worker",
+            WorkerConfig(
+                runner=runner,
+                rank=rank,
+                world_size=world_size,
+                dist_init_addr=dist_addr,
+                batch_addr=addrs.workers[rank],
+                result_addr=addrs.results,
+                parent_pid=parent,
+            ),
+        )
+    return engine
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,69 @@
+"""`tokenmill serve`: start the engine's processes and the OpenAI-compatible HTTP server.
+
+The flags are generated from the config dataclasses in server_config.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+from tokenmill.frontend.server_config import ServerConfig, add_arguments, from_namespace
+
+logger = logging.getLogger(__name__)
+
+# NOTE: without --max-model-len, long-context checkpoints would size every table row for
+# their full context; 8192 keeps the default footprint small.
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve a checkpoint over an OpenAI-compatible HTTP API",
+        description="Starts the tokenmill server: an OpenAI-compatible API (/v1/chat/completions,"
+        " /v1/completions), the native /generate, /v1/models, /health and /metrics. With no "
+        "--model it builds (once, cached) and serves a small demo checkpoint.",
+    )
+    add_arguments(p)
+
+
+def resolve(config: ServerConfig) -> tuple[ServerConfig, Path]:
+    """The checkpoint directory (building the demo if needed) and the effective limits."""
+    from tokenmill.frontend.demo_checkpoint import demo_checkpoint
+
+    model_dir = Path(config.model.model) if config.model.model else demo_checkpoint()
+    if not (model_dir / "config.json").exists():
+        raise SystemExit(f"--model {config.model.model}: no config.json in that directory")
+    max_len = config.model.max_model_len
+    if max_len == 0:
+        raw = json.loads((model_dir / "config.json").read_text())
+        max_len = min(
+            int(raw.get("max_position_embeddings", DEFAULT_MAX_MODEL_LEN)), DEFAULT_MAX_MODEL_LEN
+        )
+    name = config.model.served_model_name or config.model.model or "tokenmill-demo"
+    model = replace(config.model, max_model_len=max_len, served_model_name=name)
+    return replace(config, model=model), model_dir
+
+
+def run(args: argparse.Namespace) -> int:
+    from tokenmill.frontend.server import serve
+    from tokenmill.protocol.process import setup_logging
+
+    try:
+        config = from_namespace(args)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    setup_logging(config.http.log_level)
+    config, model_dir = resolve(config)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    return asyncio.run(serve(config, model_dir))

@@ -1,0 +1,118 @@
+"""The main process at run time: launch the engine, wait until it is ready, serve HTTP,
+and supervise: a child that dies takes the server down with a non-zero exit; SIGTERM drains
+in-flight requests first, then exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from aiohttp import web
+
+from tokenmill.frontend.engine_zmq import ZmqEngineClient
+from tokenmill.frontend.http_server import build_app
+from tokenmill.frontend.launcher import EngineProcesses, launch_engine
+from tokenmill.frontend.server_config import ServerConfig
+from tokenmill.frontend.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+DRAIN_TIMEOUT_S = 30.0
+
+
+async def serve(config: ServerConfig, model_dir: Path) -> int:
+    engine = launch_engine(config, model_dir, config.model.max_model_len)
+    client = ZmqEngineClient(
+        engine.addresses.requests, engine.addresses.detokenized, engine.addresses.reports
+    )
+    stop = asyncio.Event()
+    state = {"exit_code": 0, "drain": False}
+    _install_signals(stop, state)
+    client.start()
+    watcher = asyncio.create_task(_supervise(engine, client, stop, state))
+    runner = None
+    try:
+        if await _wait_ready(client, stop):
+            config = replace(
+                config, model=replace(config.model, max_model_len=client.max_model_len)
+            )
+            runner = await _start_http(config, client, Tokenizer(model_dir))
+            await stop.wait()
+            if state["drain"]:
+                await _drain(client)
+    finally:
+        watcher.cancel()
+        if runner is not None:
+            await runner.cleanup()
+        client.close()
+        engine.shutdown()
+    return int(state["exit_code"])
+
+
+async def _start_http(
+    config: ServerConfig, client: ZmqEngineClient, tokenizer: Tokenizer
+) -> web.AppRunner:
+    app = build_app(config, client, tokenizer)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.http.host, config.http.port)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    logger.info(
+        "tokenmill ready: http://%s:%d/v1 serving %r (max model len %d)",
+        config.http.host,
+        port,
+        config.served_model_name,
+        config.model.max_model_len,
+    )
+    return runner
+
+
+async def _wait_ready(client: ZmqEngineClient, stop: asyncio.Event) -> bool:
+    ready = asyncio.create_task(client.ready.wait())
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    for task in (ready, stopped):
+        task.cancel()
+    return client.ready.is_set() and not stop.is_set()
+
+
+async def _supervise(
+    engine: EngineProcesses, client: ZmqEngineClient, stop: asyncio.Event, state: dict
+) -> None:
+    while True:
+        exited = engine.exited()
+        if exited is not None:
+            name, code = exited
+            logger.error("process %s exited with status %s: shutting the server down", name, code)
+            client.mark_dead()
+            state["exit_code"] = 1
+            stop.set()
+            return
+        await asyncio.sleep(0.2)
+
+
+async def _drain(client: ZmqEngineClient) -> None:
+    """Lets requests in flight finish (new ones get 503 from the app) before exiting."""
+    client.draining = True
+    deadline = time.monotonic() + DRAIN_TIMEOUT_S
+    while client.num_in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    logger.info("drained; %d requests still in flight", client.num_in_flight)
+
+
+def _install_signals(stop: asyncio.Event, state: dict) -> None:
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:
+        logger.info("received %s: draining and shutting down", signal.Signals(signum).name)
+        state["drain"] = True
+        stop.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)

@@ -1,0 +1,18 @@
+"""Controller -> frontend channel: the engine's state, for /health and /metrics."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class EngineReport(msgspec.Struct, frozen=True, tag="engine_report"):
+    ready: bool  # the model is loaded and the controller is stepping
+    num_running: int
+    num_waiting: int
+    kv_slots_total: int
+    kv_slots_free: int
+    num_steps: int  # steps run since start
+    num_preemptions: int
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    max_model_len: int = 0

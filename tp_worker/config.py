@@ -1,0 +1,40 @@
+"""Configuration of the tp_worker processes: which checkpoint, where, how much cache, which
+rank. Plain dataclasses (no torch), so the launcher can build them without importing torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    model: str
+    """Directory of a Hugging Face checkpoint (config.json, *.safetensors)."""
+    kv_cache_tokens: int = 0
+    """KV slots per layer, addressed 0..kv_cache_tokens-1 (0 = what free memory allows, at
+    most max_running_requests * max_model_len)."""
+    max_running_requests: int = 64
+    """Rows of the request->slot table: requests that can hold KV at once."""
+    max_model_len: int = 4096
+    """Longest sequence (prompt + output) a row of the table can hold."""
+    dtype: str = "auto"
+    """auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16."""
+    device: str = "auto"
+    """auto (cuda when available, else cpu), cpu, cuda or cuda:N."""
+    prompt_logprob_chunk: int = 0
+    """Prompt positions scored per lm_head chunk; 0 = as many as fit 64 MiB of logits."""
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    runner: RunnerConfig
+    rank: int
+    world_size: int
+    dist_init_addr: str
+    """torch.distributed init method, e.g. tcp://127.0.0.1:29500 (unused with one rank)."""
+    batch_addr: str
+    """Address the controller pushes this rank's ForwardBatch messages to (we connect)."""
+    result_addr: str
+    """Address of the controller's result input (rank 0 connects)."""
+    parent_pid: int | None = None

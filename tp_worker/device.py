@@ -1,0 +1,47 @@
+"""Where a tp_worker runs: its device, its dtype, and how many KV slots fit (tp_worker)."""
+
+from __future__ import annotations
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"--dtype {name!r} is not one of auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+# NOTE: the share of free memory the KV cache may take when --kv-cache-tokens is 0. On a GPU
+# the weights are already loaded; on the CPU the rest of the machine needs room too.
+KV_MEMORY_FRACTION = {"cuda": 0.85, "cpu": 0.25}
+
+
+def auto_kv_cache_tokens(bytes_per_token: int, device: torch.device, cap: int) -> int:
+    """KV slots that fit in the free memory of `device`, at most `cap`."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+    else:
+        free = _mem_available()
+    fraction = KV_MEMORY_FRACTION.get(device.type, 0.25)
+    return max(1, min(cap, int(free * fraction) // bytes_per_token))
+
+
+def _mem_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30

@@ -1,0 +1,95 @@
+"""The tp_worker process: one per tensor-parallel rank. Receives ForwardBatch messages,
+runs them on its model shard, and (rank 0) sends each StepResult back to the controller.
+
+Every rank receives every step; collectives inside the model keep the ranks in lockstep.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import replace
+
+import msgspec
+import torch
+import torch.distributed as dist
+import zmq
+
+from tokenmill.protocol.process import exit_with_parent, setup_process
+from tokenmill.protocol.step import ForwardBatch, WorkerFailed, WorkerReady
+from tokenmill.tp_worker.config import RunnerConfig, WorkerConfig
+from tokenmill.tp_worker.device import resolve_device
+from tokenmill.tp_worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def init_distributed(config: WorkerConfig) -> RunnerConfig:
+    """Joins the tensor-parallel group; returns the runner config with this rank's device."""
+    runner = config.runner
+    device = resolve_device(runner.device)
+    if device.type == "cuda":
+        runner = replace(runner, device=f"cuda:{config.rank % torch.cuda.device_count()}")
+        torch.cuda.set_device(torch.device(runner.device))
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.world_size))
+    if config.world_size > 1:
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            init_method=config.dist_init_addr,
+            rank=config.rank,
+            world_size=config.world_size,
+        )
+    return runner
+
+
+def run_tp_worker(config: WorkerConfig) -> None:
+    """The tp_worker process's entry point."""
+    setup_process(f"tokenmill::tp_worker{config.rank}")
+    exit_with_parent(config.parent_pid)
+    runner = ModelRunner(init_distributed(config))
+    context = zmq.Context()
+    batches = context.socket(zmq.PULL)
+    batches.connect(config.batch_addr)
+    results = None
+    if config.rank == 0:
+        results = context.socket(zmq.PUSH)
+        results.connect(config.result_addr)
+        results.send(
+            msgspec.msgpack.encode(
+                WorkerReady(
+                    kv_cache_tokens=runner.kv_cache_tokens,
+                    max_model_len=runner.max_model_len,
+                    eos_token_ids=runner.model_config.eos_token_ids,
+                )
+            )
+        )
+    logger.info(
+        "rank %d ready: %s on %s, KV cache %d tokens",
+        config.rank,
+        runner.dtype,
+        runner.device,
+        runner.kv_cache_tokens,
+    )
+    serve(runner, batches, results)
+
+
+def serve(runner: ModelRunner, batches: zmq.Socket, results: zmq.Socket | None) -> None:
+    decoder = msgspec.msgpack.Decoder(ForwardBatch)
+    encoder = msgspec.msgpack.Encoder()
+    while True:
+        frame = batches.recv()
+        try:
+            batch = decoder.decode(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            logger.error("dropped a frame that is not a ForwardBatch: %s", e)
+            continue
+        try:
+            result = runner.step(batch)
+        except Exception as e:
+            logger.exception("step %d failed", batch.step_id)
+            if results is not None:
+                results.send(encoder.encode(WorkerFailed(batch.step_id, repr(e)[:1000])))
+            os._exit(1)
+        if results is not None:
+            results.send(encoder.encode(result), copy=False)
