@@ -51,12 +51,15 @@ class Controller:
 
     def run(self) -> None:
         while True:
-            self.receive(block=not self.scheduler.has_work())
-            rows = self.scheduler.schedule()
-            if rows:
-                result = self.step(rows)
-                self.emit(self.outputs.apply(rows, result))
-            self.report()
+            self.run_once()
+
+    def run_once(self) -> None:
+        self.receive(block=not self.scheduler.has_work())
+        rows = self.scheduler.schedule()
+        if rows:
+            result = self.step(rows)
+            self.emit(self.outputs.apply(rows, result))
+        self.report()
 
     def receive(self, block: bool) -> None:
         for message in self.sockets.receive_requests(timeout_ms=100 if block else 0):

@@ -25,15 +25,17 @@ class ScheduledRow:
     start: int  # first position computed this step (= num_computed_tokens)
     num_new: int  # positions computed this step
     is_prefill: bool
+    samples: bool  # the row reaches the request's last token: its sampled token is kept
 
     @property
     def end(self) -> int:
         return self.start + self.num_new
 
-    @property
-    def samples(self) -> bool:
-        """The row's last position is the request's last token: its sample is kept."""
-        return self.end == self.request.num_tokens
+    @staticmethod
+    def of(request: Request, num_new: int, is_prefill: bool) -> ScheduledRow:
+        start = request.num_computed_tokens
+        return ScheduledRow(request, start, num_new, is_prefill,
+                            samples=start + num_new == request.num_tokens)
 
 
 class Scheduler:
@@ -64,7 +66,7 @@ class Scheduler:
             row = self._chunk(self.waiting.popleft(), budget)
             budget -= row.num_new
             prefill.append(row)
-        return [ScheduledRow(r, r.num_computed_tokens, 1, False) for r in decode] + prefill
+        return [ScheduledRow.of(r, 1, False) for r in decode] + prefill
 
     def finish(self, request: Request) -> None:
         """Frees what a finished or aborted request holds (it may be waiting or running)."""
@@ -104,7 +106,7 @@ class Scheduler:
 
     def _chunk(self, request: Request, budget: int) -> ScheduledRow:
         num_new = min(budget, request.num_tokens - request.num_computed_tokens)
-        return ScheduledRow(request, request.num_computed_tokens, num_new, True)
+        return ScheduledRow.of(request, num_new, True)
 
     def _preempt(self, request: Request) -> None:
         logger.info(

@@ -1,0 +1,239 @@
+"""Controller tests on the CPU with no model: fake step results in, assert the next step
+message and the outputs (like vLLM's scheduler tests)."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+import pytest
+
+from tokenmill.controller.config import ControllerConfig
+from tokenmill.controller.controller import Controller
+from tokenmill.protocol.arrays import pack, unpack
+from tokenmill.protocol.outputs import BatchOutput, RequestOutput
+from tokenmill.protocol.requests import (
+    AbortRequest,
+    DetokenizeParams,
+    GenerateRequest,
+    LogprobParams,
+    SamplingParams,
+)
+from tokenmill.protocol.stats import EngineReport
+from tokenmill.protocol.step import ForwardBatch, StepResult, WorkerReady
+
+VOCAB = 50
+EOS = 1
+
+
+def fake_step(batch: ForwardBatch) -> StepResult:
+    """A deterministic 'model': next id = (last input id + 1) mod VOCAB (skipping EOS unless
+    the input is 40), logprob = -0.1 * next id; prompt position p scores -p / 100."""
+    ids, ext = unpack(batch.input_ids), unpack(batch.extend_lens)
+    last = ids[np.cumsum(ext) - 1]
+    next_ids = np.where(last == 40, EOS, (last + 1) % VOCAB).astype(np.int32)
+    next_ids = np.where((next_ids == EOS) & (last != 40), 2, next_ids).astype(np.int32)
+    num_top = unpack(batch.logprobs.num_top)
+    k = int(num_top.max()) if len(num_top) else 0
+    rows = int((num_top > 0).sum())
+    plan = _prompt_positions(batch)
+    counts = [len(p) for p in plan]
+    positions = np.concatenate(plan) if plan else np.zeros(0)
+    m = len(unpack(batch.logprobs.token_ids))
+    kp = int(num_top[[i for i, c in enumerate(counts) if c]].max()) if any(counts) else 0
+    return StepResult(
+        step_id=batch.step_id,
+        next_ids=pack(next_ids[None]),
+        logprobs=pack((-0.1 * next_ids[None]).astype(np.float32)),
+        top_ids=pack(np.tile(np.arange(k, dtype=np.int32), (1, rows, 1))),
+        top_logprobs=pack(np.full((1, rows, k), -1.0, np.float32)),
+        token_ids_logprobs=pack(np.full((1, m), -2.0, np.float32)),
+        prompt_offsets=pack(np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)),
+        prompt_logprobs=pack((-positions / 100).astype(np.float32)),
+        prompt_top_ids=pack(np.zeros((len(positions), kp), np.int32)),
+        prompt_top_logprobs=pack(np.zeros((len(positions), kp), np.float32)),
+    )
+
+
+def _prompt_positions(batch: ForwardBatch) -> list[np.ndarray]:
+    """Scored prompt positions per row, by the rule the worker follows."""
+    start = unpack(batch.logprobs.prompt_start)
+    nxt = unpack(batch.logprobs.prompt_next_id)
+    pre, ext = unpack(batch.prefix_lens), unpack(batch.extend_lens)
+    out = []
+    for b in range(len(start)):
+        if start[b] < 0:
+            out.append(np.zeros(0))
+            continue
+        lo = max(int(start[b]), int(pre[b]) + 1)
+        hi = int(pre[b] + ext[b]) + (1 if nxt[b] >= 0 else 0)
+        out.append(np.arange(lo, max(lo, hi), dtype=np.float64))
+    return out
+
+
+class FakeSockets:
+    def __init__(self) -> None:
+        self.inbox: deque = deque()
+        self.batches: list[ForwardBatch] = []
+        self.outputs: list[RequestOutput] = []
+        self.reports: list[EngineReport] = []
+        self._pending: StepResult | None = None
+
+    def receive_requests(self, timeout_ms: int) -> list:
+        items = list(self.inbox)
+        self.inbox.clear()
+        return items
+
+    def send_batch(self, batch: ForwardBatch) -> None:
+        self.batches.append(batch)
+        self._pending = fake_step(batch)
+
+    def receive_result(self) -> StepResult:
+        assert self._pending is not None
+        return self._pending
+
+    def send_outputs(self, batch: BatchOutput) -> None:
+        self.outputs += batch.outputs
+
+    def send_report(self, report: EngineReport) -> None:
+        self.reports.append(report)
+
+
+def make_controller(kv_tokens: int = 256, max_running: int = 8, max_prefill: int = 64,
+                    max_model_len: int = 128) -> tuple[Controller, FakeSockets]:
+    config = ControllerConfig("", (), "", "", "", max_running_requests=max_running,
+                              max_prefill_tokens=max_prefill, report_interval_s=0.0)
+    sockets = FakeSockets()
+    ready = WorkerReady(kv_cache_tokens=kv_tokens, max_model_len=max_model_len,
+                        eos_token_ids=(EOS,))
+    return Controller(config, ready, sockets), sockets  # type: ignore[arg-type]
+
+
+def request(req_id: str, prompt: list[int], max_tokens: int = 4, **logprobs: object
+            ) -> GenerateRequest:
+    return GenerateRequest(req_id, pack(np.array(prompt, np.int32)),
+                           SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                           LogprobParams(**logprobs), DetokenizeParams())
+
+
+def run_until_idle(controller: Controller, limit: int = 500) -> None:
+    for _ in range(limit):
+        controller.run_once()
+        if not controller.scheduler.has_work():
+            controller.run_once()  # one idle pass runs the integrity checks
+            return
+    raise AssertionError("the controller did not finish its requests")
+
+
+def tokens_of(outputs: list[RequestOutput], req_id: str) -> list[int]:
+    return [int(t) for o in outputs if o.req_id == req_id for t in unpack(o.new_ids)]
+
+
+def test_generates_until_max_tokens_and_frees_everything() -> None:
+    controller, sockets = make_controller()
+    sockets.inbox.append(request("a", [3, 4, 5], max_tokens=4))
+    run_until_idle(controller)
+    assert tokens_of(sockets.outputs, "a") == [6, 7, 8, 9]
+    assert sockets.outputs[-1].finish_reason == "length"
+    assert sockets.outputs[0].detokenize is not None and sockets.outputs[1].detokenize is None
+    assert controller.slots.num_free == 256 and controller.rows.num_free == 8
+
+
+def test_chunked_prefill_respects_budget_and_next_step_message() -> None:
+    controller, sockets = make_controller(max_prefill=10)
+    sockets.inbox.append(request("a", list(range(3, 28)), max_tokens=2))  # 25 tokens
+    controller.run_once()
+    first = sockets.batches[0]
+    assert unpack(first.extend_lens).tolist() == [10]
+    assert unpack(first.is_prefill).tolist() == [True]
+    run_until_idle(controller)
+    extends = [unpack(b.extend_lens).tolist() for b in sockets.batches]
+    assert extends == [[10], [10], [5], [1]]
+    prefix = [unpack(b.prefix_lens).tolist() for b in sockets.batches]
+    assert prefix == [[0], [10], [20], [25]]
+    assert not unpack(sockets.batches[-1].is_prefill)[0]
+    assert tokens_of(sockets.outputs, "a") == [28, 29]
+
+
+def test_eos_and_stop_token_ids_finish_with_stop() -> None:
+    controller, sockets = make_controller()
+    sockets.inbox.append(request("eos", [38, 39], max_tokens=10))  # 39 -> 40 -> EOS
+    run_until_idle(controller)
+    assert tokens_of(sockets.outputs, "eos") == [40, EOS]
+    assert sockets.outputs[-1].finish_reason == "stop"
+    assert sockets.outputs[-1].finish_detail == str(EOS)
+
+
+def test_max_tokens_zero_scores_the_prompt_only() -> None:
+    controller, sockets = make_controller(max_prefill=4)
+    sockets.inbox.append(request("echo", list(range(3, 13)), max_tokens=0, prompt_start=0,
+                                 num_top=2))
+    run_until_idle(controller)
+    (out,) = sockets.outputs
+    assert out.finish_reason == "length" and len(unpack(out.new_ids)) == 0
+    assert out.prompt is not None
+    assert unpack(out.prompt.token_ids).tolist() == list(range(3, 13))
+    # Position 0 has no logprob; positions 1..9 were scored across three chunks.
+    np.testing.assert_allclose(unpack(out.prompt.logprobs), -np.arange(1, 10) / 100)
+    assert unpack(out.prompt.top_ids).shape == (9, 2)
+
+
+def test_prompt_logprobs_from_a_start_position() -> None:
+    controller, sockets = make_controller(max_prefill=5)
+    sockets.inbox.append(request("s", list(range(3, 20)), max_tokens=1, prompt_start=7,
+                                 return_logprob=True))
+    run_until_idle(controller)
+    out = sockets.outputs[0]
+    assert out.prompt is not None and out.prompt.start == 7
+    np.testing.assert_allclose(unpack(out.prompt.logprobs), -np.arange(7, 17) / 100)
+    assert unpack(out.logprobs).shape == (1,)
+
+
+def test_admission_waits_instead_of_over_committing() -> None:
+    controller, sockets = make_controller(kv_tokens=40, max_prefill=64)
+    for name in "abc":
+        sockets.inbox.append(request(name, list(range(3, 18)), max_tokens=3))  # 15 tokens
+    controller.run_once()
+    assert len(controller.scheduler.running) == 2 and len(controller.scheduler.waiting) == 1
+    run_until_idle(controller)
+    for name in "abc":
+        assert tokens_of(sockets.outputs, name) == [18, 19, 20]
+
+
+def test_preemption_requeues_and_loses_nothing() -> None:
+    controller, sockets = make_controller(kv_tokens=36, max_prefill=64, max_model_len=64)
+    sockets.inbox.append(request("a", list(range(3, 13)), max_tokens=12))
+    sockets.inbox.append(request("b", list(range(3, 13)), max_tokens=12))
+    run_until_idle(controller)
+    assert controller.scheduler.num_preemptions > 0
+    expected = list(range(13, 25))
+    assert tokens_of(sockets.outputs, "a") == expected
+    assert tokens_of(sockets.outputs, "b") == expected
+
+
+def test_abort_frees_slots_and_reports_abort() -> None:
+    controller, sockets = make_controller()
+    sockets.inbox.append(request("a", [3, 4, 5], max_tokens=50))
+    controller.run_once()
+    controller.run_once()
+    assert controller.slots.num_free < 256
+    sockets.inbox.append(AbortRequest("a"))
+    sockets.inbox.append(AbortRequest("unknown"))
+    run_until_idle(controller)
+    assert sockets.outputs[-1].finish_reason == "abort"
+    assert controller.slots.num_free == 256
+
+
+def test_generation_logprobs_slice_per_request() -> None:
+    controller, sockets = make_controller()
+    sockets.inbox.append(request("plain", [3, 4], max_tokens=2))
+    sockets.inbox.append(request("top", [5, 6], max_tokens=2, return_logprob=True, num_top=3,
+                                 token_ids=(7, 8)))
+    run_until_idle(controller)
+    top = [o for o in sockets.outputs if o.req_id == "top"]
+    plain = [o for o in sockets.outputs if o.req_id == "plain"]
+    assert all(o.logprobs is None and o.top_ids is None for o in plain)
+    for o in top:
+        assert unpack(o.top_ids).shape == (1, 3)
+        assert unpack(o.token_ids_logprobs).tolist() == [[-2.0, -2.0]]
+        assert unpack(o.logprobs).tolist() == pytest.approx([-0.1 * unpack(o.new_ids)[0]])
