@@ -102,7 +102,6 @@ class OutputProcessor:
         new_ids = request.output_ids[request.num_sent_outputs :]
         asks = request.message.logprobs
         n, k = len(new_ids), asks.num_top
-        first = request.num_sent_outputs == 0
         request.num_sent_outputs = len(request.output_ids)
         lo, hi = arrays.token_ids_offsets[b], arrays.token_ids_offsets[b + 1]
         row = arrays.top_row[b]
@@ -119,7 +118,7 @@ class OutputProcessor:
             finish_reason=request.finish_reason,
             finish_detail=request.finish_detail,
             num_prompt_tokens=request.num_prompt_tokens,
-            detokenize=request.message.detokenize if first else None,
+            detokenize=request.announce(),
         )
 
     def _prompt_output(self, request: Request) -> PromptLogprobs | None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tokenmill.protocol.arrays import unpack
-from tokenmill.protocol.requests import GenerateRequest
+from tokenmill.protocol.requests import DetokenizeParams, GenerateRequest
 
 
 @dataclass
@@ -35,6 +35,7 @@ class Request:
     finish_reason: str | None = None
     finish_detail: str | None = None
     num_sent_outputs: int = 0  # output tokens already sent to the detokenizer
+    announced: bool = False  # the detokenizer has this request's DetokenizeParams
     prompt_scores: PromptScores | None = None
     prompt_scores_sent: bool = False
 
@@ -79,3 +80,10 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def announce(self) -> DetokenizeParams | None:
+        """The detokenize params, with the first output the detokenizer gets, else None."""
+        if self.announced:
+            return None
+        self.announced = True
+        return self.message.detokenize

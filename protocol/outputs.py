@@ -7,6 +7,8 @@ frontend only wraps into the API's response shapes.
 
 from __future__ import annotations
 
+import builtins
+
 import msgspec
 
 from tokenmill.protocol.arrays import Array
@@ -52,7 +54,8 @@ class TokenEntry(msgspec.Struct, frozen=True, array_like=True):
 
     token_id: int
     token: str  # the UTF-8 text, or "bytes:\\xNN..." when not valid UTF-8 by itself
-    bytes: bytes | None  # None for special tokens with no byte form
+    # NOTE: builtins.bytes, since the field's own name shadows the type inside the class.
+    bytes: builtins.bytes | None  # None for special tokens with no byte form
     logprob: float  # clamped to -9999.0 for -inf / NaN
 
 

@@ -1,0 +1,27 @@
+"""Configuration of the detokenizer process.
+
+Built by the launcher in the frontend process and handed to `run_detokenizer` in the
+detokenizer process (so it must stay a plain, picklable-by-multiprocessing dataclass).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DetokenizerConfig:
+    tokenizer_path: str
+    """The checkpoint directory (its tokenizer.json), or a tokenizer.json path."""
+
+    input_addr: str
+    """ZMQ address the detokenizer binds, PULL: BatchOutput from the controller."""
+
+    output_addr: str
+    """ZMQ address the detokenizer connects to, PUSH: DetokenizedBatch to the frontend."""
+
+    parent_pid: int | None = None
+    """Exit when this process is no longer our parent (the server died); None: no check."""
+
+    parent_check_s: float = 1.0
+    """Seconds between checks that the parent is alive."""

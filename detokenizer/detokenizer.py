@@ -1,0 +1,198 @@
+"""The detokenizer process: BatchOutput arrays in, DetokenizedBatch text and entries out.
+
+Sits between the controller (PULL, bound) and the frontend (PUSH, connected). Holds one
+incremental decoder per running request, created by the request's first output (which
+carries its DetokenizeParams) and dropped when the request finishes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+
+from tokenmill.detokenizer.config import DetokenizerConfig
+from tokenmill.detokenizer.incremental import IncrementalDetokenizer
+from tokenmill.detokenizer.logprob_format import LogprobFormatter
+from tokenmill.detokenizer.token_table import TokenTable
+from tokenmill.protocol.arrays import unpack
+from tokenmill.protocol.outputs import (
+    BatchOutput,
+    DetokenizedBatch,
+    DetokenizedOutput,
+    RequestOutput,
+)
+from tokenmill.protocol.requests import DetokenizeParams
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 500
+
+
+@dataclass
+class _RequestState:
+    decoder: IncrementalDetokenizer
+    formatter: LogprobFormatter
+    num_output_tokens: int = 0
+
+
+class Detokenizer:
+    """Per-request decoding state and the handler of BatchOutput messages."""
+
+    def __init__(self, table: TokenTable) -> None:
+        self.table = table
+        self._states: dict[str, _RequestState] = {}
+        # Requests we ended on a stop string while the controller still runs them: their
+        # further outputs are dropped until the controller's own final output arrives.
+        self._stopped: set[str] = set()
+        # Ended by a stop string in the last batch while the controller still runs them.
+        self.stopped_req_ids: list[str] = []
+
+    @property
+    def num_running(self) -> int:
+        return len(self._states)
+
+    def handle_batch_output(self, msg: BatchOutput) -> DetokenizedBatch:
+        """Detokenize one batch; `stopped_req_ids` then lists requests to abort upstream."""
+        self.stopped_req_ids = []
+        outputs = [self._handle_request_output(out) for out in msg.outputs]
+        return DetokenizedBatch([out for out in outputs if out is not None])
+
+    def _state(self, out: RequestOutput) -> _RequestState:
+        state = self._states.get(out.req_id)
+        if state is not None:
+            return state
+        if out.detokenize is None:
+            raise RuntimeError(f"first output of {out.req_id} has no detokenize params")
+        state = _RequestState(
+            IncrementalDetokenizer(self.table, out.detokenize),
+            LogprobFormatter(self.table, _num_top(out.detokenize), out.detokenize.text_in_logprobs),
+        )
+        self._states[out.req_id] = state
+        return state
+
+    def _handle_request_output(self, out: RequestOutput) -> DetokenizedOutput | None:
+        if out.req_id in self._stopped:
+            if out.finish_reason is not None:
+                self._stopped.discard(out.req_id)
+            return None
+        state = self._state(out)
+        ids = unpack(out.new_ids).tolist()
+        delta = state.decoder.feed(ids)
+        kept = ids[: delta.num_ids]
+        text, reason, detail = delta.text, out.finish_reason, out.finish_detail
+        if delta.stop is None and reason is not None:
+            flushed = state.decoder.finish()
+            text += flushed.text
+            delta = flushed
+        if delta.stop is not None:
+            reason, detail = "stop", delta.stop
+            if out.finish_reason is None:  # the controller still runs it
+                self.stopped_req_ids.append(out.req_id)
+                self._stopped.add(out.req_id)
+        state.num_output_tokens += len(kept)
+        if reason is not None:
+            del self._states[out.req_id]
+        return DetokenizedOutput(
+            out.req_id,
+            text,
+            kept,
+            state.formatter.output(out, kept),
+            state.formatter.prompt(out.prompt) if out.prompt is not None else [],
+            reason,
+            detail,
+            out.num_prompt_tokens,
+            state.num_output_tokens,
+            out.num_cached_tokens,
+        )
+
+
+def _num_top(params: DetokenizeParams) -> int | None:
+    # NOTE: DetokenizeParams has no num_top yet; until it does, top-k entries are as wide
+    # as the controller's arrays (the controller should cut them per request).
+    num_top = getattr(params, "num_top", None)
+    return num_top if isinstance(num_top, int) else None
+
+
+class _ParentWatch:
+    """Says when our parent process is gone (checked at most every `period_s`)."""
+
+    def __init__(self, parent_pid: int | None, period_s: float) -> None:
+        self._parent_pid = parent_pid
+        self._period_s = period_s
+        self._next = time.monotonic() + period_s
+
+    def parent_gone(self) -> bool:
+        if self._parent_pid is None or time.monotonic() < self._next:
+            return False
+        self._next = time.monotonic() + self._period_s
+        return os.getppid() != self._parent_pid
+
+
+def decode_frame(decoder: msgspec.msgpack.Decoder, frame: bytes) -> BatchOutput | None:
+    """The frame as a BatchOutput, or None (logged) when it is not one."""
+    try:
+        return decoder.decode(frame)
+    except msgspec.DecodeError as exc:
+        logger.error("dropped a %s-byte frame that is not a BatchOutput: %s", len(frame), exc)
+        return None
+
+
+def serve(detokenizer: Detokenizer, config: DetokenizerConfig, ctx: zmq.Context) -> None:
+    """The loop: receive a BatchOutput, detokenize it, send the DetokenizedBatch."""
+    pull = ctx.socket(zmq.PULL)
+    pull.bind(config.input_addr)
+    push = ctx.socket(zmq.PUSH)
+    push.connect(config.output_addr)
+    decoder = msgspec.msgpack.Decoder(BatchOutput)
+    encoder = msgspec.msgpack.Encoder()
+    watch = _ParentWatch(config.parent_pid, config.parent_check_s)
+    logger.info("detokenizer ready: in %s, out %s", config.input_addr, config.output_addr)
+    while not watch.parent_gone():
+        if not pull.poll(_POLL_MS):
+            continue
+        msg = decode_frame(decoder, pull.recv(copy=True))
+        if msg is None:
+            continue
+        batch = detokenizer.handle_batch_output(msg)
+        if batch.outputs:
+            push.send(encoder.encode(batch))
+    logger.error("parent process %s is gone; detokenizer exits", config.parent_pid)
+
+
+def _set_process_title(title: str) -> None:
+    with contextlib.suppress(ImportError):
+        import setproctitle
+
+        setproctitle.setproctitle(title)
+
+
+def _setup_logging() -> None:
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=logging.INFO,
+            format="%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s",
+        )
+
+
+def run_detokenizer(config: DetokenizerConfig) -> None:
+    """Entry point of the detokenizer process; exits non-zero on any internal error."""
+    _set_process_title("tokenmill::detokenizer")
+    _setup_logging()
+    ctx = zmq.Context()
+    try:
+        detokenizer = Detokenizer(TokenTable.from_file(config.tokenizer_path))
+        serve(detokenizer, config, ctx)
+    except KeyboardInterrupt:
+        logger.info("detokenizer interrupted")
+    except Exception:
+        logger.exception("detokenizer failed")
+        sys.exit(1)
+    finally:
+        ctx.destroy(linger=0)

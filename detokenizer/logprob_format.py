@@ -1,0 +1,108 @@
+"""Logprob arrays from the controller -> the entries the APIs show.
+
+Run by the detokenizer process. Each entry carries the token id, its string, its exact
+bytes and its value as a Python float; -inf and NaN become -9999.0 here, as OpenAI does,
+so that no non-finite value ever reaches JSON.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from tokenmill.detokenizer.token_table import TokenTable
+from tokenmill.protocol.arrays import Array, unpack
+from tokenmill.protocol.outputs import PositionLogprobs, PromptLogprobs, RequestOutput, TokenEntry
+
+# OpenAI's stand-in for a logprob of -inf.
+MIN_LOGPROB = -9999.0
+
+
+def clamp(values: np.ndarray) -> list[Any]:
+    """float32 values -> (nested) lists of Python floats, non-finite ones -> MIN_LOGPROB."""
+    values = np.asarray(values, dtype=np.float64)
+    return np.where(np.isfinite(values), values, MIN_LOGPROB).tolist()
+
+
+class LogprobFormatter:
+    """Builds `TokenEntry`s for one request (its num_top and text_in_logprobs)."""
+
+    def __init__(self, table: TokenTable, num_top: int | None, text_in_logprobs: bool) -> None:
+        self._table = table
+        self._num_top = num_top  # None: as wide as the arrays
+        self._with_text = text_in_logprobs
+
+    def entry(self, token_id: int, logprob: float) -> TokenEntry:
+        token = self._table.token_string(token_id) if self._with_text else ""
+        return TokenEntry(token_id, token, self._table.token_bytes(token_id), logprob)
+
+    def positions(
+        self,
+        chosen_ids: list[int],
+        logprobs: np.ndarray,  # [n] float32
+        top_ids: np.ndarray | None,  # [n, K] int32
+        top_logprobs: np.ndarray | None,  # [n, K] float32
+        token_ids_logprobs: np.ndarray | None = None,  # [n, M] float32
+    ) -> list[PositionLogprobs]:
+        """One PositionLogprobs per chosen id (arrays may have more rows: they are cut)."""
+        n = len(chosen_ids)
+        values = clamp(logprobs[:n])
+        tops = self._tops(top_ids, top_logprobs, n)
+        extra = clamp(token_ids_logprobs[:n]) if token_ids_logprobs is not None else None
+        return [
+            PositionLogprobs(
+                self.entry(chosen_ids[i], values[i]),
+                tops[i] if tops is not None else [],
+                extra[i] if extra is not None else [],
+            )
+            for i in range(n)
+        ]
+
+    def _tops(
+        self, top_ids: np.ndarray | None, top_logprobs: np.ndarray | None, n: int
+    ) -> list[list[TokenEntry]] | None:
+        if top_ids is None or top_logprobs is None:
+            return None
+        width = top_ids.shape[1] if self._num_top is None else self._num_top
+        ids = top_ids[:n, :width].tolist()
+        values = clamp(top_logprobs[:n, :width])
+        return [
+            [self.entry(t, v) for t, v in zip(row_ids, row_values, strict=True)]
+            for row_ids, row_values in zip(ids, values, strict=True)
+        ]
+
+    def output(self, out: RequestOutput, chosen_ids: list[int]) -> list[PositionLogprobs]:
+        """Entries for the kept new tokens of one RequestOutput; [] when none were asked."""
+        if out.logprobs is None:
+            if out.top_ids is not None or out.token_ids_logprobs is not None:
+                raise ValueError(f"{out.req_id}: top or token_ids logprobs without logprobs")
+            return []
+        return self.positions(
+            chosen_ids,
+            unpack(out.logprobs),
+            _maybe_unpack(out.top_ids),
+            _maybe_unpack(out.top_logprobs),
+            _maybe_unpack(out.token_ids_logprobs),
+        )
+
+    def prompt(self, prompt: PromptLogprobs) -> list[PositionLogprobs | None]:
+        """Prompt entries from `start`; position 0 (no logprob) is None."""
+        token_ids = unpack(prompt.token_ids).tolist()  # from start
+        first = max(prompt.start, 1)
+        head: list[PositionLogprobs | None] = [None] if prompt.start == 0 else []
+        scored = token_ids[first - prompt.start :]
+        top_ids = unpack(prompt.top_ids)
+        top_logprobs = unpack(prompt.top_logprobs)
+        has_top = top_ids.ndim == 2 and top_ids.shape[1] > 0
+        entries = self.positions(
+            scored,
+            unpack(prompt.logprobs),
+            top_ids if has_top else None,
+            top_logprobs if has_top else None,
+        )
+        return head + entries
+
+
+def _maybe_unpack(array: Array | None) -> np.ndarray | None:
+    return None if array is None else unpack(array)
