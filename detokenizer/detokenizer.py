@@ -7,7 +7,6 @@ carries its DetokenizeParams) and dropped when the request finishes.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sys
@@ -28,6 +27,7 @@ from tokenmill.protocol.outputs import (
     DetokenizedOutput,
     RequestOutput,
 )
+from tokenmill.protocol.process import setup_process
 from tokenmill.protocol.requests import DetokenizeParams
 
 logger = logging.getLogger(__name__)
@@ -166,25 +166,9 @@ def serve(detokenizer: Detokenizer, config: DetokenizerConfig, ctx: zmq.Context)
     logger.error("parent process %s is gone; detokenizer exits", config.parent_pid)
 
 
-def _set_process_title(title: str) -> None:
-    with contextlib.suppress(ImportError):
-        import setproctitle
-
-        setproctitle.setproctitle(title)
-
-
-def _setup_logging() -> None:
-    if not logging.getLogger().handlers:
-        logging.basicConfig(
-            level=logging.INFO,
-            format="%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s",
-        )
-
-
 def run_detokenizer(config: DetokenizerConfig) -> None:
     """Entry point of the detokenizer process; exits non-zero on any internal error."""
-    _set_process_title("tokenmill::detokenizer")
-    _setup_logging()
+    setup_process("tokenmill::detokenizer")
     ctx = zmq.Context()
     try:
         detokenizer = Detokenizer(TokenTable.from_file(config.tokenizer_path))

@@ -22,9 +22,11 @@ class Array(msgspec.Struct, frozen=True, array_like=True):
 
 
 def pack(array: np.ndarray) -> Array:
-    array = np.ascontiguousarray(array)
+    array = np.asarray(array)
     if array.dtype.name not in _DTYPES:
         raise TypeError(f"dtype {array.dtype} cannot travel in a message")
+    # NOTE: asarray, not ascontiguousarray (which makes 0-d arrays 1-d); little-endian bytes.
+    array = np.asarray(array, dtype=array.dtype.newbyteorder("<"), order="C")
     return Array(array.dtype.name, tuple(int(n) for n in array.shape), array.tobytes())
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import multiprocessing
 import os
 import signal
 import sys
@@ -19,6 +20,8 @@ def setup_logging(level: str = "info") -> None:
 
 
 def setup_process(title: str, level: str | None = None) -> None:
+    # NOTE: children are fresh interpreters; naming the process names their log lines.
+    multiprocessing.current_process().name = title.split("::")[-1]
     setup_logging(level or os.environ.get("TOKENMILL_LOG_LEVEL", "info"))
     try:
         import setproctitle  # optional

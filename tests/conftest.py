@@ -31,3 +31,31 @@ def tiny_checkpoint(checkpoint_root: Path):
         return built[arch]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def server(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory):
+    """The real server (all processes) on the tiny llama checkpoint, shared by e2e tests."""
+    from server_process import start_server
+
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    proc = start_server(
+        tiny_checkpoint("llama"),
+        log,
+        "--kv-cache-tokens",
+        "8192",
+        "--max-running-requests",
+        "32",
+        "--max-model-len",
+        "1024",
+    )
+    yield proc
+    code = proc.stop()
+    assert code == 0, f"server exited with {code} on SIGTERM:\n{proc.log()[-3000:]}"
+
+
+@pytest.fixture()
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)

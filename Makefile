@@ -1,0 +1,26 @@
+# The two commands a newcomer needs: `make serve` and `make test`.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+# NOTE: pinned so that pip takes the CPU build; on a GPU machine, install torch first
+# (any CUDA build >= 2.4) and `make install` leaves it alone.
+TORCH ?= torch==2.13.0
+PORT ?= 8000
+
+.PHONY: install serve test test-all lint bench
+
+install:
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH)"
+	$(PIP) install -q -e '.[test]'
+
+serve: install
+	$(PYTHON) -m tokenmill.frontend.cli serve --port $(PORT)
+
+lint:
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+
+test: install lint
+	$(PYTHON) -m pytest -q
+
+test-all: install lint
+	$(PYTHON) -m pytest -q -m ""

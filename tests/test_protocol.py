@@ -1,0 +1,271 @@
+"""Round-trip tests for the controller<->worker messages and the array codec in protocol/.
+
+Every array crosses a socket as dtype + shape + raw bytes; these tests pin that a message
+decodes to exactly what was encoded, that malformed frames are refused, and that no pickle
+path exists anywhere in the package.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+
+from tokenmill.protocol.arrays import Array, empty, pack, unpack
+from tokenmill.protocol.step import (
+    ForwardBatch,
+    LogprobAsks,
+    SamplingBatch,
+    StepResult,
+    WorkerFailed,
+    WorkerMessage,
+    WorkerReady,
+)
+
+ALLOWED_DTYPES = ["bool", "int8", "int32", "int64", "float16", "float32", "float64", "uint8"]
+SHAPES = [(), (0,), (5,), (3, 0), (2, 3), (2, 3, 4), (1, 1, 1, 7)]
+PACKAGE_DIRS = ["controller", "tp_worker", "detokenizer", "frontend", "protocol"]
+REPO_ROOT = Path(__file__).resolve().parent.parent
+STEP_DECODER = msgspec.msgpack.Decoder(ForwardBatch | StepResult)
+WORKER_DECODER = msgspec.msgpack.Decoder(WorkerMessage)
+
+
+def _random_array(dtype: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    if dtype == "bool":
+        values = rng.integers(0, 2, size=shape).astype(bool)
+    elif np.issubdtype(np.dtype(dtype), np.integer):
+        info = np.iinfo(dtype)
+        values = rng.integers(info.min, info.max, size=shape, dtype=dtype, endpoint=True)
+    else:
+        values = rng.standard_normal(size=shape).astype(dtype)
+    return np.asarray(values, dtype=dtype)
+
+
+def _assert_same(decoded: np.ndarray, original: np.ndarray) -> None:
+    assert decoded.dtype == original.dtype
+    assert decoded.shape == original.shape
+    np.testing.assert_array_equal(decoded, original)
+
+
+@pytest.mark.parametrize("dtype", ALLOWED_DTYPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_array_round_trip(dtype: str, shape: tuple[int, ...]) -> None:
+    original = _random_array(dtype, shape, np.random.default_rng(0))
+    message = pack(original)
+    assert message.dtype == dtype and message.shape == shape
+    _assert_same(unpack(message), original)
+    wire = msgspec.msgpack.encode(message)
+    _assert_same(unpack(msgspec.msgpack.decode(wire, type=Array)), original)
+
+
+def test_pack_makes_non_contiguous_arrays_contiguous() -> None:
+    original = np.arange(24, dtype=np.int32).reshape(4, 6)[:, ::2].T
+    _assert_same(unpack(pack(original)), original)
+
+
+def test_zero_dim_array_keeps_its_shape() -> None:
+    assert pack(np.array(3.5, np.float32)).shape == ()
+    _assert_same(unpack(pack(np.array(3.5, np.float32))), np.array(3.5, np.float32))
+
+
+@pytest.mark.parametrize("dtype", [">i4", ">f4", ">i8"])
+def test_big_endian_arrays_travel_as_little_endian(dtype: str) -> None:
+    original = np.arange(-3, 3).astype(dtype)
+    np.testing.assert_array_equal(unpack(pack(original)), original)
+
+
+def test_unpack_is_a_read_only_view() -> None:
+    decoded = unpack(pack(np.arange(4, dtype=np.int64)))
+    with pytest.raises(ValueError):
+        decoded[0] = 1
+
+
+def test_empty_helper() -> None:
+    _assert_same(unpack(empty("float32", 0, 3)), np.zeros((0, 3), np.float32))
+
+
+@pytest.mark.parametrize("extra_bytes", [-1, 1, 4])
+def test_frame_that_does_not_fill_shape_is_rejected(extra_bytes: int) -> None:
+    good = pack(np.arange(6, dtype=np.int32).reshape(2, 3))
+    data = good.data[:extra_bytes] if extra_bytes < 0 else good.data + b"\0" * extra_bytes
+    with pytest.raises(ValueError):
+        unpack(Array(good.dtype, good.shape, data))
+
+
+def test_frame_with_wrong_shape_from_the_wire_is_rejected() -> None:
+    wire = msgspec.msgpack.encode(Array("float32", (4, 4), b"\0" * 12))
+    with pytest.raises(ValueError):
+        unpack(msgspec.msgpack.decode(wire, type=Array))
+
+
+@pytest.mark.parametrize("dtype", ["object", "complex64"])
+def test_disallowed_dtype_is_rejected_both_ways(dtype: str) -> None:
+    values = np.array([1, "x"], dtype=object) if dtype == "object" else np.ones(2, dtype)
+    with pytest.raises(TypeError):
+        pack(values)
+    with pytest.raises(ValueError):
+        unpack(Array(dtype, (2,), b"\0" * 16))
+
+
+def _i32(*values: int) -> Array:
+    return pack(np.array(values, dtype=np.int32))
+
+
+def _forward_batch(decode_slots: Array | None, num_steps: int) -> ForwardBatch:
+    rng = np.random.default_rng(1)
+    return ForwardBatch(
+        step_id=7,
+        input_ids=pack(rng.integers(0, 32000, size=9, dtype=np.int32)),
+        out_slots=pack(np.arange(100, 109, dtype=np.int32)),
+        req_rows=_i32(0, 3),
+        prefix_lens=_i32(0, 12),
+        extend_lens=_i32(8, 1),
+        is_prefill=pack(np.array([True, False])),
+        fill_rows=_i32(3),
+        fill_lens=_i32(12),
+        fill_slots=pack(np.arange(12, dtype=np.int32)),
+        sampling=SamplingBatch(
+            temperature=pack(np.array([0.0, 0.7], np.float32)),
+            top_k=_i32(0, 40),
+            top_p=pack(np.array([1.0, 0.9], np.float32)),
+            min_p=pack(np.array([0.0, 0.05], np.float32)),
+            seed=pack(np.array([2**40 + 3, -1], np.int64)),
+        ),
+        logprobs=LogprobAsks(
+            num_top=_i32(5, 0),
+            token_ids_offsets=_i32(0, 2, 3),
+            token_ids=_i32(11, 12, 13),
+            prompt_start=_i32(0, -1),
+            prompt_next_id=_i32(42, -1),
+        ),
+        num_steps=num_steps,
+        decode_slots=decode_slots,
+    )
+
+
+def _step_result() -> StepResult:
+    rng = np.random.default_rng(2)
+    n, b, r, k, m, p, kp = 3, 2, 1, 5, 3, 7, 4
+    return StepResult(
+        step_id=7,
+        next_ids=pack(rng.integers(0, 32000, size=(n, b), dtype=np.int32)),
+        logprobs=pack(-rng.random((n, b), dtype=np.float32)),
+        top_ids=pack(rng.integers(0, 32000, size=(n, r, k), dtype=np.int32)),
+        top_logprobs=pack(-rng.random((n, r, k), dtype=np.float32)),
+        token_ids_logprobs=pack(-rng.random((n, m), dtype=np.float32)),
+        prompt_offsets=_i32(0, p, p),
+        prompt_logprobs=pack(-rng.random(p, dtype=np.float32)),
+        prompt_top_ids=pack(rng.integers(0, 32000, size=(p, kp), dtype=np.int32)),
+        prompt_top_logprobs=pack(-rng.random((p, kp), dtype=np.float32)),
+    )
+
+
+def _assert_struct_equal(decoded: msgspec.Struct, original: msgspec.Struct) -> None:
+    """Field by field; arrays compared by dtype, shape and values after unpacking."""
+    assert type(decoded) is type(original)
+    for name in original.__struct_fields__:
+        got, want = getattr(decoded, name), getattr(original, name)
+        if isinstance(want, Array):
+            assert isinstance(got, Array), name
+            _assert_same(unpack(got), unpack(want))
+        elif isinstance(want, msgspec.Struct):
+            _assert_struct_equal(got, want)
+        else:
+            assert got == want, name
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        _forward_batch(None, 1),
+        _forward_batch(pack(np.array([[109, 200], [110, 201]], np.int32)), 3),
+        _step_result(),
+    ],
+    ids=["forward", "forward_multi_step", "step_result"],
+)
+def test_step_messages_round_trip_through_tagged_union(message: msgspec.Struct) -> None:
+    decoded = STEP_DECODER.decode(msgspec.msgpack.encode(message))
+    _assert_struct_equal(decoded, message)
+    assert decoded == message
+
+
+@pytest.mark.parametrize(
+    "message",
+    [WorkerReady(8256, 8192, (1, 128001)), _step_result(), WorkerFailed(9, "CUDA OOM")],
+    ids=["ready", "step", "failed"],
+)
+def test_worker_messages_round_trip(message: msgspec.Struct) -> None:
+    decoded = WORKER_DECODER.decode(msgspec.msgpack.encode(message))
+    _assert_struct_equal(decoded, message)
+
+
+def test_forward_batch_defaults_survive_the_wire() -> None:
+    decoded = STEP_DECODER.decode(msgspec.msgpack.encode(_forward_batch(None, 1)))
+    assert isinstance(decoded, ForwardBatch)
+    assert decoded.num_steps == 1 and decoded.decode_slots is None
+
+
+def test_step_decoder_rejects_untagged_and_foreign_bytes() -> None:
+    with pytest.raises(msgspec.ValidationError):
+        STEP_DECODER.decode(msgspec.msgpack.encode({"type": "other", "step_id": 1}))
+    with pytest.raises(msgspec.DecodeError):
+        STEP_DECODER.decode(b"\x80\x04\x95garbage")
+
+
+FORBIDDEN = re.compile(
+    r"^\s*(import|from)\s+(c?pickle|cloudpickle|dill)\b"
+    r"|\bimport\s+.*\b(c?pickle|cloudpickle)\b"
+    r"|\b(send|recv)_pyobj\b"
+    r"|\btorch\.load\(",
+    re.MULTILINE,
+)
+
+
+def _package_sources() -> list[Path]:
+    return sorted(
+        path
+        for folder in PACKAGE_DIRS
+        if (REPO_ROOT / folder).is_dir()
+        for path in (REPO_ROOT / folder).rglob("*.py")
+    )
+
+
+def test_package_sources_are_found() -> None:
+    names = {p.relative_to(REPO_ROOT).parts[0] for p in _package_sources()}
+    assert {"protocol", "tp_worker"} <= names
+
+
+def test_no_pickle_anywhere_in_the_package() -> None:
+    offenders = [
+        f"{path.relative_to(REPO_ROOT)}:{text.count(chr(10), 0, match.start()) + 1}: "
+        f"{match.group(0).strip()}"
+        for path in _package_sources()
+        for text in [path.read_text(encoding="utf-8")]
+        for match in FORBIDDEN.finditer(text)
+    ]
+    assert not offenders, "pickle paths in the package:\n" + "\n".join(offenders)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "import pickle",
+        "import os, pickle",
+        "from pickle import loads",
+        "import cloudpickle",
+        "  from cloudpickle import dumps",
+        "sock.send_pyobj(x)",
+        "obj = sock.recv_pyobj()",
+        "state = torch.load(path)",
+    ],
+)
+def test_pickle_pattern_catches(line: str) -> None:
+    assert FORBIDDEN.search(line)
+
+
+@pytest.mark.parametrize("line", ["# unpickled", "safetensors.torch.load_file(p)", "x.loads(b)"])
+def test_pickle_pattern_spares(line: str) -> None:
+    assert not FORBIDDEN.search(line)

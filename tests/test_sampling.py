@@ -1,0 +1,208 @@
+"""Tests of tp_worker/sampling.py against a plain per-request NumPy reference.
+
+The batched torch code must give, row by row, the distribution a one-request-at-a-time
+implementation gives, and its noise must make each sample a function of (seed, position)
+only, so that batch composition never changes what a request samples.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from tokenmill.tp_worker.sampling import (
+    SamplingTensors,
+    exponential_noise,
+    filtered_probs,
+    sample,
+)
+
+VOCAB = 50
+TEMPERATURES = [0.3, 1.0, 1.7]
+TOP_KS = [0, 1, 5, 49]
+TOP_PS = [1.0, 0.9, 0.5, 0.05]
+MIN_PS = [0.0, 0.05, 0.3]
+COMBOS = list(itertools.product(TEMPERATURES, TOP_KS, TOP_PS, MIN_PS))
+
+
+def reference_probs(
+    logits: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float
+) -> np.ndarray:
+    """One request, one position, float64, written out step by step."""
+    z = logits.astype(np.float64) / temperature
+    probs = np.exp(z - z.max())
+    probs /= probs.sum()
+    order = np.argsort(-probs, kind="stable")
+    if top_k > 0:
+        probs[order[top_k:]] = 0.0
+        probs /= probs.sum()
+    mass_before = 0.0
+    for token in order:
+        keep = mass_before < top_p
+        mass_before += probs[token]
+        if not keep:
+            probs[token] = 0.0
+    probs /= probs.sum()
+    probs[probs < min_p * probs.max()] = 0.0
+    return probs / probs.sum()
+
+
+def params(
+    temperature: list[float],
+    top_k: list[int],
+    top_p: list[float],
+    min_p: list[float],
+    seed: list[int],
+) -> SamplingTensors:
+    return SamplingTensors(
+        temperature=torch.tensor(temperature, dtype=torch.float32),
+        top_k=torch.tensor(top_k, dtype=torch.int64),
+        top_p=torch.tensor(top_p, dtype=torch.float32),
+        min_p=torch.tensor(min_p, dtype=torch.float32),
+        seed=torch.tensor(seed, dtype=torch.int64),
+    )
+
+
+def _params_of(rows: list[tuple[float, int, float, float]], seed: int = 0) -> SamplingTensors:
+    columns = list(zip(*rows, strict=True)) if rows else [[], [], [], []]
+    return params(*(list(c) for c in columns), seed=[seed] * len(rows))
+
+
+def _logits(rows: int, vocab: int = VOCAB, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, vocab, generator=generator) * 3.0
+
+
+def test_filtered_probs_match_reference_for_every_combo_in_one_batch() -> None:
+    logits = _logits(len(COMBOS))
+    got = filtered_probs(logits, _params_of(COMBOS)).double().numpy()
+    for row, combo in enumerate(COMBOS):
+        want = reference_probs(logits[row].numpy(), *combo)
+        np.testing.assert_allclose(got[row], want, atol=1e-6, err_msg=str(combo))
+
+
+@pytest.mark.parametrize("index", range(0, len(COMBOS), 7))
+def test_filtered_probs_match_reference_for_a_single_row(index: int) -> None:
+    combo = COMBOS[index]
+    logits = _logits(4, seed=index)
+    got = filtered_probs(logits, _params_of([combo] * 4)).double().numpy()
+    for row in range(4):
+        np.testing.assert_allclose(
+            got[row], reference_probs(logits[row].numpy(), *combo), atol=1e-6
+        )
+
+
+def test_filtered_probs_with_no_filter_is_softmax() -> None:
+    logits = _logits(3)
+    got = filtered_probs(logits, _params_of([(1.0, 0, 1.0, 0.0)] * 3))
+    torch.testing.assert_close(got, torch.softmax(logits, dim=-1), atol=1e-6, rtol=0)
+
+
+def test_top_k_one_and_tiny_top_p_keep_only_the_argmax() -> None:
+    logits = _logits(2)
+    got = filtered_probs(logits, _params_of([(1.0, 1, 1.0, 0.0), (1.0, 0, 1e-6, 0.0)]))
+    expected = torch.nn.functional.one_hot(logits.argmax(dim=-1), VOCAB).float()
+    torch.testing.assert_close(got, expected)
+
+
+def test_greedy_rows_give_argmax_next_to_random_rows() -> None:
+    logits = _logits(6)
+    rows = [(0.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.0), (0.0, 5, 0.5, 0.1)] * 2
+    ids = sample(logits, _params_of(rows, seed=3), torch.arange(6))
+    greedy = [0, 2, 3, 5]
+    assert ids[greedy].tolist() == logits.argmax(dim=-1)[greedy].tolist()
+
+
+def test_all_greedy_batch_gives_argmax() -> None:
+    logits = _logits(4)
+    ids = sample(logits, _params_of([(0.0, 0, 1.0, 0.0)] * 4), torch.zeros(4, dtype=torch.long))
+    assert ids.tolist() == logits.argmax(dim=-1).tolist()
+
+
+def test_sample_is_deterministic_for_same_seed_and_position() -> None:
+    logits = _logits(8)
+    p = _params_of([(1.0, 0, 1.0, 0.0)] * 8, seed=11)
+    positions = torch.arange(8) * 13
+    assert torch.equal(sample(logits, p, positions), sample(logits.clone(), p, positions))
+
+
+def test_sample_does_not_depend_on_batch_composition() -> None:
+    logits = _logits(8, seed=5)
+    rows = [COMBOS[i] for i in range(0, len(COMBOS), len(COMBOS) // 8)][:8]
+    rows[3] = (1.0, 0, 1.0, 0.0)
+    seeds = [101, 7, 3, 2**40 + 9, 55, 0, 99, 12345]
+    batch = params(*(list(c) for c in zip(*rows, strict=True)), seed=seeds)
+    positions = torch.tensor([5, 17, 3, 900, 41, 0, 8, 2**20])
+    batched = sample(logits, batch, positions)
+    for b in range(8):
+        alone = sample(logits[b : b + 1], batch.rows(torch.tensor([b])), positions[b : b + 1])
+        assert alone.item() == batched[b].item(), f"row {b}"
+
+
+def test_different_seeds_and_positions_give_different_samples() -> None:
+    logits = torch.zeros(1, VOCAB)  # uniform: every draw is decided by the noise alone
+    uniform = (1.0, 0, 1.0, 0.0)
+    by_seed = {
+        sample(logits, _params_of([uniform], seed=s), torch.tensor([0])).item() for s in range(40)
+    }
+    by_position = {
+        sample(logits, _params_of([uniform], seed=0), torch.tensor([p])).item() for p in range(40)
+    }
+    assert len(by_seed) > 15 and len(by_position) > 15
+
+
+def _draws(logits_row: torch.Tensor, combo: tuple[float, int, float, float], n: int) -> np.ndarray:
+    """n samples of one request at positions 0..n-1 (one batch of n identical rows)."""
+    p = _params_of([combo] * n, seed=2024)
+    return sample(logits_row.expand(n, -1).clone(), p, torch.arange(n)).numpy()
+
+
+@pytest.mark.parametrize(
+    "combo", [(1.0, 0, 1.0, 0.0), (0.7, 4, 1.0, 0.0), (1.3, 0, 0.8, 0.0), (1.0, 0, 1.0, 0.2)]
+)
+def test_empirical_distribution_matches_filtered_probs(
+    combo: tuple[float, int, float, float],
+) -> None:
+    logits_row = torch.tensor([[1.2, 0.3, -0.5, 0.9, -1.5, 0.0]])
+    probs = filtered_probs(logits_row, _params_of([combo]))[0].double().numpy()
+    draws = _draws(logits_row, combo, 4000)
+    empirical = np.bincount(draws, minlength=6) / len(draws)
+    assert 0.5 * np.abs(empirical - probs).sum() < 0.05
+    assert set(draws.tolist()) <= set(np.flatnonzero(probs > 0).tolist())
+
+
+def test_filtered_tokens_are_never_sampled() -> None:
+    logits_row = _logits(1, vocab=VOCAB, seed=9)
+    combo = (2.0, 10, 0.9, 0.1)
+    allowed = filtered_probs(logits_row, _params_of([combo]))[0] > 0
+    draws = _draws(logits_row, combo, 3000)
+    assert allowed[torch.from_numpy(draws)].all()
+    assert 1 < allowed.sum() < 10
+
+
+def test_exponential_noise_is_a_pure_function() -> None:
+    seeds = torch.tensor([0, 1, 2**40 + 1, -5])
+    positions = torch.tensor([0, 7, 7, 123456])
+    first = exponential_noise(seeds, positions, 1000)
+    assert torch.equal(first, exponential_noise(seeds.clone(), positions.clone(), 1000))
+    # A row's noise depends only on its own (seed, position): permuting rows permutes noise.
+    perm = torch.tensor([2, 0, 3, 1])
+    assert torch.equal(exponential_noise(seeds[perm], positions[perm], 1000), first[perm])
+    # A longer vocabulary extends the noise without changing the shared prefix.
+    assert torch.equal(exponential_noise(seeds, positions, 1500)[:, :1000], first)
+    assert not torch.equal(first[1], first[2])
+
+
+def test_exponential_noise_looks_like_exp_one() -> None:
+    seeds = torch.arange(64)
+    noise = exponential_noise(seeds, seeds * 3 + 1, 4096).double()
+    assert bool((noise > 0).all()) and bool(torch.isfinite(noise).all())
+    assert abs(noise.mean().item() - 1.0) < 0.01
+    assert abs(noise.var().item() - 1.0) < 0.03
+    uniform = torch.exp(-noise).flatten().numpy()  # back to U(0, 1)
+    counts = np.histogram(uniform, bins=20, range=(0.0, 1.0))[0]
+    expected = len(uniform) / 20
+    assert np.abs(counts - expected).max() < 6 * np.sqrt(expected)

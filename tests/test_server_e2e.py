@@ -1,0 +1,266 @@
+"""End to end: the real server (frontend, controller, tp_worker, detokenizer processes) on
+loopback, driven by the `openai` client, checked against the in-process runner and
+`transformers`."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import openai
+import pytest
+import torch
+import transformers
+from helpers import make_engine, oracle
+
+from tokenmill.detokenizer.token_table import TokenTable
+from tokenmill.tp_worker.offline import OfflineRequest
+
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Name a module for dates — é, 🎉."},
+]
+
+
+@pytest.fixture(scope="module")
+def reference(server):
+    """Chat prompt ids as the server renders them, and tools to score them in-process."""
+    from pathlib import Path
+
+    model = Path(server.model)
+    tok = transformers.AutoTokenizer.from_pretrained(model)
+    prompt_ids = tok.apply_chat_template(
+        MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    return {
+        "prompt_ids": list(prompt_ids),
+        "hf": hf,
+        "engine": make_engine(model),
+        "table": TokenTable.from_file(model),
+    }
+
+
+def test_chat_logprobs_match_runner_and_transformers(client, server, reference) -> None:
+    resp = client.chat.completions.create(
+        model=server.model,
+        messages=MESSAGES,
+        max_tokens=16,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=5,
+    )
+    choice = resp.choices[0]
+    content = choice.logprobs.content
+    prompt = reference["prompt_ids"]
+    ours = reference["engine"].generate(
+        [OfflineRequest(prompt, max_tokens=16, num_top=5, stop_at_eos=True)]
+    )[0]
+    table = reference["table"]
+    assert [c.token for c in content] == [table.token_string(t) for t in ours.output_ids]
+    np.testing.assert_allclose([c.logprob for c in content], ours.logprobs, atol=1e-5, rtol=0)
+    for c, top_lps in zip(content, ours.top_logprobs, strict=True):
+        np.testing.assert_allclose([t.logprob for t in c.top_logprobs], top_lps, atol=1e-5, rtol=0)
+    ref = oracle(reference["hf"], prompt + ours.output_ids)
+    positions = np.arange(len(prompt) - 1, len(prompt) - 1 + len(ours.output_ids))
+    np.testing.assert_allclose(
+        [c.logprob for c in content], ref.of(positions, ours.output_ids), atol=1e-4, rtol=0
+    )
+    text_bytes = b"".join(bytes(c.bytes) for c in content if c.bytes is not None)
+    assert text_bytes.decode("utf-8", errors="replace") == choice.message.content
+    assert resp.usage.prompt_tokens == len(prompt)
+    assert resp.usage.completion_tokens == len(content)
+
+
+def test_streamed_chat_concatenates_to_the_whole(client, server) -> None:
+    kwargs = {
+        "model": server.model,
+        "messages": MESSAGES,
+        "max_tokens": 20,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 3,
+    }
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(
+        client.chat.completions.create(
+            **kwargs, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    entries = [
+        e
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
+    assert text == whole.choices[0].message.content
+    assert [e.model_dump() for e in entries] == [
+        e.model_dump() for e in whole.choices[0].logprobs.content
+    ]
+    finish = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert finish == [whole.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_completions_echo_scores_the_prompt(client, server, reference) -> None:
+    prompt = reference["prompt_ids"]
+    resp = client.completions.create(
+        model=server.model, prompt=prompt, max_tokens=0, echo=True, logprobs=5
+    )
+    lp = resp.choices[0].logprobs
+    assert len(lp.tokens) == len(prompt)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    ref = oracle(reference["hf"], prompt)
+    expected = ref.of(np.arange(len(prompt) - 1), prompt[1:])
+    np.testing.assert_allclose(lp.token_logprobs[1:], expected, atol=1e-4, rtol=0)
+    assert all(len(d) >= 5 for d in lp.top_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset)
+
+
+def test_streamed_completion_matches_whole(client, server) -> None:
+    kwargs = {
+        "model": server.model,
+        "prompt": "Return the number of",
+        "max_tokens": 24,
+        "temperature": 0,
+        "logprobs": 2,
+    }
+    whole = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(**kwargs, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    streamed = [
+        t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs
+    ]
+    assert streamed == whole.choices[0].logprobs.token_logprobs
+
+
+def test_64_concurrent_requests_equal_one_by_one(server) -> None:
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(5, 1000, int(n)).tolist() for n in rng.integers(2, 200, 64)]
+
+    async def run(concurrent: bool) -> list[tuple[str, list[float]]]:
+        aclient = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+
+        async def one(p: list[int]) -> tuple[str, list[float]]:
+            r = await aclient.completions.create(
+                model=server.model, prompt=p, max_tokens=12, temperature=0, logprobs=1
+            )
+            return r.choices[0].text, r.choices[0].logprobs.token_logprobs
+
+        if concurrent:
+            return list(await asyncio.gather(*(one(p) for p in prompts)))
+        return [await one(p) for p in prompts]
+
+    alone = asyncio.run(run(concurrent=False))
+    together = asyncio.run(run(concurrent=True))
+    for (text_a, lps_a), (text_b, lps_b) in zip(alone, together, strict=True):
+        assert text_a == text_b
+        np.testing.assert_allclose(lps_a, lps_b, atol=1e-5, rtol=0)
+
+
+def wait_idle(server, timeout: float = 10.0) -> dict[str, float]:
+    """Metrics once the engine reports no running or waiting request and no used slot."""
+    deadline = time.monotonic() + timeout
+    while True:
+        metrics = server.metrics()
+        idle = (
+            metrics["tokenmill_num_requests_running"] == 0
+            and metrics["tokenmill_num_requests_waiting"] == 0
+            and metrics["tokenmill_kv_slots_used"] == 0
+        )
+        if idle or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.1)
+
+
+def test_cancelled_streams_free_their_kv_slots(server) -> None:
+    before = wait_idle(server)
+    assert before["tokenmill_kv_slots_used"] == 0
+
+    async def cancel_midway() -> None:
+        aclient = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+
+        async def one(i: int) -> None:
+            stream = await aclient.completions.create(
+                model=server.model,
+                prompt=f"Stream number {i}",
+                max_tokens=500,
+                stream=True,
+                temperature=0.7,
+                extra_body={"ignore_eos": True},
+            )
+            seen = 0
+            async for _ in stream:
+                seen += 1
+                if seen == 3:
+                    break
+            await stream.close()
+
+        await asyncio.gather(*(one(i) for i in range(20)))
+
+    asyncio.run(cancel_midway())
+    after = wait_idle(server)
+    assert after["tokenmill_kv_slots_used"] == 0
+    assert after["tokenmill_num_requests_running"] == 0
+    assert after["tokenmill_kv_slots_total"] == before["tokenmill_kv_slots_total"]
+    finished = {k: v for k, v in after.items() if k.startswith("tokenmill_requests_finished")}
+    assert finished.get('tokenmill_requests_finished_total{finish_reason="abort"}', 0) >= 20
+    status, _ = server.post(
+        "/v1/completions", {"model": server.model, "prompt": "still", "max_tokens": 2}
+    )
+    assert status == 200
+
+
+def test_native_generate_token_ids_logprob_and_start_len(server, reference) -> None:
+    prompt = reference["prompt_ids"]
+    status, body = server.post(
+        "/generate",
+        {
+            "input_ids": prompt,
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+            "return_logprob": True,
+            "logprob_start_len": 5,
+            "top_logprobs_num": 2,
+            "token_ids_logprob": [7, 9],
+            "return_text_in_logprobs": True,
+        },
+    )
+    assert status == 200, body
+    meta = body["meta_info"]
+    assert len(meta["output_token_logprobs"]) == 4
+    assert len(meta["input_token_logprobs"]) == len(prompt) - 5
+    ref = oracle(reference["hf"], prompt + body["output_ids"])
+    expected = ref.of(np.arange(4, len(prompt) - 1), prompt[5:])
+    np.testing.assert_allclose(
+        [e[0] for e in meta["input_token_logprobs"]], expected, atol=1e-4, rtol=0
+    )
+    positions = np.arange(len(prompt) - 1, len(prompt) + 3)
+    scored = meta["output_token_ids_logprobs"]
+    for i, pos in enumerate(positions):
+        np.testing.assert_allclose(
+            [e[0] for e in scored[i]], ref.logprobs[pos, [7, 9]], atol=1e-4, rtol=0
+        )
+
+
+def test_bad_requests_get_400_and_the_engine_keeps_serving(server) -> None:
+    bad = [
+        {"model": server.model, "prompt": "x", "max_tokens": -1},
+        {"model": server.model, "prompt": [10**9], "max_tokens": 1},
+        {"model": server.model, "prompt": "x", "max_tokens": 10**7},
+        {"model": server.model, "prompt": "x", "logprobs": 21},
+        {"model": "nope", "prompt": "x"},
+    ]
+    for body in bad:
+        status, err = server.post("/v1/completions", body)
+        assert status in (400, 404), body
+        assert set(err["error"]) >= {"message", "type", "param", "code"}
+    status, _ = server.post("/v1/completions", b"{not json")
+    assert status == 400
+    status, body = server.post(
+        "/v1/completions", {"model": server.model, "prompt": "ok", "max_tokens": 3}
+    )
+    assert status == 200 and body["usage"]["completion_tokens"] == 3
