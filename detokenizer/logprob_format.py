@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from msgspec.structs import replace
 
 from tokenmill.detokenizer.token_table import TokenTable
 from tokenmill.protocol.arrays import Array, unpack
@@ -86,11 +87,13 @@ class LogprobFormatter:
             _maybe_unpack(out.token_ids_logprobs),
         )
 
-    def prompt(self, prompt: PromptLogprobs) -> list[PositionLogprobs | None]:
-        """Prompt entries from `start`; position 0 (no logprob) is None."""
+    def prompt(self, prompt: PromptLogprobs) -> list[PositionLogprobs]:
+        """Prompt entries from `start`; position 0 has no logprob (None) and no top."""
         token_ids = unpack(prompt.token_ids).tolist()  # from start
         first = max(prompt.start, 1)
-        head: list[PositionLogprobs | None] = [None] if prompt.start == 0 else []
+        head = []
+        if prompt.start == 0 and token_ids:
+            head = [PositionLogprobs(replace(self.entry(token_ids[0], 0.0), logprob=None))]
         scored = token_ids[first - prompt.start :]
         top_ids = unpack(prompt.top_ids)
         top_logprobs = unpack(prompt.top_logprobs)

@@ -56,7 +56,7 @@ class TokenEntry(msgspec.Struct, frozen=True, array_like=True):
     token: str  # the UTF-8 text, or "bytes:\\xNN..." when not valid UTF-8 by itself
     # NOTE: builtins.bytes, since the field's own name shadows the type inside the class.
     bytes: builtins.bytes | None  # None for special tokens with no byte form
-    logprob: float  # clamped to -9999.0 for -inf / NaN
+    logprob: float | None  # clamped to -9999.0 for -inf / NaN; None: prompt position 0
 
 
 class PositionLogprobs(msgspec.Struct, frozen=True, array_like=True):
@@ -70,7 +70,7 @@ class DetokenizedOutput(msgspec.Struct, frozen=True, array_like=True):
     text: str  # new text since the last output (stop strings and what follows removed)
     token_ids: list[int]  # new output ids (small: a step's worth)
     logprobs: list[PositionLogprobs] = []  # one per new token, when asked
-    prompt_logprobs: list[PositionLogprobs | None] = []  # once, from start; None for position 0
+    prompt_logprobs: list[PositionLogprobs] = []  # once, from start (position 0: logprob None)
     finish_reason: str | None = None
     finish_detail: str | None = None  # matched stop string / stop token id / error
     num_prompt_tokens: int = 0

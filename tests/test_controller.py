@@ -99,21 +99,36 @@ class FakeSockets:
         self.reports.append(report)
 
 
-def make_controller(kv_tokens: int = 256, max_running: int = 8, max_prefill: int = 64,
-                    max_model_len: int = 128) -> tuple[Controller, FakeSockets]:
-    config = ControllerConfig("", (), "", "", "", max_running_requests=max_running,
-                              max_prefill_tokens=max_prefill, report_interval_s=0.0)
+def make_controller(
+    kv_tokens: int = 256, max_running: int = 8, max_prefill: int = 64, max_model_len: int = 128
+) -> tuple[Controller, FakeSockets]:
+    config = ControllerConfig(
+        "",
+        (),
+        "",
+        "",
+        "",
+        max_running_requests=max_running,
+        max_prefill_tokens=max_prefill,
+        report_interval_s=0.0,
+    )
     sockets = FakeSockets()
-    ready = WorkerReady(kv_cache_tokens=kv_tokens, max_model_len=max_model_len,
-                        eos_token_ids=(EOS,))
+    ready = WorkerReady(
+        kv_cache_tokens=kv_tokens, max_model_len=max_model_len, eos_token_ids=(EOS,)
+    )
     return Controller(config, ready, sockets), sockets  # type: ignore[arg-type]
 
 
-def request(req_id: str, prompt: list[int], max_tokens: int = 4, **logprobs: object
-            ) -> GenerateRequest:
-    return GenerateRequest(req_id, pack(np.array(prompt, np.int32)),
-                           SamplingParams(max_tokens=max_tokens, temperature=0.0),
-                           LogprobParams(**logprobs), DetokenizeParams())
+def request(
+    req_id: str, prompt: list[int], max_tokens: int = 4, **logprobs: object
+) -> GenerateRequest:
+    return GenerateRequest(
+        req_id,
+        pack(np.array(prompt, np.int32)),
+        SamplingParams(max_tokens=max_tokens, temperature=0.0),
+        LogprobParams(**logprobs),
+        DetokenizeParams(),
+    )
 
 
 def run_until_idle(controller: Controller, limit: int = 500) -> None:
@@ -166,8 +181,9 @@ def test_eos_and_stop_token_ids_finish_with_stop() -> None:
 
 def test_max_tokens_zero_scores_the_prompt_only() -> None:
     controller, sockets = make_controller(max_prefill=4)
-    sockets.inbox.append(request("echo", list(range(3, 13)), max_tokens=0, prompt_start=0,
-                                 num_top=2))
+    sockets.inbox.append(
+        request("echo", list(range(3, 13)), max_tokens=0, prompt_start=0, num_top=2)
+    )
     run_until_idle(controller)
     (out,) = sockets.outputs
     assert out.finish_reason == "length" and len(unpack(out.new_ids)) == 0
@@ -180,8 +196,9 @@ def test_max_tokens_zero_scores_the_prompt_only() -> None:
 
 def test_prompt_logprobs_from_a_start_position() -> None:
     controller, sockets = make_controller(max_prefill=5)
-    sockets.inbox.append(request("s", list(range(3, 20)), max_tokens=1, prompt_start=7,
-                                 return_logprob=True))
+    sockets.inbox.append(
+        request("s", list(range(3, 20)), max_tokens=1, prompt_start=7, return_logprob=True)
+    )
     run_until_idle(controller)
     out = sockets.outputs[0]
     assert out.prompt is not None and out.prompt.start == 7
@@ -227,8 +244,9 @@ def test_abort_frees_slots_and_reports_abort() -> None:
 def test_generation_logprobs_slice_per_request() -> None:
     controller, sockets = make_controller()
     sockets.inbox.append(request("plain", [3, 4], max_tokens=2))
-    sockets.inbox.append(request("top", [5, 6], max_tokens=2, return_logprob=True, num_top=3,
-                                 token_ids=(7, 8)))
+    sockets.inbox.append(
+        request("top", [5, 6], max_tokens=2, return_logprob=True, num_top=3, token_ids=(7, 8))
+    )
     run_until_idle(controller)
     top = [o for o in sockets.outputs if o.req_id == "top"]
     plain = [o for o in sockets.outputs if o.req_id == "plain"]

@@ -253,8 +253,10 @@ def test_prompt_logprobs(start: int) -> None:
     )
     entries = LogprobFormatter(table, 2, True).prompt(prompt)
     assert len(entries) == len(prompt_ids) - start
-    assert (entries[0] is None) == (start == 0)
-    scored = [e for e in entries if e is not None]
+    assert (entries[0].chosen.logprob is None) == (start == 0)
+    if start == 0:
+        assert entries[0].chosen.token_id == prompt_ids[0] and entries[0].top == []
+    scored = [e for e in entries if e.chosen.logprob is not None]
     assert [e.chosen.token_id for e in scored] == prompt_ids[first:]
     assert all(e.chosen.logprob == -1.5 and e.top[0].logprob == -9999.0 for e in scored)
 
@@ -311,7 +313,7 @@ def test_detokenizer_end_to_end() -> None:
     assert [o.num_output_tokens for o in a] == [2, 4, 6]
     assert a[-1].finish_reason == "stop" and a[-1].finish_detail == "8"
     assert len(a[0].logprobs) == 2 and a[0].logprobs[0].chosen.bytes == b"Hel"
-    assert a[0].prompt_logprobs[0] is None and len(a[0].prompt_logprobs) == 3
+    assert a[0].prompt_logprobs[0].chosen.logprob is None and len(a[0].prompt_logprobs) == 3
     assert [o.prompt_logprobs for o in a[1:]] == [[], []]
     assert "".join(o.text for o in b) == "Hello "
     assert b[-1].finish_reason == "stop" and b[-1].finish_detail == "wor"

@@ -1,0 +1,273 @@
+"""Request bodies of the OpenAI APIs, /v1/chat/completions and /v1/completions (main process).
+
+Each body is decoded into its Struct (types and ranges checked by msgspec), checked for what
+the types cannot say (logprob options, prompt shapes, context length), and expanded into one
+GenerateRequest per prompt and choice.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
+
+from tokenmill.frontend.api_requests import (
+    MAX_STOP_OPENAI,
+    ApiError,
+    NonNegative,
+    NumChoices,
+    ParsedRequest,
+    Penalty,
+    PromptOptions,
+    RequestContext,
+    Seed,
+    Temperature,
+    TopK,
+    TopLogprobs,
+    TopP,
+    build_choices,
+    check_model,
+    check_token_ids,
+    check_unsupported,
+    decode_body,
+    new_id,
+    sampling_fields,
+    stop_strings,
+)
+from tokenmill.frontend.chat_template import ChatTemplateError
+from tokenmill.protocol.requests import DetokenizeParams, LogprobParams
+
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool | None = None
+
+
+class _OpenAIFields(msgspec.Struct, kw_only=True):
+    """Fields chat and completions share (with vLLM's extensions top_k, min_p, ...)."""
+
+    model: str | None = None
+    n: NumChoices | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    seed: Seed | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    stop_token_ids: list[NonNegative] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: NonNegative | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+
+class ContentPart(msgspec.Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionBody(_OpenAIFields, kw_only=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: TopLogprobs | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionBody(_OpenAIFields, kw_only=True):
+    prompt: Any  # str | list[str] | list[int] | list[list[int]], checked by `_prompts`
+    max_tokens: NonNegative | None = None
+    echo: bool | None = None
+    logprobs: TopLogprobs | None = None
+    suffix: str | None = None
+    best_of: Annotated[int, Meta(ge=1)] | None = None
+
+
+def _options(
+    body: _OpenAIFields,
+    ctx: RequestContext,
+    max_tokens: int | None,
+    min_max_tokens: int,
+    prompt_param: str,
+    logprobs: LogprobParams,
+) -> PromptOptions:
+    check_unsupported(
+        {
+            "frequency_penalty": body.frequency_penalty,
+            "presence_penalty": body.presence_penalty,
+            "logit_bias": body.logit_bias,
+        }
+    )
+    sampling = sampling_fields(
+        body.temperature,
+        body.top_p,
+        body.top_k,
+        body.min_p,
+        body.stop_token_ids,
+        body.ignore_eos,
+        body.min_tokens,
+        ctx,
+    )
+    detokenize = DetokenizeParams(
+        stop=stop_strings(body.stop, MAX_STOP_OPENAI),
+        skip_special_tokens=body.skip_special_tokens is not False,
+        include_stop_str=bool(body.include_stop_str_in_output),
+    )
+    return PromptOptions(
+        n=body.n or 1,
+        max_tokens=max_tokens,
+        min_max_tokens=min_max_tokens,
+        max_tokens_param="max_tokens",
+        prompt_param=prompt_param,
+        seed=body.seed,
+        sampling=sampling,
+        logprobs=logprobs,
+        detokenize=detokenize,
+    )
+
+
+def _message_dict(i: int, message: ChatMessage) -> dict[str, Any]:
+    if message.role not in ROLES:
+        raise ApiError(
+            f"unknown role {message.role!r}; use one of {sorted(ROLES)}", f"messages[{i}].role"
+        )
+    content = message.content
+    if content is None:
+        if message.role != "assistant":
+            raise ApiError("message content is missing", f"messages[{i}].content")
+        content = ""
+    elif isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if part.type != "text" or part.text is None:
+                raise ApiError(
+                    f"content part type {part.type!r} is not supported; only text parts are",
+                    f"messages[{i}].content[{j}].type",
+                )
+            texts.append(part.text)
+        # NOTE: parts are joined as they are, with nothing in between.
+        content = "".join(texts)
+    out: dict[str, Any] = {"role": message.role, "content": content}
+    if message.name is not None:
+        out["name"] = message.name
+    return out
+
+
+def parse_chat(raw: bytes, ctx: RequestContext) -> ParsedRequest:
+    body = decode_body(raw, ChatCompletionBody)
+    model = check_model(body.model, ctx)
+    check_unsupported({"tools": body.tools})
+    if body.response_format and body.response_format.get("type") not in (None, "text"):
+        raise ApiError("only response_format {'type': 'text'} is supported", "response_format")
+    top = body.top_logprobs or 0
+    if top > 0 and not body.logprobs:
+        raise ApiError("top_logprobs requires logprobs to be true", "top_logprobs")
+    if top > ctx.max_logprobs:
+        raise ApiError(f"top_logprobs must be at most {ctx.max_logprobs}", "top_logprobs")
+    if ctx.chat_template is None:
+        raise ApiError("this model has no chat template; use /v1/completions", "messages")
+    messages = [_message_dict(i, m) for i, m in enumerate(body.messages)]
+    try:
+        text = ctx.chat_template.render(messages)
+    except ChatTemplateError as e:
+        raise ApiError(str(e), "messages") from e
+    ids = ctx.tokenizer.encode(text, add_special_tokens=False)
+    logprobs = LogprobParams(return_logprob=bool(body.logprobs), num_top=top)
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    opts = _options(body, ctx, max_tokens, 1, "messages", logprobs)
+    response_id = new_id("chatcmpl")
+    return ParsedRequest(
+        api="chat",
+        response_id=response_id,
+        model=model,
+        choices=build_choices(response_id, [ids], [None], opts, ctx),
+        stream=bool(body.stream),
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        logprobs=bool(body.logprobs),
+    )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _prompts(prompt: Any, ctx: RequestContext) -> tuple[list[list[int]], list[str | None]]:
+    """Token ids and text of each prompt: a string, strings, token ids, or lists of them."""
+    error = ApiError(
+        "prompt must be a string, a list of strings, a list of token ids, "
+        "or a list of lists of token ids",
+        "prompt",
+    )
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise ApiError("prompt must not be empty", "prompt") if prompt == [] else error
+    if all(_is_int(t) for t in prompt):
+        prompt = [prompt]
+    ids_list: list[list[int]] = []
+    texts: list[str | None] = []
+    for item in prompt:
+        if isinstance(item, str):
+            if not item:
+                raise ApiError("prompt must not be empty", "prompt")
+            ids_list.append(ctx.tokenizer.encode(item))
+            texts.append(item)
+        elif isinstance(item, list) and all(_is_int(t) for t in item):
+            check_token_ids(item, ctx, "prompt")
+            ids_list.append(item)
+            texts.append(None)
+        else:
+            raise error
+    return ids_list, texts
+
+
+def parse_completion(raw: bytes, ctx: RequestContext) -> ParsedRequest:
+    body = decode_body(raw, CompletionBody)
+    model = check_model(body.model, ctx)
+    check_unsupported({"suffix": body.suffix})
+    if body.best_of is not None and body.best_of != (body.n or 1):
+        raise ApiError("best_of is not supported (it must equal n)", "best_of")
+    if body.logprobs is not None and body.logprobs > ctx.max_logprobs:
+        raise ApiError(f"logprobs must be at most {ctx.max_logprobs}", "logprobs")
+    ids_list, texts = _prompts(body.prompt, ctx)
+    echo = bool(body.echo)
+    has_logprobs = body.logprobs is not None
+    if echo or has_logprobs:  # the text is echoed, and text_offset counts from its length
+        texts = [
+            ctx.tokenizer.decode(ids) if t is None else t
+            for ids, t in zip(ids_list, texts, strict=True)
+        ]
+    logprobs = LogprobParams(
+        return_logprob=has_logprobs,
+        num_top=body.logprobs or 0,
+        prompt_start=0 if echo and has_logprobs else -1,
+    )
+    # NOTE: `max_tokens: 0` with echo scores the prompt without generating (lm-eval).
+    opts = _options(body, ctx, body.max_tokens, 0 if echo else 1, "prompt", logprobs)
+    response_id = new_id("cmpl")
+    return ParsedRequest(
+        api="completion",
+        response_id=response_id,
+        model=model,
+        choices=build_choices(response_id, ids_list, texts, opts, ctx),
+        stream=bool(body.stream),
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        echo=echo,
+        logprobs=has_logprobs,
+    )

@@ -1,0 +1,289 @@
+"""Response shapes of the OpenAI APIs, built from the engine's outputs (main process).
+
+The detokenizer has already made the text deltas and the logprob entries (token string,
+bytes, value); this module only wraps them: chat.completion(.chunk) and text_completion,
+streamed as server-sent events or whole. One `Responder` per HTTP request keeps a
+`ChoiceState` per choice; `add` returns the chunks to stream, `response` the whole body.
+"""
+
+from __future__ import annotations
+
+import codecs
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from tokenmill.frontend.api_requests import Choice, ParsedRequest
+from tokenmill.frontend.tokenizer import Tokenizer
+from tokenmill.protocol.outputs import DetokenizedOutput, PositionLogprobs, TokenEntry
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+
+
+class TextOffsets:
+    """Character offsets of tokens in the text they make, from their exact bytes: a special
+    token adds no text, and a character split over tokens counts once it is complete."""
+
+    def __init__(self, base: int = 0) -> None:
+        self.offset = base
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="ignore")
+
+    def add(self, token_bytes: bytes | None) -> int:
+        """The offset of a token, before its bytes are added."""
+        offset = self.offset
+        if token_bytes:
+            self.offset += len(self._decoder.decode(token_bytes))
+        return offset
+
+
+@dataclass
+class ChoiceState:
+    """What one choice has produced so far (texts and logprobs only when kept)."""
+
+    choice: Choice
+    texts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    finish_detail: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_outputs: int = 0
+    offsets: TextOffsets = field(default_factory=lambda: TextOffsets())  # completions
+
+    def update(self, out: DetokenizedOutput, keep: bool) -> None:
+        self.num_outputs += 1
+        self.num_prompt_tokens = out.num_prompt_tokens or self.num_prompt_tokens
+        counted = self.num_output_tokens + len(out.token_ids)
+        self.num_output_tokens = max(out.num_output_tokens, counted)
+        self.num_cached_tokens = max(out.num_cached_tokens, self.num_cached_tokens)
+        self.finish_reason = out.finish_reason
+        self.finish_detail = out.finish_detail
+        if out.prompt_logprobs:
+            self.prompt_logprobs = list(out.prompt_logprobs)
+        if keep:
+            self.texts.append(out.text)
+            self.token_ids.extend(out.token_ids)
+            self.logprobs.extend(out.logprobs)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+
+def usage(states: list[ChoiceState]) -> dict[str, Any]:
+    """Prompt tokens count once per prompt (not per choice); cached tokens likewise, the
+    fewest any of the prompt's choices found."""
+    prompt: dict[int, int] = {}
+    cached: dict[int, int] = {}
+    for s in states:
+        p = s.choice.prompt_index
+        prompt[p] = s.num_prompt_tokens or len(s.choice.prompt_ids)
+        cached[p] = min(cached.get(p, s.num_cached_tokens), s.num_cached_tokens)
+    num_prompt = sum(prompt.values())
+    num_output = sum(s.num_output_tokens for s in states)
+    return {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": num_output,
+        "total_tokens": num_prompt + num_output,
+        "prompt_tokens_details": {"cached_tokens": sum(cached.values())},
+    }
+
+
+class Responder:
+    """Base of the per-API response builders."""
+
+    object_name = ""
+    chunk_object_name = ""
+
+    def __init__(self, parsed: ParsedRequest, tokenizer: Tokenizer) -> None:
+        self.parsed = parsed
+        self.tokenizer = tokenizer
+        self.states = [ChoiceState(c) for c in parsed.choices]
+        self.created = int(time.time())
+        self._keep = not parsed.stream
+
+    def add(self, index: int, out: DetokenizedOutput) -> list[Any]:
+        """Records `out`; returns the chunks to stream now (none when not streaming)."""
+        state = self.states[index]
+        first = state.num_outputs == 0
+        state.update(out, self._keep)
+        return self.chunks(state, out, first) if self.parsed.stream else []
+
+    def chunks(self, state: ChoiceState, out: DetokenizedOutput, first: bool) -> list[Any]:
+        raise NotImplementedError
+
+    def response(self) -> Any:
+        raise NotImplementedError
+
+    def final_chunks(self) -> list[Any]:
+        """After every choice finished: the usage chunk, when asked for."""
+        if not self.parsed.include_usage:
+            return []
+        return [{**self._envelope(self.chunk_object_name), "choices": [], "usage": self.usage()}]
+
+    def usage(self) -> dict[str, Any]:
+        return usage(self.states)
+
+    def _envelope(self, object_name: str) -> dict[str, Any]:
+        return {
+            "id": self.parsed.response_id,
+            "object": object_name,
+            "created": self.created,
+            "model": self.parsed.model,
+            "system_fingerprint": None,
+        }
+
+    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        chunk = {**self._envelope(self.chunk_object_name), "choices": [choice]}
+        if self.parsed.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+
+# --- chat ------------------------------------------------------------------------------
+
+
+def _chat_entry(e: TokenEntry) -> dict[str, Any]:
+    return {
+        "token": e.token,
+        "logprob": e.logprob,
+        "bytes": list(e.bytes) if e.bytes is not None else None,
+    }
+
+
+def chat_logprobs(positions: list[PositionLogprobs]) -> dict[str, Any]:
+    content = [
+        {**_chat_entry(p.chosen), "top_logprobs": [_chat_entry(t) for t in p.top]}
+        for p in positions
+    ]
+    return {"content": content, "refusal": None}
+
+
+class ChatResponder(Responder):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def chunks(self, state: ChoiceState, out: DetokenizedOutput, first: bool) -> list[Any]:
+        index = state.choice.index
+        chunks = []
+        if first:
+            delta = {"role": "assistant", "content": ""}
+            role = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+            chunks.append(self._chunk(role))
+        if out.text or out.token_ids or out.finish_reason is not None:
+            lp = chat_logprobs(out.logprobs) if self.parsed.logprobs else None
+            delta = {"content": out.text} if out.text or out.finish_reason is None else {}
+            choice = {
+                "index": index,
+                "delta": delta,
+                "logprobs": lp,
+                "finish_reason": out.finish_reason,
+            }
+            chunks.append(self._chunk(choice))
+        return chunks
+
+    def response(self) -> dict[str, Any]:
+        choices = [
+            {
+                "index": s.choice.index,
+                "message": {"role": "assistant", "content": s.text, "refusal": None},
+                "logprobs": chat_logprobs(s.logprobs) if self.parsed.logprobs else None,
+                "finish_reason": s.finish_reason,
+            }
+            for s in self.states
+        ]
+        body = {**self._envelope(self.object_name), "choices": choices, "usage": self.usage()}
+        return body
+
+
+# --- completions ---------------------------------------------------------------------------
+
+
+def _top_dict(p: PositionLogprobs) -> dict[str, float]:
+    """OpenAI's legacy shape: token -> logprob, the chosen token always among them."""
+    top = {t.token: t.logprob for t in p.top}
+    top.setdefault(p.chosen.token, p.chosen.logprob)
+    return top
+
+
+Row = tuple[TokenEntry, float | None, dict[str, float] | None]
+
+
+class CompletionResponder(Responder):
+    object_name = "text_completion"
+    chunk_object_name = "text_completion"
+
+    def _rows(self, positions: list[PositionLogprobs]) -> list[Row]:
+        """(entry, logprob, top dict) per position; position 0 of a prompt has neither."""
+        return [
+            (p.chosen, p.chosen.logprob, None if p.chosen.logprob is None else _top_dict(p))
+            for p in positions
+        ]
+
+    def _logprobs(
+        self, state: ChoiceState, positions: list[PositionLogprobs], echo: bool
+    ) -> dict[str, Any] | None:
+        """tokens/token_logprobs/top_logprobs/text_offset; offsets count characters, the
+        prompt's from 0 and the completion's from the prompt text's length."""
+        if not self.parsed.logprobs:
+            return None
+        out: dict[str, list[Any]] = {
+            "tokens": [],
+            "token_logprobs": [],
+            "top_logprobs": [],
+            "text_offset": [],
+        }
+        prompt_text = TextOffsets()
+        sections = (
+            (self._rows(state.prompt_logprobs) if echo else [], prompt_text),
+            (self._rows(positions), state.offsets),
+        )
+        for rows, offsets in sections:
+            for entry, lp, top in rows:
+                out["tokens"].append(entry.token)
+                out["token_logprobs"].append(lp)
+                out["top_logprobs"].append(top)
+                out["text_offset"].append(offsets.add(entry.bytes))
+        return out
+
+    def _start_offset(self, state: ChoiceState) -> None:
+        state.offsets = TextOffsets(base=len(state.choice.prompt_text or ""))
+
+    def chunks(self, state: ChoiceState, out: DetokenizedOutput, first: bool) -> list[Any]:
+        if first:
+            self._start_offset(state)
+        echo = first and self.parsed.echo
+        if not (out.text or out.token_ids or out.finish_reason is not None or echo):
+            return []
+        text = (state.choice.prompt_text or "") + out.text if echo else out.text
+        choice = {
+            "index": state.choice.index,
+            "text": text,
+            "logprobs": self._logprobs(state, out.logprobs, echo),
+            "finish_reason": out.finish_reason,
+        }
+        return [self._chunk(choice)]
+
+    def response(self) -> dict[str, Any]:
+        choices = []
+        for s in self.states:
+            self._start_offset(s)
+            prefix = (s.choice.prompt_text or "") if self.parsed.echo else ""
+            choices.append(
+                {
+                    "index": s.choice.index,
+                    "text": prefix + s.text,
+                    "logprobs": self._logprobs(s, s.logprobs, self.parsed.echo),
+                    "finish_reason": s.finish_reason,
+                }
+            )
+        return {**self._envelope(self.object_name), "choices": choices, "usage": self.usage()}

@@ -1,0 +1,60 @@
+"""Renders chat messages with the checkpoint's Jinja chat template (main process).
+
+The template runs in an immutable sandbox with the same settings and helpers as
+transformers' `apply_chat_template`, so the prompt text matches what the model was trained
+on. The template emits bos itself: encode its output with add_special_tokens=False.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any, NoReturn
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class ChatTemplateError(ValueError):
+    """The messages cannot be rendered (the template raised, or failed on their shape)."""
+
+
+def _raise_exception(message: str) -> NoReturn:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class ChatTemplate:
+    """A compiled chat template; `render` returns the prompt text for a list of messages."""
+
+    def __init__(self, source: str, bos_token: str | None, eos_token: str | None) -> None:
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        # NOTE: a broken template fails here, at startup, not on the first request.
+        self._template = env.from_string(source)
+        self._bos_token = bos_token or ""
+        self._eos_token = eos_token or ""
+
+    def render(self, messages: list[dict[str, Any]]) -> str:
+        try:
+            return self._template.render(
+                messages=messages,
+                bos_token=self._bos_token,
+                eos_token=self._eos_token,
+                add_generation_prompt=True,
+            )
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"chat template error: {e}") from e
+        except (TypeError, ValueError, LookupError, AttributeError, RecursionError) as e:
+            raise ChatTemplateError(f"chat template cannot render these messages: {e}") from e

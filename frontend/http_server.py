@@ -1,0 +1,303 @@
+"""The HTTP API of the frontend (main process): aiohttp routes over an `EngineClient`.
+
+Each request is parsed into GenerateRequests (one per prompt and choice), which run
+concurrently; their outputs merge into one response or one SSE stream. A client that goes
+away cancels its handler (run with `handler_cancellation=True`, see `make_runner`), which
+closes the engine's iterators and aborts whatever had not finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator, Callable
+from contextlib import aclosing
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from tokenmill.frontend.api_requests import ApiError, Choice, ParsedRequest, RequestContext
+from tokenmill.frontend.api_requests_native import parse_generate
+from tokenmill.frontend.api_requests_openai import parse_chat, parse_completion
+from tokenmill.frontend.api_responses import (
+    SSE_DONE,
+    ChatResponder,
+    CompletionResponder,
+    Responder,
+    sse,
+)
+from tokenmill.frontend.api_responses_native import NativeResponder
+from tokenmill.frontend.chat_template import ChatTemplate
+from tokenmill.frontend.engine_client import EngineClient, EngineDeadError
+from tokenmill.frontend.http_metrics import ApiMetrics
+from tokenmill.frontend.server_config import ServerConfig
+from tokenmill.frontend.tokenizer import Tokenizer
+from tokenmill.protocol.outputs import DetokenizedOutput
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_MODEL_LEN_CAP = 8192
+_DEAD = ApiError("the engine is not running", status=503, type="server_error", code="engine_dead")
+_INTERNAL = ApiError("internal server error", status=500, type="server_error")
+
+Parser = Callable[[bytes, RequestContext], ParsedRequest]
+
+
+def json_response(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(
+        body=msgspec.json.encode(obj), status=status, content_type="application/json"
+    )
+
+
+def error_response(error: ApiError) -> web.Response:
+    return json_response(error.body(), status=error.status)
+
+
+async def _pump(
+    engine: EngineClient, choice: Choice, queue: asyncio.Queue[tuple[int, Any]]
+) -> None:
+    """Feeds one request's outputs into the shared queue; an exception goes there too."""
+    outputs = engine.generate(choice.request)
+    try:
+        async for out in outputs:
+            queue.put_nowait((choice.index, out))
+            if out.finish_reason is not None:
+                return
+        queue.put_nowait((choice.index, RuntimeError("engine output ended without a finish")))
+    except Exception as e:
+        queue.put_nowait((choice.index, e))
+    finally:
+        aclose = getattr(outputs, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+async def merge_outputs(
+    engine: EngineClient, choices: list[Choice], metrics: ApiMetrics
+) -> AsyncGenerator[tuple[int, DetokenizedOutput], None]:
+    """(choice index, output) of all choices as they come; when left early (an error, a
+    client gone), the unfinished requests are cancelled and aborted."""
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    tasks = [asyncio.create_task(_pump(engine, c, queue)) for c in choices]
+    running = {c.index for c in choices}
+    try:
+        while running:
+            index, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finish_reason is not None:
+                running.discard(index)
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for c in choices:
+            if c.index in running:
+                metrics.finished["abort"] += 1
+                await _abort(engine, c.request.req_id)
+
+
+async def _abort(engine: EngineClient, req_id: str) -> None:
+    try:
+        await engine.abort(req_id)
+    except Exception:
+        logger.warning("abort of %s failed", req_id, exc_info=True)
+
+
+class HttpApi:
+    """The route handlers; one per server."""
+
+    def __init__(self, config: ServerConfig, engine: EngineClient, ctx: RequestContext) -> None:
+        self.config = config
+        self.engine = engine
+        self.ctx = ctx
+        self.metrics = ApiMetrics()
+        self.created = int(time.time())
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, parse_chat, ChatResponder)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, parse_completion, CompletionResponder)
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, parse_generate, NativeResponder)
+
+    async def models(self, request: web.Request) -> web.Response:
+        model = {
+            "id": self.ctx.served_model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "tokenmill",
+            "root": self.config.model.model or self.ctx.served_model_name,
+            "max_model_len": self.ctx.max_model_len,
+        }
+        return json_response({"object": "list", "data": [model]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.engine.stats.alive:
+            return json_response({"status": "ok"})
+        return json_response({"status": "unavailable"}, status=503)
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        text = self.metrics.render(self.engine.stats)
+        return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+    async def _serve(
+        self, request: web.Request, parse: Parser, responder_cls: type[Responder]
+    ) -> web.StreamResponse:
+        parsed = parse(await request.read(), self.ctx)
+        if not self.engine.stats.alive:
+            raise EngineDeadError("engine is not alive")
+        self.metrics.on_start(len(parsed.choices), parsed.wants_logprobs)
+        responder = responder_cls(parsed, self.ctx.tokenizer)
+        if parsed.stream:
+            return await self._stream(request, parsed, responder)
+        async with aclosing(self._outputs(parsed)) as outputs:
+            async for index, out in outputs:
+                responder.add(index, out)
+        return json_response(responder.response())
+
+    async def _outputs(
+        self, parsed: ParsedRequest
+    ) -> AsyncGenerator[tuple[int, DetokenizedOutput], None]:
+        """Merged outputs, counted in the metrics; a request the engine failed raises."""
+        start = time.monotonic()
+        first_token: dict[int, float] = {}
+        async with aclosing(merge_outputs(self.engine, parsed.choices, self.metrics)) as merged:
+            async for index, out in merged:
+                now = time.monotonic()
+                first = index not in first_token
+                if first and out.token_ids:
+                    first_token[index] = now
+                self.metrics.on_output(out, now - start, first)
+                if out.finish_reason == "error":
+                    message = f"the engine failed the request: {out.finish_detail}"
+                    raise ApiError(message, status=500, type="server_error")
+                if out.finish_reason is not None and out.num_output_tokens > 1:
+                    tpot = (now - first_token.get(index, now)) / (out.num_output_tokens - 1)
+                    self.metrics.on_tpot(tpot)
+                yield index, out
+
+    async def _stream(
+        self, request: web.Request, parsed: ParsedRequest, responder: Responder
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Cache-Control": "no-cache"})
+        response.content_type = "text/event-stream"
+        await response.prepare(request)
+        try:
+            await self._stream_body(response, parsed, responder)
+            await response.write(SSE_DONE)
+            await response.write_eof()
+        except ConnectionResetError:
+            logger.info("client of %s went away; request aborted", parsed.response_id)
+        return response
+
+    async def _stream_body(
+        self, response: web.StreamResponse, parsed: ParsedRequest, responder: Responder
+    ) -> None:
+        """The chunks; after the headers went out, an error becomes an error event."""
+        error: ApiError | None = None
+        try:
+            async with aclosing(self._outputs(parsed)) as outputs:
+                async for index, out in outputs:
+                    for chunk in responder.add(index, out):
+                        await response.write(sse(chunk))
+            for chunk in responder.final_chunks():
+                await response.write(sse(chunk))
+        except ApiError as e:
+            error = e
+        except EngineDeadError:
+            error = _DEAD
+        except Exception as e:
+            if isinstance(e, ConnectionResetError):
+                raise
+            logger.exception("request %s failed while streaming", parsed.response_id)
+            error = _INTERNAL
+        if error is not None:
+            self.metrics.http_errors[error.status] += 1
+            await response.write(sse(error.body()))
+
+
+def _error_middleware(metrics: ApiMetrics) -> Any:
+    @web.middleware
+    async def middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+        """Every failure becomes OpenAI's error object; never a stack trace."""
+        try:
+            return await handler(request)
+        except ApiError as e:
+            error = e
+        except EngineDeadError:
+            error = _DEAD
+        except web.HTTPException as e:
+            kind = "invalid_request_error" if e.status < 500 else "server_error"
+            error = ApiError(e.reason, status=e.status, type=kind)
+        except Exception:
+            logger.exception("unexpected error in %s %s", request.method, request.path)
+            error = _INTERNAL
+        metrics.http_errors[error.status] += 1
+        return error_response(error)
+
+    return middleware
+
+
+def resolve_max_model_len(config: ServerConfig, tokenizer: Tokenizer) -> int:
+    if config.model.max_model_len > 0:
+        return config.model.max_model_len
+    checkpoint = tokenizer.max_position_embeddings or DEFAULT_MAX_MODEL_LEN_CAP
+    return min(checkpoint, DEFAULT_MAX_MODEL_LEN_CAP)
+
+
+def build_app(
+    config: ServerConfig,
+    engine: EngineClient,
+    tokenizer: Tokenizer,
+    *,
+    max_model_len: int | None = None,
+) -> web.Application:
+    """The aiohttp application; run it with `make_runner` (or `web.run_app(...,
+    handler_cancellation=True)`) so that a client disconnect aborts its request."""
+    template = None
+    if tokenizer.chat_template is not None:
+        template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token)
+    ctx = RequestContext(
+        tokenizer=tokenizer,
+        chat_template=template,
+        served_model_name=config.served_model_name,
+        max_model_len=max_model_len or resolve_max_model_len(config, tokenizer),
+        max_logprobs=config.scheduler.max_logprobs,
+    )
+    api = HttpApi(config, engine, ctx)
+    app = web.Application(
+        middlewares=[_error_middleware(api.metrics)], client_max_size=MAX_BODY_BYTES
+    )
+    app.router.add_post("/v1/chat/completions", api.chat)
+    app.router.add_post("/v1/completions", api.completions)
+    app.router.add_post("/generate", api.generate)
+    app.router.add_get("/v1/models", api.models)
+    app.router.add_get("/health", api.health)
+    app.router.add_get("/metrics", api.prometheus)
+    return app
+
+
+def make_runner(app: web.Application) -> web.AppRunner:
+    """A runner whose handlers are cancelled when their client disconnects."""
+    return web.AppRunner(app, handler_cancellation=True, access_log=None)
+
+
+async def start_http(app: web.Application, host: str, port: int) -> web.AppRunner:
+    """Serves `app` on host:port until `await runner.cleanup()`; port 0 picks a free one
+    (see `bound_port`)."""
+    runner = make_runner(app)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    logger.info("serving HTTP on %s", ", ".join(map(str, runner.addresses)))
+    return runner
+
+
+def bound_port(runner: web.AppRunner) -> int:
+    return int(runner.addresses[0][1])
