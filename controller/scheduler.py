@@ -34,8 +34,9 @@ class ScheduledRow:
     @staticmethod
     def of(request: Request, num_new: int, is_prefill: bool) -> ScheduledRow:
         start = request.num_computed_tokens
-        return ScheduledRow(request, start, num_new, is_prefill,
-                            samples=start + num_new == request.num_tokens)
+        return ScheduledRow(
+            request, start, num_new, is_prefill, samples=start + num_new == request.num_tokens
+        )
 
 
 class Scheduler:

@@ -92,12 +92,13 @@ async def merge_outputs(
                 running.discard(index)
             yield index, item
     finally:
+        # NOTE: counted before any await: a second cancellation may cut the rest short.
+        metrics.finished["abort"] += len(running)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for c in choices:
             if c.index in running:
-                metrics.finished["abort"] += 1
                 await _abort(engine, c.request.req_id)
 
 

@@ -1,0 +1,110 @@
+"""Faults: a child process that dies fails the requests in flight and takes the server down
+with a non-zero exit, leaving no process and no runtime directory behind; SIGTERM drains."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+from server_process import start_server
+
+
+def children_of(pid: int) -> dict[int, str]:
+    """Processes whose parent is `pid`, with their command lines."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid:
+            found[int(entry.name)] = cmdline
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.parametrize("victim", ["tokenmill.tp_worker", "tokenmill.detokenizer"])
+def test_a_dead_child_fails_requests_and_stops_the_server(
+    tiny_checkpoint, tmp_path: Path, victim: str
+) -> None:
+    server = start_server(
+        tiny_checkpoint("llama"),
+        tmp_path / "log",
+        "--kv-cache-tokens",
+        "4096",
+        "--max-model-len",
+        "2048",
+    )
+    children = children_of(server.proc.pid)
+    assert len(children) == 3, children
+    runtime_dir = re.search(r"ipc://(/[^/\"]+/tokenmill-[^/\"]+)/", " ".join(children.values()))[1]
+    assert Path(runtime_dir).stat().st_mode & 0o777 == 0o700
+    errors: list[BaseException] = []
+
+    def long_request() -> None:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+        try:
+            for _ in client.completions.create(
+                model=server.model,
+                prompt="x",
+                max_tokens=2000,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            ):
+                pass
+        except Exception as e:  # the stream must end in an error, not hang or succeed
+            errors.append(e)
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    time.sleep(1.0)
+    (pid,) = [p for p, cmd in children.items() if victim in cmd]
+    os.kill(pid, signal.SIGKILL)
+    code = server.proc.wait(timeout=30)
+    thread.join(timeout=30)
+    assert code != 0
+    assert errors, "the request in flight must fail"
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in children), "orphan processes left"
+    assert not Path(runtime_dir).exists()
+    assert "exited with status" in server.log()
+
+
+def test_sigterm_drains_in_flight_requests(tiny_checkpoint, tmp_path: Path) -> None:
+    server = start_server(tiny_checkpoint("llama"), tmp_path / "log", "--kv-cache-tokens", "4096")
+    results: list[object] = []
+
+    def request() -> None:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+        r = client.completions.create(
+            model=server.model, prompt="drain me", max_tokens=200, extra_body={"ignore_eos": True}
+        )
+        results.append(r.usage.completion_tokens)
+
+    thread = threading.Thread(target=request)
+    thread.start()
+    time.sleep(0.5)
+    server.proc.send_signal(signal.SIGTERM)
+    thread.join(timeout=60)
+    assert server.proc.wait(timeout=60) == 0
+    assert results == [200]
