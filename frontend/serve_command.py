@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import json
 import logging
+import multiprocessing
 from dataclasses import replace
 from pathlib import Path
 
@@ -58,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
         config = from_namespace(args)
     except ValueError as e:
         raise SystemExit(str(e)) from None
+    multiprocessing.current_process().name = "frontend"
     setup_logging(config.http.log_level)
     config, model_dir = resolve(config)
     try:
