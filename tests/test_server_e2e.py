@@ -264,3 +264,45 @@ def test_bad_requests_get_400_and_the_engine_keeps_serving(server) -> None:
         "/v1/completions", {"model": server.model, "prompt": "ok", "max_tokens": 3}
     )
     assert status == 200 and body["usage"]["completion_tokens"] == 3
+
+
+def test_stop_string_cuts_text_and_stops_the_engine(client, server) -> None:
+    kwargs = {
+        "model": server.model,
+        "prompt": "Return the number of",
+        "max_tokens": 40,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
+    full = client.completions.create(**kwargs).choices[0].text
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    assert stop and stop in full
+    cut = client.completions.create(**kwargs, stop=[stop])
+    assert cut.choices[0].text == full[: full.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    streamed = "".join(
+        c.choices[0].text for c in client.completions.create(**kwargs, stop=[stop], stream=True)
+    )
+    assert streamed == cut.choices[0].text
+    after = wait_idle(server)
+    assert after["tokenmill_kv_slots_used"] == 0
+
+
+def test_n_choices_with_a_seed_are_reproducible(client, server) -> None:
+    kwargs = {
+        "model": server.model,
+        "messages": MESSAGES,
+        "max_tokens": 12,
+        "n": 3,
+        "temperature": 1.0,
+        "seed": 1234,
+        "logprobs": True,
+    }
+    first = client.chat.completions.create(**kwargs)
+    second = client.chat.completions.create(**kwargs)
+    texts = [c.message.content for c in first.choices]
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert texts == [c.message.content for c in second.choices]
+    assert len(set(texts)) > 1, "choices of one request must sample independently"
+    for a, b in zip(first.choices, second.choices, strict=True):
+        assert [e.logprob for e in a.logprobs.content] == [e.logprob for e in b.logprobs.content]
