@@ -21,7 +21,9 @@ def build_forward_batch(step_id: int, rows: list[ScheduledRow]) -> ForwardBatch:
         slots += request.slots[row.start : row.end]
     params = [row.request.message.sampling for row in rows]
     asks = [row.request.message.logprobs for row in rows]
-    empty = _i32([])
+    fills = [row.request for row in rows if row.request.fill_table]
+    for request in fills:
+        request.fill_table = False
     return ForwardBatch(
         step_id=step_id,
         input_ids=_i32(ids),
@@ -30,9 +32,9 @@ def build_forward_batch(step_id: int, rows: list[ScheduledRow]) -> ForwardBatch:
         prefix_lens=_i32([row.start for row in rows]),
         extend_lens=_i32([row.num_new for row in rows]),
         is_prefill=pack(np.array([row.is_prefill for row in rows], dtype=bool)),
-        fill_rows=empty,
-        fill_lens=empty,
-        fill_slots=empty,
+        fill_rows=_i32([r.row for r in fills]),
+        fill_lens=_i32([r.num_computed_tokens for r in fills]),
+        fill_slots=_i32([s for r in fills for s in r.slots[: r.num_computed_tokens]]),
         sampling=SamplingBatch(
             temperature=_f32([p.temperature for p in params]),
             top_k=_i32([p.top_k for p in params]),

@@ -19,5 +19,7 @@ class ControllerConfig:
     """Address of the frontend's report input (the controller connects)."""
     max_running_requests: int
     max_prefill_tokens: int
+    enable_prefix_cache: bool = True
+    """Reuse the KV of cached prompt prefixes (the radix cache)."""
     parent_pid: int | None = None
     report_interval_s: float = 0.25

@@ -16,6 +16,7 @@ import zmq
 
 from tokenmill.controller.batch_builder import build_forward_batch
 from tokenmill.controller.config import ControllerConfig
+from tokenmill.controller.kv_allocator import KvAllocator
 from tokenmill.controller.output_processor import OutputProcessor
 from tokenmill.controller.request import Request
 from tokenmill.controller.scheduler import ScheduledRow, Scheduler
@@ -38,8 +39,9 @@ class Controller:
         self.sockets = sockets
         self.slots = IndexPool(ready.kv_cache_tokens, "kv slots")
         self.rows = IndexPool(config.max_running_requests, "table rows")
+        self.kv = KvAllocator(self.slots, config.enable_prefix_cache)
         self.scheduler = Scheduler(
-            self.slots, self.rows, config.max_running_requests, config.max_prefill_tokens
+            self.kv, self.rows, config.max_running_requests, config.max_prefill_tokens
         )
         self.outputs = OutputProcessor(ready.eos_token_ids, ready.max_model_len)
         self.max_model_len = ready.max_model_len
@@ -58,8 +60,16 @@ class Controller:
         rows = self.scheduler.schedule()
         if rows:
             result = self.step(rows)
-            self.emit(self.outputs.apply(rows, result))
+            outputs = self.outputs.apply(rows, result)
+            self.cache_finished_prefills(rows)
+            self.emit(outputs)
         self.report()
+
+    def cache_finished_prefills(self, rows: list[ScheduledRow]) -> None:
+        for row in rows:
+            request = row.request
+            if row.is_prefill and not request.is_prefill and not request.finished:
+                self.kv.cache_computed(request)
 
     def receive(self, block: bool) -> None:
         for message in self.sockets.receive_requests(timeout_ms=100 if block else 0):
@@ -120,7 +130,7 @@ class Controller:
             return
         self.last_report = now
         if not self.scheduler.has_work():
-            self.slots.check_integrity()
+            self.kv.check_integrity([])
             self.rows.check_integrity()
         self.sockets.send_report(
             EngineReport(
@@ -128,10 +138,13 @@ class Controller:
                 num_running=len(self.scheduler.running),
                 num_waiting=len(self.scheduler.waiting),
                 kv_slots_total=self.slots.size,
-                kv_slots_free=self.slots.num_free,
+                kv_slots_free=self.kv.num_available,
                 num_steps=self.num_steps,
                 num_preemptions=self.scheduler.num_preemptions,
                 max_model_len=self.max_model_len,
+                prefix_queried_tokens=self.kv.queried_tokens,
+                prefix_hit_tokens=self.kv.hit_tokens,
+                prefix_cached_tokens=self.kv.cache.num_cached if self.kv.cache else 0,
             )
         )
 

@@ -118,6 +118,7 @@ class OutputProcessor:
             finish_reason=request.finish_reason,
             finish_detail=request.finish_detail,
             num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
             detokenize=request.announce(),
         )
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tokenmill.controller.radix_cache import Node
 from tokenmill.protocol.arrays import unpack
 from tokenmill.protocol.requests import DetokenizeParams, GenerateRequest
 
@@ -36,6 +37,10 @@ class Request:
     finish_detail: str | None = None
     num_sent_outputs: int = 0  # output tokens already sent to the detokenizer
     announced: bool = False  # the detokenizer has this request's DetokenizeParams
+    cache_node: Node | None = None  # locked end of the cached prefix this request reads
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    admitted_before: bool = False
+    fill_table: bool = False  # the worker's table row needs slots[:num_computed_tokens]
     prompt_scores: PromptScores | None = None
     prompt_scores_sent: bool = False
 
@@ -72,6 +77,16 @@ class Request:
 
     def tokens(self, start: int, end: int) -> list[int]:
         return (self.prompt_ids + self.output_ids)[start:end]
+
+    @property
+    def max_cached_prefix(self) -> int:
+        """How much of the prefix cache this request may use: all but its last token, and,
+        when it scores prompt tokens from s, nothing from s - 1 on (the state at s - 1
+        scores token s and must be computed)."""
+        limit = self.num_tokens - 1
+        if self.wants_prompt_scores:
+            limit = min(limit, max(self.message.logprobs.prompt_start, 1) - 1)
+        return limit
 
     @property
     def wants_prompt_scores(self) -> bool:

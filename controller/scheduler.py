@@ -2,7 +2,8 @@
 (controller process).
 
 Admission never over-commits the KV pool: a request is admitted only when slots for all of
-its known tokens are free beyond one decode step's headroom for the running set; if decode
+its known tokens not in the prefix cache are available (free, or cached and evictable)
+beyond one decode step's headroom for the running set; if decode
 still runs out, the latest-admitted request is preempted (its slots freed, its tokens kept)
 and requeued at the front, to be recomputed when it fits again.
 """
@@ -13,6 +14,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
+from tokenmill.controller.kv_allocator import KvAllocator
 from tokenmill.controller.request import PromptScores, Request
 from tokenmill.controller.slot_pool import IndexPool
 
@@ -41,9 +43,9 @@ class ScheduledRow:
 
 class Scheduler:
     def __init__(
-        self, slots: IndexPool, rows: IndexPool, max_running: int, max_prefill_tokens: int
+        self, kv: KvAllocator, rows: IndexPool, max_running: int, max_prefill_tokens: int
     ) -> None:
-        self.slots = slots
+        self.kv = kv
         self.rows = rows
         self.max_running = max_running
         self.max_prefill_tokens = max_prefill_tokens
@@ -80,7 +82,7 @@ class Scheduler:
     def _schedule_decode(self) -> list[Request]:
         decoding = [r for r in self.running if not r.is_prefill]
         needed = sum(1 for r in decoding if len(r.slots) < r.num_tokens)
-        while needed > self.slots.num_free:
+        while needed > self.kv.num_available:
             victim = max(self.running, key=lambda r: r.arrival)
             if victim in decoding:
                 decoding.remove(victim)
@@ -88,22 +90,29 @@ class Scheduler:
             self._preempt(victim)
         for request in decoding:
             if len(request.slots) < request.num_tokens:
-                request.slots += self.slots.alloc(request.num_tokens - len(request.slots))
+                request.slots += self.kv.alloc(request.num_tokens - len(request.slots))
         return decoding
 
     def _admit(self, request: Request) -> bool:
-        needed = request.num_tokens - len(request.slots)
-        headroom = len(self.running)
-        if (
-            len(self.running) >= self.max_running
-            or self.rows.num_free == 0
-            or needed + headroom > self.slots.num_free
-        ):
+        if len(self.running) >= self.max_running or self.rows.num_free == 0:
+            return False
+        if self._shares_a_running_prefill(request):
+            return False  # NOTE: wait one prefill, then hit the cache (n > 1, same prompts)
+        if not self.kv.admit(request, headroom=len(self.running)):
             return False
         request.row = self.rows.alloc(1)[0]
-        request.slots += self.slots.alloc(needed)
         self.running.append(request)
         return True
+
+    def _shares_a_running_prefill(self, request: Request) -> bool:
+        """True when a request still prefilling computes most of what this one would."""
+        if self.kv.cache is None or request.max_cached_prefix <= 0:
+            return False
+        tokens = request.tokens(0, request.max_cached_prefix)
+        for other in self.running:
+            if other.is_prefill and 2 * _common_prefix(tokens, other.prompt_ids) > len(tokens):
+                return True
+        return False
 
     def _chunk(self, request: Request, budget: int) -> ScheduledRow:
         num_new = min(budget, request.num_tokens - request.num_computed_tokens)
@@ -122,9 +131,16 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _release(self, request: Request) -> None:
-        if request.slots:
-            self.slots.free(request.slots)
-            request.slots = []
+        self.kv.release(request)
         if request.row >= 0:
             self.rows.free([request.row])
             request.row = -1
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

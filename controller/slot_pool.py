@@ -24,6 +24,10 @@ class IndexPool:
     def num_used(self) -> int:
         return len(self._used)
 
+    @property
+    def used(self) -> frozenset[int]:
+        return frozenset(self._used)
+
     def alloc(self, count: int) -> list[int]:
         if count > len(self._free):
             raise MemoryError(f"{self.name}: {count} wanted, {len(self._free)} free")

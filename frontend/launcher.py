@@ -122,6 +122,7 @@ def launch_engine(
             report_addr=addrs.reports,
             max_running_requests=s.max_running_requests,
             max_prefill_tokens=s.max_prefill_tokens,
+            enable_prefix_cache=not s.disable_prefix_cache,
             parent_pid=parent,
         ),
     )

@@ -43,6 +43,8 @@ class SchedulerArgs:
     """Prompt tokens prefilled per step at most (longer prompts are chunked)."""
     max_logprobs: int = 20
     """Largest top-logprobs count a request may ask for (completions `logprobs`)."""
+    disable_prefix_cache: bool = False
+    """Turn off the radix prefix cache (every prompt is computed in full)."""
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,10 @@ class EngineReport(msgspec.Struct, frozen=True, tag="engine_report"):
     num_running: int
     num_waiting: int
     kv_slots_total: int
-    kv_slots_free: int
+    kv_slots_free: int  # free or held only by the prefix cache (evictable)
     num_steps: int  # steps run since start
     num_preemptions: int
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
+    prefix_cached_tokens: int = 0  # slots the prefix cache holds
     max_model_len: int = 0

@@ -151,7 +151,7 @@ def test_generates_until_max_tokens_and_frees_everything() -> None:
     assert tokens_of(sockets.outputs, "a") == [6, 7, 8, 9]
     assert sockets.outputs[-1].finish_reason == "length"
     assert sockets.outputs[0].detokenize is not None and sockets.outputs[1].detokenize is None
-    assert controller.slots.num_free == 256 and controller.rows.num_free == 8
+    assert controller.kv.num_available == 256 and controller.rows.num_free == 8
 
 
 def test_chunked_prefill_respects_budget_and_next_step_message() -> None:
@@ -208,24 +208,23 @@ def test_prompt_logprobs_from_a_start_position() -> None:
 
 def test_admission_waits_instead_of_over_committing() -> None:
     controller, sockets = make_controller(kv_tokens=40, max_prefill=64)
-    for name in "abc":
-        sockets.inbox.append(request(name, list(range(3, 18)), max_tokens=3))  # 15 tokens
+    for i, name in enumerate("abc"):
+        sockets.inbox.append(request(name, list(range(3 + i, 18 + i)), max_tokens=3))  # 15 each
     controller.run_once()
     assert len(controller.scheduler.running) == 2 and len(controller.scheduler.waiting) == 1
     run_until_idle(controller)
-    for name in "abc":
-        assert tokens_of(sockets.outputs, name) == [18, 19, 20]
+    for i, name in enumerate("abc"):
+        assert tokens_of(sockets.outputs, name) == [18 + i, 19 + i, 20 + i]
 
 
 def test_preemption_requeues_and_loses_nothing() -> None:
     controller, sockets = make_controller(kv_tokens=36, max_prefill=64, max_model_len=64)
     sockets.inbox.append(request("a", list(range(3, 13)), max_tokens=12))
-    sockets.inbox.append(request("b", list(range(3, 13)), max_tokens=12))
+    sockets.inbox.append(request("b", list(range(15, 25)), max_tokens=12))
     run_until_idle(controller)
     assert controller.scheduler.num_preemptions > 0
-    expected = list(range(13, 25))
-    assert tokens_of(sockets.outputs, "a") == expected
-    assert tokens_of(sockets.outputs, "b") == expected
+    assert tokens_of(sockets.outputs, "a") == list(range(13, 25))
+    assert tokens_of(sockets.outputs, "b") == list(range(25, 37))
 
 
 def test_abort_frees_slots_and_reports_abort() -> None:
@@ -238,7 +237,7 @@ def test_abort_frees_slots_and_reports_abort() -> None:
     sockets.inbox.append(AbortRequest("unknown"))
     run_until_idle(controller)
     assert sockets.outputs[-1].finish_reason == "abort"
-    assert controller.slots.num_free == 256
+    assert controller.kv.num_available == 256
 
 
 def test_generation_logprobs_slice_per_request() -> None:

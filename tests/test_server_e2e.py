@@ -306,3 +306,50 @@ def test_n_choices_with_a_seed_are_reproducible(client, server) -> None:
     assert len(set(texts)) > 1, "choices of one request must sample independently"
     for a, b in zip(first.choices, second.choices, strict=True):
         assert [e.logprob for e in a.logprobs.content] == [e.logprob for e in b.logprobs.content]
+
+
+def test_prefix_cache_hits_and_warm_equals_cold(server) -> None:
+    prompt = list(range(300, 300 + 150))
+
+    def generate(**extra: object) -> dict:
+        status, body = server.post(
+            "/generate",
+            {
+                "input_ids": prompt,
+                "sampling_params": {"max_new_tokens": 8, "temperature": 0},
+                "return_logprob": True,
+                "top_logprobs_num": 5,
+                **extra,
+            },
+        )
+        assert status == 200, body
+        return body["meta_info"]
+
+    def hits(expected: float | None = None) -> float:
+        """The hit counter, once the engine's reports (every 0.25 s) show `expected`."""
+        deadline = time.monotonic() + 5
+        while True:
+            value = wait_idle(server)["tokenmill_prefix_cache_hit_tokens_total"]
+            if expected is None or value == expected or time.monotonic() > deadline:
+                return value
+            time.sleep(0.1)
+
+    before = hits()
+    cold = generate(logprob_start_len=100)  # nothing cached yet: computed in full
+    assert cold["cached_tokens"] == 0
+    warm_plain = generate()  # generation logprobs only: the longest prefix (all but one)
+    assert warm_plain["cached_tokens"] == len(prompt) - 1
+    warm = generate(logprob_start_len=100)  # reuses the cache up to position 99 only
+    assert warm["cached_tokens"] == 99
+    assert hits(before + len(prompt) - 1 + 99) == before + len(prompt) - 1 + 99
+    for key in ("input_token_logprobs", "output_token_logprobs"):
+        np.testing.assert_allclose(
+            [e[0] for e in warm[key]], [e[0] for e in cold[key]], atol=1e-5, rtol=0
+        )
+        assert [e[1] for e in warm[key]] == [e[1] for e in cold[key]]
+    np.testing.assert_allclose(
+        [e[0] for e in warm_plain["output_token_logprobs"]],
+        [e[0] for e in cold["output_token_logprobs"]],
+        atol=1e-5,
+        rtol=0,
+    )
