@@ -21,6 +21,7 @@ from tokenmill.controller.output_processor import OutputProcessor
 from tokenmill.controller.request import Request
 from tokenmill.controller.scheduler import ScheduledRow, Scheduler
 from tokenmill.controller.slot_pool import IndexPool
+from tokenmill.controller.step_timing import StepTiming
 from tokenmill.protocol.arrays import pack
 from tokenmill.protocol.outputs import BatchOutput, RequestOutput
 from tokenmill.protocol.process import exit_with_parent, setup_process
@@ -40,6 +41,7 @@ class Controller:
         self.slots = IndexPool(ready.kv_cache_tokens, "kv slots")
         self.rows = IndexPool(config.max_running_requests, "table rows")
         self.kv = KvAllocator(self.slots, config.enable_prefix_cache)
+        self.timing = StepTiming(enabled=config.step_timing)
         self.scheduler = Scheduler(
             self.kv, self.rows, config.max_running_requests, config.max_prefill_tokens
         )
@@ -77,12 +79,15 @@ class Controller:
 
     def step(self, rows: list[ScheduledRow]) -> StepResult:
         self.num_steps += 1
-        self.sockets.send_batch(build_forward_batch(self.num_steps, rows))
+        batch = build_forward_batch(self.num_steps, rows)
+        self.timing.on_send(decode_only=not any(row.is_prefill for row in rows))
+        self.sockets.send_batch(batch)
         result = self.sockets.receive_result()
         if isinstance(result, WorkerFailed):
             raise RuntimeError(f"tp_worker failed step {result.step_id}: {result.message}")
         if not isinstance(result, StepResult) or result.step_id != self.num_steps:
             raise RuntimeError(f"expected StepResult {self.num_steps}, got {result!r:.200}")
+        self.timing.on_result(result.busy_s, result.forward_s, len(rows))
         return result
 
     def emit(self, outputs: list[RequestOutput]) -> None:
@@ -145,6 +150,7 @@ class Controller:
                 prefix_queried_tokens=self.kv.queried_tokens,
                 prefix_hit_tokens=self.kv.hit_tokens,
                 prefix_cached_tokens=self.kv.cache.num_cached if self.kv.cache else 0,
+                step_timing=self.timing.totals(),
             )
         )
 

@@ -119,6 +119,7 @@ class ZmqEngineClient:
         s.prefix_queried_tokens = report.prefix_queried_tokens
         s.prefix_hit_tokens = report.prefix_hit_tokens
         s.extra["prefix_cache_tokens"] = report.prefix_cached_tokens
+        s.extra.update(report.step_timing)
         s.last_report = time.monotonic()
         s.extra["num_steps"] = report.num_steps
         s.extra["num_preemptions"] = report.num_preemptions

@@ -123,6 +123,7 @@ def launch_engine(
             max_running_requests=s.max_running_requests,
             max_prefill_tokens=s.max_prefill_tokens,
             enable_prefix_cache=not s.disable_prefix_cache,
+            step_timing=s.step_timing,
             parent_pid=parent,
         ),
     )
@@ -147,6 +148,7 @@ def launch_engine(
                 batch_addr=addrs.workers[rank],
                 result_addr=addrs.results,
                 parent_pid=parent,
+                step_timing=s.step_timing,
             ),
         )
     return engine

@@ -45,6 +45,9 @@ class SchedulerArgs:
     """Largest top-logprobs count a request may ask for (completions `logprobs`)."""
     disable_prefix_cache: bool = False
     """Turn off the radix prefix cache (every prompt is computed in full)."""
+    step_timing: bool = False
+    """Measure where decode steps spend their time (model forward vs the rest) and show the
+    totals in /metrics (tokenmill_step_timing_*); off by default."""
 
 
 @dataclass(frozen=True)

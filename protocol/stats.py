@@ -16,4 +16,6 @@ class EngineReport(msgspec.Struct, frozen=True, tag="engine_report"):
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
     prefix_cached_tokens: int = 0  # slots the prefix cache holds
+    # --step-timing: means over decode-only steps (seconds, rows), keyed by name
+    step_timing: dict[str, float] = {}
     max_model_len: int = 0

@@ -38,3 +38,5 @@ class WorkerConfig:
     result_addr: str
     """Address of the controller's result input (rank 0 connects)."""
     parent_pid: int | None = None
+    step_timing: bool = False
+    """Time each step and its model forward, and send the figures with the result."""

@@ -8,6 +8,7 @@ rows to fill. Usable in-process (tests, `tokenmill generate`) as well as inside 
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -59,6 +60,8 @@ class ModelRunner:
         self.table = torch.zeros(
             config.max_running_requests, self.max_model_len, dtype=torch.int32, device=self.device
         )
+        self.time_forward = False  # --step-timing: accumulate forward_s (syncs on CUDA)
+        self.forward_s = 0.0
         self.prompt_chunk = config.prompt_logprob_chunk or default_chunk_size(
             self.model_config.vocab_size
         )
@@ -102,7 +105,14 @@ class ModelRunner:
             inputs.out_slots,
             self.model_config.sliding_window,
         )
-        return self.model(inputs.input_ids, inputs.positions, attention, self.kv_cache)
+        if not self.time_forward:
+            return self.model(inputs.input_ids, inputs.positions, attention, self.kv_cache)
+        started = time.perf_counter()
+        hidden = self.model(inputs.input_ids, inputs.positions, attention, self.kv_cache)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.forward_s += time.perf_counter() - started
+        return hidden
 
     def _score_prompt(self, inputs: StepInputs, hidden: torch.Tensor) -> ScoredPositions:
         return score_prompt(

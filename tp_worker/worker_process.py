@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import replace
 
 import msgspec
@@ -71,6 +72,7 @@ def run_tp_worker(config: WorkerConfig) -> None:
         runner.device,
         runner.kv_cache_tokens,
     )
+    runner.time_forward = config.step_timing
     serve(runner, batches, results)
 
 
@@ -84,6 +86,8 @@ def serve(runner: ModelRunner, batches: zmq.Socket, results: zmq.Socket | None) 
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             logger.error("dropped a frame that is not a ForwardBatch: %s", e)
             continue
+        started = time.perf_counter()
+        runner.forward_s = 0.0
         try:
             result = runner.step(batch)
         except Exception as e:
@@ -91,5 +95,9 @@ def serve(runner: ModelRunner, batches: zmq.Socket, results: zmq.Socket | None) 
             if results is not None:
                 results.send(encoder.encode(WorkerFailed(batch.step_id, repr(e)[:1000])))
             os._exit(1)
-        if results is not None:
-            results.send(encoder.encode(result), copy=False)
+        if results is None:
+            continue
+        if runner.time_forward:
+            busy = time.perf_counter() - started
+            result = msgspec.structs.replace(result, busy_s=busy, forward_s=runner.forward_s)
+        results.send(encoder.encode(result), copy=False)
