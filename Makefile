@@ -6,7 +6,7 @@ PIP := $(PYTHON) -m pip
 TORCH ?= torch==2.13.0
 PORT ?= 8000
 
-.PHONY: install serve test test-all lint bench
+.PHONY: install serve test test-all lint
 
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH)"

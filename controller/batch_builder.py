@@ -9,7 +9,15 @@ import numpy as np
 
 from tokenmill.controller.scheduler import ScheduledRow
 from tokenmill.protocol.arrays import pack
-from tokenmill.protocol.step import ForwardBatch, LogprobAsks, SamplingBatch
+from tokenmill.protocol.requests import SamplingParams
+from tokenmill.protocol.step import (
+    ForwardBatch,
+    LogitBias,
+    LogprobAsks,
+    PenaltyBatch,
+    SamplingBatch,
+    StopBan,
+)
 
 
 def build_forward_batch(step_id: int, rows: list[ScheduledRow]) -> ForwardBatch:
@@ -22,6 +30,7 @@ def build_forward_batch(step_id: int, rows: list[ScheduledRow]) -> ForwardBatch:
     params = [row.request.message.sampling for row in rows]
     asks = [row.request.message.logprobs for row in rows]
     fills = [row.request for row in rows if row.request.fill_table]
+    penalties = _penalties(rows)  # reads fill_table: before it is cleared
     for request in fills:
         request.fill_table = False
     return ForwardBatch(
@@ -41,6 +50,9 @@ def build_forward_batch(step_id: int, rows: list[ScheduledRow]) -> ForwardBatch:
             top_p=_f32([p.top_p for p in params]),
             min_p=_f32([p.min_p for p in params]),
             seed=pack(np.array([p.seed for p in params], dtype=np.int64)),
+            stop_ban=_stop_ban(rows),
+            logit_bias=_logit_bias(params),
+            penalties=penalties,
         ),
         logprobs=LogprobAsks(
             num_top=_i32([a.num_top for a in asks]),
@@ -50,6 +62,69 @@ def build_forward_batch(step_id: int, rows: list[ScheduledRow]) -> ForwardBatch:
             prompt_next_id=_i32([_prompt_next_id(row) for row in rows]),
         ),
     )
+
+
+def _uses_penalties(p: SamplingParams) -> bool:
+    return p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
+
+
+def _penalties(rows: list[ScheduledRow]) -> PenaltyBatch | None:
+    """A row restarts on its first step after an admission: a prefill from position 0, or
+    from a cached prefix whose slots fill the table (and whose tokens the worker then gets as
+    history). NOTE: a table fill of a row past its prefill (the tree kept its own copy of
+    some slots) is not a restart."""
+    params = [row.request.message.sampling for row in rows]
+    if not any(_uses_penalties(p) for p in params):
+        return None
+    restart = [
+        _uses_penalties(p) and row.is_prefill and (row.start == 0 or row.request.fill_table)
+        for row, p in zip(rows, params, strict=True)
+    ]
+    history = [
+        row.request.tokens(0, row.start) if r else [] for row, r in zip(rows, restart, strict=True)
+    ]
+    return PenaltyBatch(
+        presence=_f32([p.presence_penalty for p in params]),
+        frequency=_f32([p.frequency_penalty for p in params]),
+        repetition=_f32([p.repetition_penalty for p in params]),
+        num_prompt_tokens=_i32([row.request.num_prompt_tokens for row in rows]),
+        restart=pack(np.array(restart, dtype=bool)),
+        history_offsets=_offsets(history),
+        history_ids=_i32([t for h in history for t in h]),
+    )
+
+
+def _logit_bias(params: list[SamplingParams]) -> LogitBias | None:
+    if not any(p.logit_bias for p in params):
+        return None
+    return LogitBias(
+        offsets=_offsets([p.logit_bias for p in params]),
+        ids=_i32([i for p in params for i, _ in p.logit_bias]),
+        values=_f32([v for p in params for _, v in p.logit_bias]),
+    )
+
+
+def _stop_ban(rows: list[ScheduledRow]) -> StopBan | None:
+    """Decode iterations whose sample must not end the request: output index
+    len(output_ids) + i is banned from stop ids while it is below min_tokens."""
+    params = [row.request.message.sampling for row in rows]
+    steps = [
+        max(0, p.min_tokens - len(row.request.output_ids)) if row.samples else 0
+        for row, p in zip(rows, params, strict=True)
+    ]
+    if not any(steps):
+        return None
+    ids = [p.stop_token_ids if n else () for p, n in zip(params, steps, strict=True)]
+    return StopBan(
+        num_steps=_i32(steps),
+        ban_eos=pack(np.array([not p.ignore_eos for p in params], dtype=bool)),
+        offsets=_offsets(ids),
+        ids=_i32([t for i in ids for t in i]),
+    )
+
+
+def _offsets(lists: list) -> object:
+    return _i32(np.cumsum([0] + [len(x) for x in lists]))
 
 
 def _prompt_start(row: ScheduledRow) -> int:

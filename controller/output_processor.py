@@ -93,7 +93,9 @@ class OutputProcessor:
         params = request.message.sampling
         num_out = len(request.output_ids)
         is_eos = not params.ignore_eos and token in self.eos_token_ids
-        if num_out >= params.min_tokens and (is_eos or token in params.stop_token_ids):
+        # NOTE: as in vLLM, outputs [0, min_tokens) cannot stop (the worker masks stop ids
+        # there): the first that can is output min_tokens, after min_tokens others.
+        if num_out > params.min_tokens and (is_eos or token in params.stop_token_ids):
             request.finish_reason, request.finish_detail = "stop", str(token)
         elif num_out >= params.max_tokens or request.num_tokens >= self.max_model_len:
             request.finish_reason = "length"

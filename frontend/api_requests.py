@@ -2,8 +2,9 @@
 
 Bodies are decoded by msgspec into typed Structs, so that every wrong type or out-of-range
 value becomes an OpenAI error object naming its param; the endpoint modules
-(`api_requests_openai`, `api_requests_native`) then turn them into `GenerateRequest`s, one per
-prompt and choice, through `build_choices`.
+(`api_requests_openai`, `api_requests_native`; sampling values through
+`api_requests_sampling`) then turn them into `GenerateRequest`s, one per prompt and choice,
+through `build_choices`.
 """
 
 from __future__ import annotations
@@ -132,6 +133,7 @@ class PromptOptions:
     sampling: dict[str, Any]  # SamplingParams fields other than max_tokens and seed
     logprobs: LogprobParams
     detokenize: DetokenizeParams
+    min_tokens_param: str = "min_tokens"
 
 
 T = TypeVar("T")
@@ -237,6 +239,12 @@ def build_choices(
         if not ids:
             raise ApiError("the prompt is empty", opts.prompt_param)
         max_tokens = resolve_max_tokens(len(ids), opts, ctx)
+        if opts.sampling.get("min_tokens", 0) > max_tokens:
+            raise ApiError(
+                f"min_tokens ({opts.sampling['min_tokens']}) must not exceed max_tokens "
+                f"({max_tokens})",
+                opts.min_tokens_param,
+            )
         input_ids = pack(np.asarray(ids, dtype=np.int32))
         for j in range(opts.n):
             index = len(choices)
@@ -254,30 +262,3 @@ def build_choices(
             )
             choices.append(Choice(index, request, p, ids, text))
     return choices
-
-
-def sampling_fields(
-    temperature: float | None,
-    top_p: float | None,
-    top_k: int | None,
-    min_p: float | None,
-    stop_token_ids: list[int] | None,
-    ignore_eos: bool | None,
-    min_tokens: int | None,
-    ctx: RequestContext,
-) -> dict[str, Any]:
-    """SamplingParams fields from API values (None = default); eos ends generation unless
-    `ignore_eos`, on top of the caller's own stop token ids."""
-    stops = list(stop_token_ids or ())
-    check_token_ids(stops, ctx, "stop_token_ids")
-    if not ignore_eos:
-        stops += [i for i in ctx.tokenizer.eos_token_ids if i not in stops]
-    return {
-        "temperature": 1.0 if temperature is None else temperature,
-        "top_p": 1.0 if top_p is None else top_p,
-        "top_k": max(top_k or 0, 0),
-        "min_p": min_p or 0.0,
-        "stop_token_ids": tuple(stops),
-        "ignore_eos": bool(ignore_eos),
-        "min_tokens": min_tokens or 0,
-    }

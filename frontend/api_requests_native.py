@@ -20,6 +20,7 @@ from tokenmill.frontend.api_requests import (
     NonNegative,
     NumChoices,
     ParsedRequest,
+    Penalty,
     PromptOptions,
     RequestContext,
     Seed,
@@ -32,8 +33,12 @@ from tokenmill.frontend.api_requests import (
     check_unsupported,
     decode_body,
     new_id,
-    sampling_fields,
     stop_strings,
+)
+from tokenmill.frontend.api_requests_sampling import (
+    RepetitionPenalty,
+    SamplingInput,
+    sampling_fields,
 )
 from tokenmill.protocol.requests import DetokenizeParams, LogprobParams
 
@@ -56,9 +61,10 @@ class NativeSampling(msgspec.Struct, kw_only=True):
     n: NumChoices | None = None
     seed: Seed | None = None
     sampling_seed: Seed | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    logit_bias: dict[str, float] | None = None
     json_schema: str | None = None
     regex: str | None = None
 
@@ -120,24 +126,22 @@ def _logprob_params(body: GenerateBody, ctx: RequestContext) -> LogprobParams:
 def _options(body: GenerateBody, ctx: RequestContext) -> PromptOptions:
     sp = body.sampling_params or NativeSampling()
     check_unsupported(
-        {
-            "sampling_params.frequency_penalty": sp.frequency_penalty,
-            "sampling_params.presence_penalty": sp.presence_penalty,
-            "sampling_params.repetition_penalty": sp.repetition_penalty not in (None, 1.0),
-            "sampling_params.json_schema": sp.json_schema,
-            "sampling_params.regex": sp.regex,
-        }
+        {"sampling_params.json_schema": sp.json_schema, "sampling_params.regex": sp.regex}
     )
-    sampling = sampling_fields(
-        sp.temperature,
-        sp.top_p,
-        sp.top_k,
-        sp.min_p,
-        sp.stop_token_ids,
-        sp.ignore_eos,
-        sp.min_new_tokens,
-        ctx,
+    given = SamplingInput(
+        temperature=sp.temperature,
+        top_p=sp.top_p,
+        top_k=sp.top_k,
+        min_p=sp.min_p,
+        presence_penalty=sp.presence_penalty,
+        frequency_penalty=sp.frequency_penalty,
+        repetition_penalty=sp.repetition_penalty,
+        logit_bias=sp.logit_bias,
+        stop_token_ids=sp.stop_token_ids,
+        ignore_eos=sp.ignore_eos,
+        min_tokens=sp.min_new_tokens,
     )
+    sampling = sampling_fields(given, ctx, "sampling_params.")
     detokenize = DetokenizeParams(
         stop=stop_strings(sp.stop, MAX_STOP_NATIVE, "sampling_params.stop"),
         skip_special_tokens=sp.skip_special_tokens is not False,
@@ -154,6 +158,7 @@ def _options(body: GenerateBody, ctx: RequestContext) -> PromptOptions:
         sampling=sampling,
         logprobs=_logprob_params(body, ctx),
         detokenize=detokenize,
+        min_tokens_param="sampling_params.min_new_tokens",
     )
 
 

@@ -32,8 +32,12 @@ from tokenmill.frontend.api_requests import (
     check_unsupported,
     decode_body,
     new_id,
-    sampling_fields,
     stop_strings,
+)
+from tokenmill.frontend.api_requests_sampling import (
+    RepetitionPenalty,
+    SamplingInput,
+    sampling_fields,
 )
 from tokenmill.frontend.chat_template import ChatTemplateError
 from tokenmill.protocol.requests import DetokenizeParams, LogprobParams
@@ -65,6 +69,7 @@ class _OpenAIFields(msgspec.Struct, kw_only=True):
     include_stop_str_in_output: bool | None = None
     frequency_penalty: Penalty | None = None
     presence_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
@@ -107,23 +112,20 @@ def _options(
     prompt_param: str,
     logprobs: LogprobParams,
 ) -> PromptOptions:
-    check_unsupported(
-        {
-            "frequency_penalty": body.frequency_penalty,
-            "presence_penalty": body.presence_penalty,
-            "logit_bias": body.logit_bias,
-        }
+    given = SamplingInput(
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        logit_bias=body.logit_bias,
+        stop_token_ids=body.stop_token_ids,
+        ignore_eos=body.ignore_eos,
+        min_tokens=body.min_tokens,
     )
-    sampling = sampling_fields(
-        body.temperature,
-        body.top_p,
-        body.top_k,
-        body.min_p,
-        body.stop_token_ids,
-        body.ignore_eos,
-        body.min_tokens,
-        ctx,
-    )
+    sampling = sampling_fields(given, ctx)
     detokenize = DetokenizeParams(
         stop=stop_strings(body.stop, MAX_STOP_OPENAI),
         skip_special_tokens=body.skip_special_tokens is not False,

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable
 
 from tokenmill.frontend import VERSION, generate_command, make_model_command, serve_command
+from tokenmill.frontend.bench import command as bench_command
 
 Subcommand = tuple[
     Callable[[argparse._SubParsersAction], None], Callable[[argparse.Namespace], int]
@@ -21,6 +22,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "serve": (serve_command.add_parser, serve_command.run),
     "generate": (generate_command.add_parser, generate_command.run),
     "make-model": (make_model_command.add_parser, make_model_command.run),
+    "bench": (bench_command.add_parser, bench_command.run),
 }
 
 

@@ -134,6 +134,7 @@ def launch_engine(
         max_model_len=max_model_len,
         dtype=m.dtype,
         device=m.device,
+        logprobs_mode=s.logprobs_mode,
     )
     dist_addr = f"tcp://127.0.0.1:{_free_port()}"
     for rank in range(world_size):

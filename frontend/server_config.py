@@ -43,6 +43,10 @@ class SchedulerArgs:
     """Prompt tokens prefilled per step at most (longer prompts are chunked)."""
     max_logprobs: int = 20
     """Largest top-logprobs count a request may ask for (completions `logprobs`)."""
+    logprobs_mode: str = "raw"
+    """Which distribution generated tokens' logprobs describe: raw (log-softmax of the
+    model's logits) or processed (the one sampled from: after penalties, logit_bias,
+    temperature, top-k / top-p / min-p; filtered tokens get -9999.0)."""
     disable_prefix_cache: bool = False
     """Turn off the radix prefix cache (every prompt is computed in full)."""
     step_timing: bool = False
@@ -131,6 +135,12 @@ def validate(config: ServerConfig) -> None:
         ),
         (s.max_prefill_tokens >= 1, "--max-prefill-tokens", s.max_prefill_tokens, "use 1 or more"),
         (0 <= s.max_logprobs <= 20, "--max-logprobs", s.max_logprobs, "use 0..20"),
+        (
+            s.logprobs_mode in ("raw", "processed"),
+            "--logprobs-mode",
+            s.logprobs_mode,
+            "use raw or processed",
+        ),
         (
             s.kv_cache_tokens >= 0,
             "--kv-cache-tokens",

@@ -68,6 +68,7 @@ class Tokenizer:
         if not eos_ids and self.eos_token is not None:
             eos_ids = _ids(self._tok.token_to_id(self.eos_token))
         self.eos_token_ids: tuple[int, ...] = eos_ids
+        self.generation_config: dict[str, Any] = generation  # sampling defaults (temperature...)
         num_tokens = self._tok.get_vocab_size(with_added_tokens=True)
         model_vocab = model.get("vocab_size")
         # NOTE: ids past the embedding rows would crash the engine, ids past the tokenizer's

@@ -20,7 +20,11 @@ class SamplingParams(msgspec.Struct, frozen=True):
     seed: int = 0  # the frontend draws one when the caller gives none
     stop_token_ids: tuple[int, ...] = ()  # end generation (kept in the output ids)
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = 0  # outputs [0, min_tokens) cannot be eos or a stop token id
+    presence_penalty: float = 0.0  # OpenAI: logit - p for each token already generated
+    frequency_penalty: float = 0.0  # OpenAI: logit - p * (times the token was generated)
+    repetition_penalty: float = 1.0  # HF: logit / p (> 0) or * p (< 0) if in prompt or output
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit) pairs
 
 
 class LogprobParams(msgspec.Struct, frozen=True):

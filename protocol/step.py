@@ -12,6 +12,44 @@ import msgspec
 from tokenmill.protocol.arrays import Array
 
 
+class PenaltyBatch(msgspec.Struct, frozen=True, array_like=True):
+    """Per-row repetition penalties, sent only when a row of the batch uses one.
+
+    The worker keeps, per table row, the counts of the request's generated tokens and which
+    tokens its prompt holds, counted from the tokens each step feeds the model (a generated
+    token is fed back the step after it is sampled, or the next multi-step iteration).
+    """
+
+    presence: Array  # [B] float32 OpenAI presence_penalty; 0 = off
+    frequency: Array  # [B] float32 OpenAI frequency_penalty; 0 = off
+    repetition: Array  # [B] float32 HF repetition_penalty over prompt + output; 1 = off
+    num_prompt_tokens: Array  # [B] int32: fed tokens at positions >= this are generated ones
+    # [B] bool: the row starts its request in this step (first step after an admission): the
+    # worker forgets what the row counted before, then counts history_ids and the step's tokens.
+    restart: Array
+    history_offsets: Array  # [B+1] int32: row b's history is history_ids[o[b]:o[b+1]]
+    history_ids: Array  # [H] int32 tokens at positions [0, prefix_lens[b]) of restarting rows
+
+
+class LogitBias(msgspec.Struct, frozen=True, array_like=True):
+    """Per-row additive logit bias (OpenAI `logit_bias`), sent only when a row has one."""
+
+    offsets: Array  # [B+1] int32: row b adds values[o[b]:o[b+1]] to the logits of ids[...]
+    ids: Array  # [L] int32
+    values: Array  # [L] float32 in [-100, 100]
+
+
+class StopBan(msgspec.Struct, frozen=True, array_like=True):
+    """min_tokens: stop ids masked to -inf while a row's output is shorter than min_tokens."""
+
+    # [B] int32: decode iterations, from the step's first, whose sample must not be a stop id
+    # (min_tokens - outputs so far, at least 0).
+    num_steps: Array
+    ban_eos: Array  # [B] bool: the model's eos ids are stop ids too (not ignore_eos)
+    offsets: Array  # [B+1] int32: row b's stop ids are ids[o[b]:o[b+1]]
+    ids: Array  # [S] int32 stop_token_ids of rows with num_steps > 0
+
+
 class SamplingBatch(msgspec.Struct, frozen=True, array_like=True):
     """Per-row sampling parameters; rows mid-prompt carry them too (they are ignored)."""
 
@@ -20,6 +58,11 @@ class SamplingBatch(msgspec.Struct, frozen=True, array_like=True):
     top_p: Array  # [B] float32; 1 = no nucleus filter
     min_p: Array  # [B] float32; 0 = no min-p filter
     seed: Array  # [B] int64; noise is a hash of (seed, position), so reruns reproduce
+    # Logit changes before temperature and filters, in this order: stop ban, bias, penalties.
+    # None = no row of the batch has one (the logits are then used exactly as computed).
+    stop_ban: StopBan | None = None
+    logit_bias: LogitBias | None = None
+    penalties: PenaltyBatch | None = None
 
 
 class LogprobAsks(msgspec.Struct, frozen=True, array_like=True):

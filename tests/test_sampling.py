@@ -17,6 +17,7 @@ from tokenmill.tp_worker.sampling import (
     SamplingTensors,
     exponential_noise,
     filtered_probs,
+    processed_logprobs,
     sample,
 )
 
@@ -206,3 +207,30 @@ def test_exponential_noise_looks_like_exp_one() -> None:
     counts = np.histogram(uniform, bins=20, range=(0.0, 1.0))[0]
     expected = len(uniform) / 20
     assert np.abs(counts - expected).max() < 6 * np.sqrt(expected)
+
+
+def test_processed_logprobs_are_the_sampled_distribution() -> None:
+    """--logprobs-mode processed: log of the reference distribution on the kept tokens
+    (summing to 1 there), -inf on the filtered ones."""
+    logits = _logits(len(COMBOS), seed=3)
+    got = processed_logprobs(logits, _params_of(COMBOS)).double()
+    for row, combo in enumerate(COMBOS):
+        want = reference_probs(logits[row].numpy(), *combo)
+        kept, finite = want > 0, np.isfinite(got[row].numpy())
+        assert finite[kept].all(), combo
+        # Kept here, removed there: only the reference's rounding (its top_p = 1 cumulative
+        # mass reaches 1.0 before the last, vanishing tokens).
+        assert (got[row].numpy()[finite & ~kept] < -20).all(), combo
+        np.testing.assert_allclose(got[row].exp().numpy(), want, atol=1e-6, err_msg=str(combo))
+        np.testing.assert_allclose(np.log(want[kept]), got[row].numpy()[kept], atol=1e-4)
+        assert abs(got[row].exp().sum().item() - 1.0) < 1e-5
+
+
+def test_processed_logprobs_of_greedy_rows_use_temperature_one_and_their_filters() -> None:
+    logits = _logits(3, seed=4)
+    greedy = processed_logprobs(logits, _params_of([(0.0, 5, 1.0, 0.0)] * 3))
+    at_one = processed_logprobs(logits, _params_of([(1.0, 5, 1.0, 0.0)] * 3))
+    assert torch.equal(greedy, at_one)
+    assert bool(torch.isfinite(greedy).sum(dim=-1).eq(5).all())
+    argmax = logits.argmax(dim=-1)
+    assert torch.isfinite(greedy.gather(1, argmax[:, None])).all()

@@ -24,6 +24,9 @@ class RunnerConfig:
     """auto (cuda when available, else cpu), cpu, cuda or cuda:N."""
     prompt_logprob_chunk: int = 0
     """Prompt positions scored per lm_head chunk; 0 = as many as fit 64 MiB of logits."""
+    logprobs_mode: str = "raw"
+    """raw: generated tokens' logprobs are the log-softmax of the model's logits; processed:
+    of the distribution sampled from (after stop ban, bias, penalties, temperature, filters)."""
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from tokenmill.tp_worker.logprobs import ScoredPositions, default_chunk_size, sc
 from tokenmill.tp_worker.model import CausalLM, local_kv_heads
 from tokenmill.tp_worker.model_config import ModelConfig, load_model_config
 from tokenmill.tp_worker.parallel import TpGroup
+from tokenmill.tp_worker.penalties import LogitAdjuster
 from tokenmill.tp_worker.step_inputs import StepInputs
 from tokenmill.tp_worker.step_outputs import StepOutputs, score_sampled
 from tokenmill.tp_worker.weight_loader import load_weights
@@ -38,6 +39,14 @@ class ModelRunner:
         self.model = CausalLM(self.model_config, self.group, self.dtype, self.device)
         load_weights(self.model, Path(config.model))
         self.model.eval()
+        # NOTE: allocated before the KV cache is sized from what memory is left.
+        self.adjuster = LogitAdjuster(
+            config.max_running_requests,
+            self.model_config.vocab_size,
+            self.model_config.eos_token_ids,
+            self.device,
+        )
+        self.processed_logprobs = config.logprobs_mode == "processed"
         self.kv_cache_tokens = config.kv_cache_tokens or auto_kv_cache_tokens(
             self._kv_bytes_per_token(),
             self.device,
@@ -75,16 +84,19 @@ class ModelRunner:
     def step(self, batch: ForwardBatch) -> StepResult:
         inputs = StepInputs.from_batch(batch, self.device)
         self._fill_table(inputs)
+        self.adjuster.begin(inputs.adjust)
         outputs = StepOutputs(inputs)
         for i in range(batch.num_steps):
             if i > 0:
                 inputs = inputs.next_decode_step(i, outputs.last_ids)
+                self.adjuster.count_sampled(inputs.adjust, outputs.last_ids)
             hidden = self._forward(inputs)
             last = inputs.starts + inputs.extend_lens - 1
             logits = self.model.logits(hidden[last])  # [B, V] float32
             if i == 0 and inputs.prompt_rows.numel():
                 outputs.prompt = self._score_prompt(inputs, hidden)
-            outputs.add(score_sampled(logits, inputs))
+            adjusted = self.adjuster.adjust(logits, inputs.adjust, i)
+            outputs.add(score_sampled(logits, inputs, adjusted, self.processed_logprobs))
         return outputs.to_result(batch.step_id)
 
     def _fill_table(self, inputs: StepInputs) -> None:

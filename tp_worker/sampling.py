@@ -1,5 +1,7 @@
 """Batched sampling on the device: greedy, temperature, top-k, top-p, min-p (tp_worker).
 
+The logits come in after the stop ban, logit bias and penalties (`penalties.py`).
+
 Randomness is a counter-based hash of (seed, position, token id) turned into exponential
 noise (the Gumbel-max trick in its exponential-race form). A request's samples therefore
 depend only on its seed and its positions: not on the batch it shares, not on how many decode
@@ -54,6 +56,38 @@ def filtered_probs(logits: torch.Tensor, params: SamplingTensors) -> torch.Tenso
         floor = params.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < floor, 0.0)
     return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def processed_logprobs(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    """logits [B, V] float32 -> [B, V] float32 log of the distribution sampled from
+    (`--logprobs-mode processed`); tokens the filters remove get -inf.
+
+    NOTE: greedy rows (temperature 0) get what vLLM gives them: the distribution at
+    temperature 1 with the row's own top-k / top-p / min-p; their argmax is always kept."""
+    temperature = torch.where(params.temperature > 0, params.temperature, 1.0)  # [B]
+    scaled = logits / temperature[:, None]  # [B, V]
+    kept = _kept(scaled, params)  # [B, V] bool
+    return torch.log_softmax(scaled.masked_fill(~kept, float("-inf")), dim=-1)
+
+
+def _kept(scaled: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    """The tokens top-k, top-p and min-p keep, decided as `filtered_probs` decides but on
+    ranks and log-probabilities: a kept token whose probability underflows float32 keeps its
+    (tiny) logprob instead of showing as filtered."""
+    kept = torch.ones_like(scaled, dtype=torch.bool)
+    if bool((params.top_k > 0).any()) or bool((params.top_p < 1).any()):
+        ordered, order = scaled.sort(dim=-1, descending=True)
+        rank = torch.arange(scaled.shape[1], device=scaled.device)[None, :]
+        keep = rank < torch.where(params.top_k > 0, params.top_k, scaled.shape[1])[:, None]
+        probs = torch.softmax(ordered.masked_fill(~keep, float("-inf")), dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        keep &= (mass_before < params.top_p[:, None]) | (params.top_p[:, None] >= 1)
+        kept = torch.zeros_like(kept).scatter_(1, order, keep)
+    if bool((params.min_p > 0).any()):
+        logp = torch.log_softmax(scaled.masked_fill(~kept, float("-inf")), dim=-1)
+        floor = torch.log(params.min_p)[:, None] + logp.max(dim=-1, keepdim=True).values
+        kept &= logp >= floor
+    return kept
 
 
 def _top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

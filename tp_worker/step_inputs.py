@@ -13,6 +13,7 @@ import torch
 
 from tokenmill.protocol.arrays import Array, unpack
 from tokenmill.protocol.step import ForwardBatch
+from tokenmill.tp_worker.penalties import LogitAdjustments
 from tokenmill.tp_worker.sampling import SamplingTensors
 
 
@@ -34,6 +35,7 @@ class StepInputs:
     fill_lens: torch.Tensor  # [F] int64
     fill_slots: torch.Tensor  # [sum(fill_lens)] int32
     sampling: SamplingTensors
+    adjust: LogitAdjustments  # stop ban, logit bias, penalties (before temperature)
     num_top: torch.Tensor  # [B] int64
     top_rows: torch.Tensor  # [R] int64 rows with num_top > 0
     max_top: int
@@ -78,6 +80,7 @@ class StepInputs:
                 min_p=_tensor(s.min_p, device, torch.float32),
                 seed=_tensor(s.seed, device),
             ),
+            adjust=LogitAdjustments.from_batch(batch, device),
             num_top=num_top,
             top_rows=(num_top > 0).nonzero().squeeze(1),
             max_top=int(num_top.max()) if num_top.numel() else 0,

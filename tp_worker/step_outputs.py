@@ -13,7 +13,7 @@ import torch
 from tokenmill.protocol.arrays import pack
 from tokenmill.protocol.step import StepResult
 from tokenmill.tp_worker.logprobs import ScoredPositions
-from tokenmill.tp_worker.sampling import sample
+from tokenmill.tp_worker.sampling import processed_logprobs, sample
 from tokenmill.tp_worker.step_inputs import StepInputs
 
 
@@ -26,11 +26,22 @@ class SampledScores:
     token_ids_logprobs: torch.Tensor  # [M] float32
 
 
-def score_sampled(logits: torch.Tensor, inputs: StepInputs) -> SampledScores:
-    """logits [B, V] float32 of each row's last position -> the sampled ids and their scores."""
+def score_sampled(
+    logits: torch.Tensor,
+    inputs: StepInputs,
+    adjusted: torch.Tensor | None = None,
+    processed: bool = False,
+) -> SampledScores:
+    """logits [B, V] float32 of each row's last position, and the same after the stop ban,
+    bias and penalties (`adjusted`, None = unchanged) -> the ids sampled from `adjusted` and
+    their scores: from the raw logits, or (`processed`) from the distribution sampled from."""
+    adjusted = logits if adjusted is None else adjusted
     positions = inputs.prefix_lens + inputs.extend_lens
-    next_ids = sample(logits, inputs.sampling, positions)
-    logprobs = torch.log_softmax(logits, dim=-1)
+    next_ids = sample(adjusted, inputs.sampling, positions)
+    if processed:
+        logprobs = processed_logprobs(adjusted, inputs.sampling)  # [B, V] float32
+    else:
+        logprobs = torch.log_softmax(logits, dim=-1)  # [B, V] float32
     if inputs.max_top:
         top = logprobs[inputs.top_rows].topk(inputs.max_top, dim=-1)
         top_ids, top_logprobs = top.indices.int(), top.values
