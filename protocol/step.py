@@ -114,7 +114,8 @@ class StepResult(msgspec.Struct, frozen=True, tag="step"):
     prompt_top_ids: Array  # [P, Kp] int32, Kp = max num_top over rows scoring prompts
     prompt_top_logprobs: Array  # [P, Kp] float32
     # Filled when the server runs with --step-timing (0 otherwise): seconds rank 0 spent on
-    # this step, from receiving the batch to sending the result, and inside the model forward.
+    # this step, from receiving the batch to sending the result, and inside the model forward
+    # (layers and lm_head).
     busy_s: float = 0.0
     forward_s: float = 0.0
 

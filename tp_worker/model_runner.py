@@ -90,9 +90,7 @@ class ModelRunner:
             if i > 0:
                 inputs = inputs.next_decode_step(i, outputs.last_ids)
                 self.adjuster.count_sampled(inputs.adjust, outputs.last_ids)
-            hidden = self._forward(inputs)
-            last = inputs.starts + inputs.extend_lens - 1
-            logits = self.model.logits(hidden[last])  # [B, V] float32
+            hidden, logits = self._forward(inputs)
             if i == 0 and inputs.prompt_rows.numel():
                 outputs.prompt = self._score_prompt(inputs, hidden)
             adjusted = self.adjuster.adjust(logits, inputs.adjust, i)
@@ -105,7 +103,9 @@ class ModelRunner:
             cols = _ragged_arange(inputs.fill_lens)
             self.table[rows, cols] = inputs.fill_slots
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+    def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """The final hidden states [T, hidden] and the float32 logits [B, V] of each row's
+        last position (timed under --step-timing: the model's share of a step)."""
         rows = inputs.req_rows.repeat_interleave(inputs.extend_lens)
         self.table[rows, inputs.positions] = inputs.out_slots.int()
         attention = build_attention_batch(
@@ -117,14 +117,14 @@ class ModelRunner:
             inputs.out_slots,
             self.model_config.sliding_window,
         )
-        if not self.time_forward:
-            return self.model(inputs.input_ids, inputs.positions, attention, self.kv_cache)
         started = time.perf_counter()
         hidden = self.model(inputs.input_ids, inputs.positions, attention, self.kv_cache)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.forward_s += time.perf_counter() - started
-        return hidden
+        logits = self.model.logits(hidden[inputs.starts + inputs.extend_lens - 1])
+        if self.time_forward:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.forward_s += time.perf_counter() - started
+        return hidden, logits
 
     def _score_prompt(self, inputs: StepInputs, hidden: torch.Tensor) -> ScoredPositions:
         return score_prompt(
