@@ -353,3 +353,50 @@ def test_prefix_cache_hits_and_warm_equals_cold(server) -> None:
         atol=1e-5,
         rtol=0,
     )
+
+
+def test_small_kv_cache_evicts_and_stays_right(tiny_checkpoint, tmp_path) -> None:
+    """A pool of 640 slots holds a few 200-token prompts: later requests evict earlier
+    prefixes; every answer still equals the in-process runner's, cache hit or not."""
+    from server_process import start_server
+
+    model = tiny_checkpoint("llama")
+    small = start_server(
+        model,
+        tmp_path / "log",
+        "--kv-cache-tokens",
+        "640",
+        "--max-model-len",
+        "320",
+        "--max-running-requests",
+        "2",
+    )
+    try:
+        engine = make_engine(model)
+        rng = np.random.default_rng(7)
+        prefixes = [rng.integers(5, 1000, 150).tolist() for _ in range(4)]
+        prompts = [p + rng.integers(5, 1000, 50).tolist() for p in prefixes for _ in range(2)]
+        prompts += prompts[:3]  # revisit: some prefixes were evicted, some not
+        for prompt in prompts:
+            status, body = small.post(
+                "/generate",
+                {
+                    "input_ids": prompt,
+                    "return_logprob": True,
+                    "sampling_params": {"max_new_tokens": 8, "temperature": 0},
+                },
+            )
+            assert status == 200, body
+            ref = engine.generate([OfflineRequest(prompt, max_tokens=8)])[0]
+            assert body["output_ids"] == ref.output_ids
+            np.testing.assert_allclose(
+                [e[0] for e in body["meta_info"]["output_token_logprobs"]],
+                ref.logprobs,
+                atol=1e-5,
+                rtol=0,
+            )
+        metrics = wait_idle(small)
+        assert metrics["tokenmill_prefix_cache_hit_tokens_total"] > 0
+        assert metrics["tokenmill_prefix_cache_tokens"] <= 640
+    finally:
+        assert small.stop() == 0
