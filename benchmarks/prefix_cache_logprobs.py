@@ -40,7 +40,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--suffix-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--max-concurrency", type=int, default=16)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--device", default="auto")
     return p.parse_args()
 
@@ -61,13 +61,20 @@ def body(variant: str, ids: list[int], args: argparse.Namespace) -> dict:
     return request
 
 
-async def run(base_url: str, variant: str, args: argparse.Namespace, seed: int) -> float:
+def make_prompts(args: argparse.Namespace, round_no: int, run_no: int) -> list[list[int]]:
+    """A fresh shared prefix per run (no run hits another's cache), and the same unique
+    suffixes for every variant of a round (so chance matches between suffixes are equal)."""
+    prefix = np.random.default_rng(1000 + run_no).integers(10, 1000, args.prefix_len)
+    suffixes = np.random.default_rng(round_no).integers(
+        10, 1000, (args.num_prompts, args.suffix_len)
+    )
+    return [prefix.tolist() + suffix.tolist() for suffix in suffixes]
+
+
+async def run(
+    base_url: str, variant: str, args: argparse.Namespace, prompts: list[list[int]]
+) -> float:
     """Output tokens per second of one run."""
-    rng = np.random.default_rng(seed)
-    prefix = rng.integers(10, 1000, args.prefix_len).tolist()
-    prompts = [
-        prefix + rng.integers(10, 1000, args.suffix_len).tolist() for _ in range(args.num_prompts)
-    ]
     limit = asyncio.Semaphore(args.max_concurrency)
     async with aiohttp.ClientSession() as session:
 
@@ -89,20 +96,19 @@ async def run(base_url: str, variant: str, args: argparse.Namespace, seed: int) 
 
 
 def measure(
-    base_url: str, variant: str, args: argparse.Namespace, seed: int
+    base_url: str, variant: str, args: argparse.Namespace, prompts: list[list[int]]
 ) -> tuple[float, float]:
     """(output tokens/s, prefix-cache hit rate of the prompt tokens) of one run."""
     before = read_metrics(base_url)
-    throughput = asyncio.run(run(base_url, variant, args, seed))
+    throughput = asyncio.run(run(base_url, variant, args, prompts))
     time.sleep(0.6)  # the engine reports its counters every 0.25 s
     after = read_metrics(base_url)
-    queried = (
-        after["tokenmill_prefix_cache_queried_tokens_total"]
-        - before["tokenmill_prefix_cache_queried_tokens_total"]
-    )
-    hits = (
-        after["tokenmill_prefix_cache_hit_tokens_total"]
-        - before["tokenmill_prefix_cache_hit_tokens_total"]
+    queried, hits = (
+        after[k] - before[k]
+        for k in (
+            "tokenmill_prefix_cache_queried_tokens_total",
+            "tokenmill_prefix_cache_hit_tokens_total",
+        )
     )
     return throughput, hits / queried
 
@@ -124,12 +130,15 @@ def main() -> int:
     proc, base_url = start_server(model, server_args, log_path)
     results: dict[str, list[tuple[float, float]]] = {v: [] for v in VARIANTS}
     try:
-        measure(base_url, "off", args, seed=0)  # warm-up
-        for r in range(args.rounds):
-            for i, variant in enumerate(VARIANTS):
-                results[variant].append(measure(base_url, variant, args, seed=1 + 10 * r + i))
+        measure(base_url, "off", args, make_prompts(args, 0, 0))  # warm-up
+        for r in range(1, args.rounds + 1):
+            # NOTE: the order rotates each round, so that no variant always runs first.
+            order = VARIANTS[r % 3 :] + VARIANTS[: r % 3]
+            for i, variant in enumerate(order):
+                prompts = make_prompts(args, r, 10 * r + i)
+                results[variant].append(measure(base_url, variant, args, prompts))
                 print(
-                    f"round {r + 1} {variant:<20} {results[variant][-1][0]:8.1f} tok/s, "
+                    f"round {r} {variant:<20} {results[variant][-1][0]:8.1f} tok/s, "
                     f"hit rate {results[variant][-1][1]:.3f}",
                     flush=True,
                 )
