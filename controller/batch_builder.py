@@ -20,7 +20,7 @@ from tokenmill.protocol.step import (
 )
 
 
-def build_forward_batch(step_id: int, rows: list[ScheduledRow]) -> ForwardBatch:
+def build_forward_batch(step_id: int, rows: list[ScheduledRow], num_steps: int = 1) -> ForwardBatch:
     ids: list[int] = []
     slots: list[int] = []
     for row in rows:
@@ -61,7 +61,17 @@ def build_forward_batch(step_id: int, rows: list[ScheduledRow]) -> ForwardBatch:
             prompt_start=_i32([_prompt_start(row) for row in rows]),
             prompt_next_id=_i32([_prompt_next_id(row) for row in rows]),
         ),
+        num_steps=num_steps,
+        decode_slots=_decode_slots(rows, num_steps),
     )
+
+
+def _decode_slots(rows: list[ScheduledRow], num_steps: int) -> object:
+    """[N-1, B]: the slot of each row's position in decode iterations 1..N-1 (every row of
+    a multi-step batch decodes, from its pending token at row.start)."""
+    if num_steps == 1:
+        return None
+    return _i32([[row.request.slots[row.start + i] for row in rows] for i in range(1, num_steps)])
 
 
 def _uses_penalties(p: SamplingParams) -> bool:

@@ -19,6 +19,8 @@ class ControllerConfig:
     """Address of the frontend's report input (the controller connects)."""
     max_running_requests: int
     max_prefill_tokens: int
+    decode_steps: int = 1
+    """Decode iterations per step when every row decodes (multi-step decoding)."""
     step_timing: bool = False
     """Measure decode steps (period, worker time, model forward) and report the means."""
     enable_prefix_cache: bool = True

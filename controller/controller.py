@@ -43,7 +43,12 @@ class Controller:
         self.kv = KvAllocator(self.slots, config.enable_prefix_cache)
         self.timing = StepTiming(enabled=config.step_timing)
         self.scheduler = Scheduler(
-            self.kv, self.rows, config.max_running_requests, config.max_prefill_tokens
+            self.kv,
+            self.rows,
+            config.max_running_requests,
+            config.max_prefill_tokens,
+            max_model_len=ready.max_model_len,
+            decode_steps=config.decode_steps,
         )
         self.outputs = OutputProcessor(ready.eos_token_ids, ready.max_model_len)
         self.max_model_len = ready.max_model_len
@@ -79,7 +84,7 @@ class Controller:
 
     def step(self, rows: list[ScheduledRow]) -> StepResult:
         self.num_steps += 1
-        batch = build_forward_batch(self.num_steps, rows)
+        batch = build_forward_batch(self.num_steps, rows, self.scheduler.num_steps)
         self.timing.on_send(decode_only=not any(row.is_prefill for row in rows))
         self.sockets.send_batch(batch)
         result = self.sockets.receive_result()

@@ -19,12 +19,12 @@ from tokenmill.protocol.step import StepResult
 
 @dataclass(frozen=True)
 class StepArrays:
-    next_ids: np.ndarray  # [B] int32 (first decode iteration)
-    logprobs: np.ndarray  # [B] float32
-    top_ids: np.ndarray  # [R, K] int32
-    top_logprobs: np.ndarray  # [R, K] float32
+    next_ids: np.ndarray  # [N, B] int32, one row per decode iteration
+    logprobs: np.ndarray  # [N, B] float32
+    top_ids: np.ndarray  # [N, R, K] int32
+    top_logprobs: np.ndarray  # [N, R, K] float32
     top_row: np.ndarray  # [B] int64 row in the top arrays, -1 = none
-    token_ids_logprobs: np.ndarray  # [M] float32
+    token_ids_logprobs: np.ndarray  # [N, M] float32
     token_ids_offsets: np.ndarray  # [B+1]
     prompt_offsets: np.ndarray  # [B+1]
     prompt_logprobs: np.ndarray
@@ -37,14 +37,12 @@ class StepArrays:
         top_row = np.where(wants_top, np.cumsum(wants_top) - 1, -1)
         counts = [len(r.request.message.logprobs.token_ids) for r in rows]
         return StepArrays(
-            next_ids=unpack(result.next_ids)[0],
-            logprobs=unpack(result.logprobs)[0],
-            top_ids=unpack(result.top_ids)[0] if wants_top.any() else np.zeros((0, 0), np.int32),
-            top_logprobs=unpack(result.top_logprobs)[0]
-            if wants_top.any()
-            else np.zeros((0, 0), np.float32),
+            next_ids=unpack(result.next_ids),
+            logprobs=unpack(result.logprobs),
+            top_ids=unpack(result.top_ids),
+            top_logprobs=unpack(result.top_logprobs),
             top_row=top_row,
-            token_ids_logprobs=unpack(result.token_ids_logprobs)[0],
+            token_ids_logprobs=unpack(result.token_ids_logprobs),
             token_ids_offsets=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
             prompt_offsets=unpack(result.prompt_offsets),
             prompt_logprobs=unpack(result.prompt_logprobs),
@@ -66,7 +64,7 @@ class OutputProcessor:
             request.num_computed_tokens = row.end
             self._gather_prompt_scores(request, arrays, b)
             if row.samples and not self._ends_at_prompt(request):
-                self._append(request, int(arrays.next_ids[b]))
+                self._append_sampled(request, row, arrays.next_ids[:, b])
             if row.samples or request.finished:
                 outputs.append(self._output(request, arrays, b))
         return outputs
@@ -87,6 +85,15 @@ class OutputProcessor:
         scores.logprobs.append(arrays.prompt_logprobs[lo:hi])
         scores.top_ids.append(arrays.prompt_top_ids[lo:hi, :k])
         scores.top_logprobs.append(arrays.prompt_top_logprobs[lo:hi, :k])
+
+    def _append_sampled(self, request: Request, row: ScheduledRow, sampled: np.ndarray) -> None:
+        """Appends one sampled token per decode iteration until the request stops; tokens
+        past a stop are dropped. Iteration i > 0 computed the token of iteration i - 1."""
+        for token in sampled:
+            self._append(request, int(token))
+            if request.finished:
+                break
+        request.num_computed_tokens = min(row.end + len(sampled) - 1, request.num_tokens)
 
     def _append(self, request: Request, token: int) -> None:
         request.output_ids.append(token)
@@ -110,10 +117,10 @@ class OutputProcessor:
         return RequestOutput(
             req_id=request.req_id,
             new_ids=pack(np.asarray(new_ids, np.int32)),
-            logprobs=pack(arrays.logprobs[b : b + 1][:n]) if asks.return_logprob else None,
-            top_ids=pack(arrays.top_ids[row : row + 1, :k][:n]) if k else None,
-            top_logprobs=pack(arrays.top_logprobs[row : row + 1, :k][:n]) if k else None,
-            token_ids_logprobs=pack(arrays.token_ids_logprobs[None, lo:hi][:n])
+            logprobs=pack(arrays.logprobs[:n, b]) if asks.return_logprob else None,
+            top_ids=pack(arrays.top_ids[:n, row, :k]) if k else None,
+            top_logprobs=pack(arrays.top_logprobs[:n, row, :k]) if k else None,
+            token_ids_logprobs=pack(arrays.token_ids_logprobs[:n, lo:hi])
             if asks.token_ids
             else None,
             prompt=self._prompt_output(request),

@@ -43,12 +43,21 @@ class ScheduledRow:
 
 class Scheduler:
     def __init__(
-        self, kv: KvAllocator, rows: IndexPool, max_running: int, max_prefill_tokens: int
+        self,
+        kv: KvAllocator,
+        rows: IndexPool,
+        max_running: int,
+        max_prefill_tokens: int,
+        max_model_len: int | None = None,
+        decode_steps: int = 1,
     ) -> None:
         self.kv = kv
         self.rows = rows
         self.max_running = max_running
         self.max_prefill_tokens = max_prefill_tokens
+        self.max_model_len = max_model_len
+        self.decode_steps = decode_steps
+        self.num_steps = 1  # decode iterations of the batch schedule() made last
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -57,7 +66,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[ScheduledRow]:
-        decode = self._schedule_decode()
+        """The next step's rows; `self.num_steps` says how many decode iterations it runs."""
+        self.num_steps = self._num_steps()
+        decode = self._schedule_decode(self.num_steps)
         budget = self.max_prefill_tokens
         prefill = []
         for request in self.running:
@@ -79,18 +90,39 @@ class Scheduler:
             self.waiting.remove(request)
         self._release(request)
 
-    def _schedule_decode(self) -> list[Request]:
+    def _num_steps(self) -> int:
+        """--decode-steps when every row will decode (no prompt waits or is being prefilled),
+        cut so that no row runs past its max_tokens or the model's length; else 1."""
+        if self.decode_steps == 1 or self.waiting or not self.running:
+            return 1
+        if any(r.is_prefill for r in self.running):
+            return 1
+        steps = self.decode_steps
+        for request in self.running:
+            left = request.message.sampling.max_tokens - len(request.output_ids)
+            if self.max_model_len is not None:
+                left = min(left, self.max_model_len - request.num_tokens + 1)
+            steps = min(steps, left)
+        return max(1, steps)
+
+    def _schedule_decode(self, steps: int) -> list[Request]:
+        """Decode rows, each with slots for `steps` positions from its pending token;
+        preempts the latest-admitted requests while the pool cannot give them."""
         decoding = [r for r in self.running if not r.is_prefill]
-        needed = sum(1 for r in decoding if len(r.slots) < r.num_tokens)
+
+        def missing(r: Request) -> int:
+            return max(0, r.num_tokens - 1 + steps - len(r.slots))
+
+        needed = sum(missing(r) for r in decoding)
         while needed > self.kv.num_available:
             victim = max(self.running, key=lambda r: r.arrival)
             if victim in decoding:
                 decoding.remove(victim)
-                needed -= len(victim.slots) < victim.num_tokens
+                needed -= missing(victim)
             self._preempt(victim)
         for request in decoding:
-            if len(request.slots) < request.num_tokens:
-                request.slots += self.kv.alloc(request.num_tokens - len(request.slots))
+            if missing(request):
+                request.slots += self.kv.alloc(missing(request))
         return decoding
 
     def _admit(self, request: Request) -> bool:

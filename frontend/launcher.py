@@ -122,6 +122,7 @@ def launch_engine(
             report_addr=addrs.reports,
             max_running_requests=s.max_running_requests,
             max_prefill_tokens=s.max_prefill_tokens,
+            decode_steps=s.decode_steps,
             enable_prefix_cache=not s.disable_prefix_cache,
             step_timing=s.step_timing,
             parent_pid=parent,

@@ -47,6 +47,9 @@ class SchedulerArgs:
     """Which distribution generated tokens' logprobs describe: raw (log-softmax of the
     model's logits) or processed (the one sampled from: after penalties, logit_bias,
     temperature, top-k / top-p / min-p; filtered tokens get -9999.0)."""
+    decode_steps: int = 1
+    """Decode iterations the worker runs per round trip when every running request decodes
+    (multi-step decoding: fewer round trips, the same tokens and logprobs)."""
     disable_prefix_cache: bool = False
     """Turn off the radix prefix cache (every prompt is computed in full)."""
     step_timing: bool = False
@@ -135,6 +138,7 @@ def validate(config: ServerConfig) -> None:
         ),
         (s.max_prefill_tokens >= 1, "--max-prefill-tokens", s.max_prefill_tokens, "use 1 or more"),
         (0 <= s.max_logprobs <= 20, "--max-logprobs", s.max_logprobs, "use 0..20"),
+        (1 <= s.decode_steps <= 64, "--decode-steps", s.decode_steps, "use 1..64"),
         (
             s.logprobs_mode in ("raw", "processed"),
             "--logprobs-mode",

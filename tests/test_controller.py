@@ -30,9 +30,11 @@ def fake_step(batch: ForwardBatch) -> StepResult:
     """A deterministic 'model': next id = (last input id + 1) mod VOCAB (skipping EOS unless
     the input is 40), logprob = -0.1 * next id; prompt position p scores -p / 100."""
     ids, ext = unpack(batch.input_ids), unpack(batch.extend_lens)
-    last = ids[np.cumsum(ext) - 1]
-    next_ids = np.where(last == 40, EOS, (last + 1) % VOCAB).astype(np.int32)
-    next_ids = np.where((next_ids == EOS) & (last != 40), 2, next_ids).astype(np.int32)
+    steps = [_next(ids[np.cumsum(ext) - 1])]
+    for _ in range(batch.num_steps - 1):  # multi-step: each iteration feeds the last sample
+        steps.append(_next(steps[-1]))
+    next_ids = np.stack(steps)  # [N, B]
+    n = batch.num_steps
     num_top = unpack(batch.logprobs.num_top)
     k = int(num_top.max()) if len(num_top) else 0
     rows = int((num_top > 0).sum())
@@ -43,16 +45,22 @@ def fake_step(batch: ForwardBatch) -> StepResult:
     kp = int(num_top[[i for i, c in enumerate(counts) if c]].max()) if any(counts) else 0
     return StepResult(
         step_id=batch.step_id,
-        next_ids=pack(next_ids[None]),
-        logprobs=pack((-0.1 * next_ids[None]).astype(np.float32)),
-        top_ids=pack(np.tile(np.arange(k, dtype=np.int32), (1, rows, 1))),
-        top_logprobs=pack(np.full((1, rows, k), -1.0, np.float32)),
-        token_ids_logprobs=pack(np.full((1, m), -2.0, np.float32)),
+        next_ids=pack(next_ids),
+        logprobs=pack((-0.1 * next_ids).astype(np.float32)),
+        top_ids=pack(np.tile(np.arange(k, dtype=np.int32), (n, rows, 1))),
+        top_logprobs=pack(np.full((n, rows, k), -1.0, np.float32)),
+        token_ids_logprobs=pack(np.full((n, m), -2.0, np.float32)),
         prompt_offsets=pack(np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)),
         prompt_logprobs=pack((-positions / 100).astype(np.float32)),
         prompt_top_ids=pack(np.zeros((len(positions), kp), np.int32)),
         prompt_top_logprobs=pack(np.zeros((len(positions), kp), np.float32)),
     )
+
+
+def _next(last: np.ndarray) -> np.ndarray:
+    """The fake model's next token after each of `last`."""
+    nxt = np.where(last == 40, EOS, (last + 1) % VOCAB)
+    return np.where((nxt == EOS) & (last != 40), 2, nxt).astype(np.int32)
 
 
 def _prompt_positions(batch: ForwardBatch) -> list[np.ndarray]:
@@ -100,7 +108,11 @@ class FakeSockets:
 
 
 def make_controller(
-    kv_tokens: int = 256, max_running: int = 8, max_prefill: int = 64, max_model_len: int = 128
+    kv_tokens: int = 256,
+    max_running: int = 8,
+    max_prefill: int = 64,
+    max_model_len: int = 128,
+    decode_steps: int = 1,
 ) -> tuple[Controller, FakeSockets]:
     config = ControllerConfig(
         "",
@@ -111,6 +123,7 @@ def make_controller(
         max_running_requests=max_running,
         max_prefill_tokens=max_prefill,
         report_interval_s=0.0,
+        decode_steps=decode_steps,
     )
     sockets = FakeSockets()
     ready = WorkerReady(
@@ -254,3 +267,64 @@ def test_generation_logprobs_slice_per_request() -> None:
         assert unpack(o.top_ids).shape == (1, 3)
         assert unpack(o.token_ids_logprobs).tolist() == [[-2.0, -2.0]]
         assert unpack(o.logprobs).tolist() == pytest.approx([-0.1 * unpack(o.new_ids)[0]])
+
+
+def _run_all(decode_steps: int, messages: list, **kwargs: int) -> tuple[Controller, FakeSockets]:
+    controller, sockets = make_controller(decode_steps=decode_steps, **kwargs)
+    sockets.inbox.extend(messages)
+    run_until_idle(controller)
+    return controller, sockets
+
+
+def test_multi_step_decoding_gives_the_same_outputs() -> None:
+    messages = [
+        request("eos", [35, 36], max_tokens=20, return_logprob=True, num_top=2),  # 40 -> EOS
+        request("len7", [3, 4, 5], max_tokens=7, return_logprob=True, token_ids=(5, 6)),
+        request("len1", [10, 11], max_tokens=1),
+        request("long", [37, 38], max_tokens=9),
+    ]
+    _, single = _run_all(1, messages)
+    controller, multi = _run_all(4, messages)
+    assert any(b.num_steps == 4 for b in multi.batches)
+    assert len(multi.batches) < len(single.batches)
+    for name in ("eos", "len7", "len1", "long"):
+        assert tokens_of(multi.outputs, name) == tokens_of(single.outputs, name)
+        a = [o for o in single.outputs if o.req_id == name]
+        b = [o for o in multi.outputs if o.req_id == name]
+        assert a[-1].finish_reason == b[-1].finish_reason
+        for field in ("logprobs", "top_ids", "token_ids_logprobs"):
+            got = [unpack(getattr(o, field)) for o in b if getattr(o, field) is not None]
+            want = [unpack(getattr(o, field)) for o in a if getattr(o, field) is not None]
+            if want:
+                np.testing.assert_array_equal(np.concatenate(got), np.concatenate(want))
+    assert tokens_of(multi.outputs, "eos") == [37, 38, 39, 40, EOS]
+    assert controller.kv.num_available == 256
+
+
+def test_multi_step_batch_carries_the_next_slots() -> None:
+    controller, sockets = make_controller(decode_steps=3)
+    sockets.inbox.append(request("a", [3, 4, 5], max_tokens=7))
+    run_until_idle(controller)
+    multi = [b for b in sockets.batches if b.num_steps > 1]
+    assert multi and all(b.decode_slots is not None for b in multi)
+    first = multi[0]
+    prefix = int(unpack(first.prefix_lens)[0])
+    slots = unpack(first.decode_slots)[:, 0].tolist()
+    assert len(slots) == first.num_steps - 1
+    # the slots of the following positions: what the next batches' out_slots would be
+    assert slots == list(range(prefix + 1, prefix + first.num_steps))
+    assert sum(b.num_steps for b in sockets.batches[1:]) == 6  # 7 tokens: 1 from the prefill
+
+
+def test_multi_step_waits_for_prefills_and_queues() -> None:
+    controller, sockets = make_controller(decode_steps=4, max_prefill=4)
+    sockets.inbox.append(request("a", [3, 4, 5], max_tokens=12))
+    controller.run_once()
+    controller.run_once()
+    sockets.inbox.append(request("b", list(range(3, 14)), max_tokens=4))  # 11 tokens: 3 chunks
+    run_until_idle(controller)
+    for batch in sockets.batches:
+        if unpack(batch.is_prefill).any():
+            assert batch.num_steps == 1
+    assert tokens_of(sockets.outputs, "a") == list(range(6, 18))
+    assert tokens_of(sockets.outputs, "b") == [14, 15, 16, 17]

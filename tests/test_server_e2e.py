@@ -400,3 +400,73 @@ def test_small_kv_cache_evicts_and_stays_right(tiny_checkpoint, tmp_path) -> Non
         assert metrics["tokenmill_prefix_cache_tokens"] <= 640
     finally:
         assert small.stop() == 0
+
+
+def test_multi_step_decoding_equals_single_step(server, tiny_checkpoint, tmp_path) -> None:
+    """--decode-steps 4: the same tokens and logprobs as one step per round trip, with
+    sampling, penalties, min_tokens and several requests decoding together."""
+    from server_process import start_server
+
+    multi = start_server(
+        tiny_checkpoint("llama"),
+        tmp_path / "log",
+        "--decode-steps",
+        "4",
+        "--kv-cache-tokens",
+        "8192",
+        "--max-model-len",
+        "1024",
+    )
+    bodies = [
+        {
+            "input_ids": list(range(40, 60)),
+            "return_logprob": True,
+            "top_logprobs_num": 5,
+            "sampling_params": {"max_new_tokens": 13, "temperature": 0},
+        },
+        {
+            "input_ids": list(range(70, 75)),
+            "return_logprob": True,
+            "sampling_params": {
+                "max_new_tokens": 10,
+                "temperature": 0.9,
+                "seed": 3,
+                "frequency_penalty": 0.7,
+                "min_new_tokens": 5,
+            },
+        },
+        {
+            "input_ids": list(range(200, 230)),
+            "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 7, "temperature": 0.5, "top_k": 5, "seed": 9},
+        },
+    ]
+
+    def run(target) -> list[dict]:
+        async def all_at_once() -> list[dict]:
+            import aiohttp
+
+            async with aiohttp.ClientSession() as session:
+
+                async def one(body: dict) -> dict:
+                    async with session.post(target.base_url + "/generate", json=body) as r:
+                        assert r.status == 200
+                        return await r.json()
+
+                return list(await asyncio.gather(*(one(b) for b in bodies)))
+
+        return asyncio.run(all_at_once())
+
+    try:
+        single_results, multi_results = run(server), run(multi)
+        for a, b in zip(single_results, multi_results, strict=True):
+            assert a["output_ids"] == b["output_ids"]
+            np.testing.assert_allclose(
+                [e[0] for e in a["meta_info"]["output_token_logprobs"]],
+                [e[0] for e in b["meta_info"]["output_token_logprobs"]],
+                atol=1e-5,
+                rtol=0,
+            )
+        assert wait_idle(multi)["tokenmill_kv_slots_used"] == 0
+    finally:
+        assert multi.stop() == 0
