@@ -18,6 +18,7 @@ serve: install
 lint:
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
+	$(PYTHON) -m mypy
 
 test: install lint
 	$(PYTHON) -m pytest -q

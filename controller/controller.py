@@ -186,7 +186,7 @@ class ControllerSockets:
         return sock
 
     def receive_requests(self, timeout_ms: int) -> list[FrontendMessage]:
-        messages = []
+        messages: list[FrontendMessage] = []
         if not self.poller.poll(timeout_ms):
             return messages
         while True:

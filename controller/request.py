@@ -76,7 +76,14 @@ class Request:
         return self.output_ids[position - len(self.prompt_ids)]
 
     def tokens(self, start: int, end: int) -> list[int]:
-        return (self.prompt_ids + self.output_ids)[start:end]
+        """Token ids at positions [start, end) of prompt + output (no copy of the rest: this
+        runs for every row of every step)."""
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        if start >= p:
+            return self.output_ids[start - p : end - p]
+        return self.prompt_ids[start:] + self.output_ids[: end - p]
 
     @property
     def max_cached_prefix(self) -> int:

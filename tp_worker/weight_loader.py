@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from tokenmill.tp_worker.model import CausalLM, local_kv_heads
+from tokenmill.tp_worker.model import CausalLM, DecoderLayer, local_kv_heads
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def _load_one(model: CausalLM, name: str, tensor: torch.Tensor) -> bool:
     return _load_layer(model, model.layers[int(match[1])], match[2], tensor)
 
 
-def _load_layer(model: CausalLM, layer: torch.nn.Module, part: str, tensor: torch.Tensor) -> bool:
+def _load_layer(model: CausalLM, layer: DecoderLayer, part: str, tensor: torch.Tensor) -> bool:
     group, config = model.group, model.config
     if part in ("input_layernorm.weight", "post_attention_layernorm.weight"):
         return _copy(getattr(layer, part.split(".")[0]).weight, tensor)
