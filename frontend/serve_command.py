@@ -40,15 +40,36 @@ def resolve(config: ServerConfig) -> tuple[ServerConfig, Path]:
     model_dir = Path(config.model.model) if config.model.model else demo_checkpoint()
     if not (model_dir / "config.json").exists():
         raise SystemExit(f"--model {config.model.model}: no config.json in that directory")
+    raw = json.loads((model_dir / "config.json").read_text())
+    check_tensor_parallel(raw, config.parallel.tensor_parallel_size)
     max_len = config.model.max_model_len
     if max_len == 0:
-        raw = json.loads((model_dir / "config.json").read_text())
         max_len = min(
             int(raw.get("max_position_embeddings", DEFAULT_MAX_MODEL_LEN)), DEFAULT_MAX_MODEL_LEN
         )
     name = config.model.served_model_name or config.model.model or "tokenmill-demo"
     model = replace(config.model, max_model_len=max_len, served_model_name=name)
     return replace(config, model=model), model_dir
+
+
+def check_tensor_parallel(raw: dict, tp: int) -> None:
+    """Every sharded dimension must split evenly (KV heads may also be replicated)."""
+    heads = int(raw["num_attention_heads"])
+    kv_heads = int(raw.get("num_key_value_heads") or heads)
+    for name, value in (
+        ("num_attention_heads", heads),
+        ("intermediate_size", int(raw["intermediate_size"])),
+    ):
+        if value % tp:
+            raise SystemExit(
+                f"--tensor-parallel-size {tp}: the model's {name}={value} does "
+                f"not split into {tp} equal parts; use a divisor of it"
+            )
+    if kv_heads % tp and tp % kv_heads:
+        raise SystemExit(
+            f"--tensor-parallel-size {tp}: num_key_value_heads={kv_heads} "
+            f"neither splits into {tp} parts nor divides it"
+        )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -26,7 +26,9 @@ DRAIN_TIMEOUT_S = 30.0
 
 
 async def serve(config: ServerConfig, model_dir: Path) -> int:
-    engine = launch_engine(config, model_dir, config.model.max_model_len)
+    engine = launch_engine(
+        config, model_dir, config.model.max_model_len, config.parallel.tensor_parallel_size
+    )
     client = ZmqEngineClient(
         engine.addresses.requests, engine.addresses.detokenized, engine.addresses.reports
     )

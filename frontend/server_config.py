@@ -58,6 +58,12 @@ class SchedulerArgs:
 
 
 @dataclass(frozen=True)
+class ParallelArgs:
+    tensor_parallel_size: int = 1
+    """Worker processes that shard the model (one per GPU; gloo on the CPU)."""
+
+
+@dataclass(frozen=True)
 class HttpArgs:
     host: str = "127.0.0.1"
     """Address to listen on."""
@@ -71,6 +77,7 @@ class HttpArgs:
 class ServerConfig:
     model: ModelArgs = field(default_factory=ModelArgs)
     scheduler: SchedulerArgs = field(default_factory=SchedulerArgs)
+    parallel: ParallelArgs = field(default_factory=ParallelArgs)
     http: HttpArgs = field(default_factory=HttpArgs)
 
     @property
@@ -78,7 +85,12 @@ class ServerConfig:
         return self.model.served_model_name or self.model.model or "tokenmill-demo"
 
 
-SECTIONS = {"model": ModelArgs, "scheduler": SchedulerArgs, "http": HttpArgs}
+SECTIONS = {
+    "model": ModelArgs,
+    "scheduler": SchedulerArgs,
+    "parallel": ParallelArgs,
+    "http": HttpArgs,
+}
 
 
 @cache
@@ -139,6 +151,12 @@ def validate(config: ServerConfig) -> None:
         (s.max_prefill_tokens >= 1, "--max-prefill-tokens", s.max_prefill_tokens, "use 1 or more"),
         (0 <= s.max_logprobs <= 20, "--max-logprobs", s.max_logprobs, "use 0..20"),
         (1 <= s.decode_steps <= 64, "--decode-steps", s.decode_steps, "use 1..64"),
+        (
+            config.parallel.tensor_parallel_size >= 1,
+            "--tensor-parallel-size",
+            config.parallel.tensor_parallel_size,
+            "use 1 or more",
+        ),
         (
             s.logprobs_mode in ("raw", "processed"),
             "--logprobs-mode",

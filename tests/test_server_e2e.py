@@ -470,3 +470,49 @@ def test_multi_step_decoding_equals_single_step(server, tiny_checkpoint, tmp_pat
         assert wait_idle(multi)["tokenmill_kv_slots_used"] == 0
     finally:
         assert multi.stop() == 0
+
+
+def test_tensor_parallel_2_matches_1(server, tiny_checkpoint, tmp_path) -> None:
+    """Two gloo ranks, each with half the heads, half the MLP and half the vocabulary: the
+    same tokens, and logprobs within 1e-5 + 1e-6 |logprob| (the all-reduce sums partial
+    products in another order: a relative error, visible on logprobs of -30)."""
+    from server_process import start_server
+
+    tp2 = start_server(
+        tiny_checkpoint("llama"),
+        tmp_path / "log",
+        "--tensor-parallel-size",
+        "2",
+        "--kv-cache-tokens",
+        "8192",
+        "--max-model-len",
+        "1024",
+    )
+    body = {
+        "input_ids": list(range(90, 140)),
+        "return_logprob": True,
+        "logprob_start_len": 10,
+        "top_logprobs_num": 5,
+        "sampling_params": {"max_new_tokens": 12, "temperature": 0},
+    }
+    try:
+        status, two = tp2.post("/generate", body)
+        assert status == 200, two
+        _, one = server.post("/generate", body)
+        assert two["output_ids"] == one["output_ids"]
+        for key in ("input_token_logprobs", "output_token_logprobs"):
+            np.testing.assert_allclose(
+                [e[0] for e in two["meta_info"][key]],
+                [e[0] for e in one["meta_info"][key]],
+                atol=1e-5,
+                rtol=1e-6,
+            )
+        assert len(children_of_server(tp2)) == 4  # frontend's children: 2 ranks + 2
+    finally:
+        assert tp2.stop() == 0
+
+
+def children_of_server(proc) -> list[int]:
+    from test_server_faults import children_of
+
+    return list(children_of(proc.proc.pid))

@@ -47,10 +47,14 @@ class ModelRunner:
             self.device,
         )
         self.processed_logprobs = config.logprobs_mode == "processed"
-        self.kv_cache_tokens = config.kv_cache_tokens or auto_kv_cache_tokens(
-            self._kv_bytes_per_token(),
+        # NOTE: every rank must address the same slots: the smallest free memory decides.
+        self.kv_cache_tokens = config.kv_cache_tokens or self.group.min_over_ranks(
+            auto_kv_cache_tokens(
+                self._kv_bytes_per_token(),
+                self.device,
+                config.max_running_requests * config.max_model_len,
+            ),
             self.device,
-            config.max_running_requests * config.max_model_len,
         )
         # NOTE: a row can never hold more tokens than the whole cache.
         self.max_model_len = min(config.max_model_len, self.kv_cache_tokens)

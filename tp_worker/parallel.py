@@ -34,6 +34,13 @@ class TpGroup:
         per_rank = total // self.size
         return self.rank * per_rank, (self.rank + 1) * per_rank
 
+    def min_over_ranks(self, value: int, device: torch.device) -> int:
+        if self.size == 1:
+            return value
+        x = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(x, op=dist.ReduceOp.MIN)
+        return int(x.item())
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
             dist.all_reduce(x)
