@@ -516,3 +516,33 @@ def children_of_server(proc) -> list[int]:
     from test_server_faults import children_of
 
     return list(children_of(proc.proc.pid))
+
+
+def test_the_invalid_request_table_against_the_real_server(server) -> None:
+    """tests/test_http_api.py's table of invalid requests (run there against a fake engine),
+    now through the real engine: each is a 4xx naming its param, and nothing breaks."""
+    from test_http_api import INVALID, MAX_MODEL_LEN, MODEL
+
+    def real(body: object) -> object:
+        if isinstance(body, dict) and body.get("model") == MODEL:
+            return {**body, "model": server.model}
+        return body
+
+    # NOTE: these depend on the fake server's own limits (max_logprobs 5, its context length).
+    limits = {"max_tokens": MAX_MODEL_LEN, "top_logprobs": 6, "logprobs": 6}
+    checked = 0
+    for path, body, status, param in INVALID:
+        if isinstance(body, dict) and any(body.get(k) == v for k, v in limits.items()):
+            continue
+        if isinstance(body, dict) and len(str(body.get("prompt", ""))) > 2 * MAX_MODEL_LEN:
+            continue
+        got, answer = server.post(path, real(body))
+        assert got == status, (path, body, answer)
+        assert answer["error"]["param"] == param
+        checked += 1
+    assert checked >= 45
+    status, body = server.post(
+        "/v1/completions", {"model": server.model, "prompt": "fine", "max_tokens": 2}
+    )
+    assert status == 200 and body["usage"]["completion_tokens"] == 2
+    assert wait_idle(server)["tokenmill_kv_slots_used"] == 0
