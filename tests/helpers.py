@@ -19,6 +19,7 @@ def make_engine(
     max_prefill_tokens: int = 4096,
     decode_steps: int = 1,
     rows: int = 8,
+    prefix_cache: bool = True,
 ) -> OfflineEngine:
     config = RunnerConfig(
         model=str(model),
@@ -30,7 +31,10 @@ def make_engine(
         prompt_logprob_chunk=prompt_chunk,
     )
     return OfflineEngine(
-        ModelRunner(config), max_prefill_tokens=max_prefill_tokens, decode_steps=decode_steps
+        ModelRunner(config),
+        max_prefill_tokens=max_prefill_tokens,
+        decode_steps=decode_steps,
+        enable_prefix_cache=prefix_cache,
     )
 
 

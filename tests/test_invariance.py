@@ -40,11 +40,16 @@ def _assert_same(a: OfflineOutput, b: OfflineOutput, atol: float) -> None:
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
 def test_batch_of_8_equals_each_alone(tiny_checkpoint, sampled: bool) -> None:
-    engine = make_engine(tiny_checkpoint("llama"))
+    """Alone on a cold engine, and alone again on the warm one (a prefix-cache hit)."""
+    model = tiny_checkpoint("llama")
+    warm = make_engine(model)
     requests = _requests(sampled)
-    batched = engine.generate(requests)
+    batched = warm.generate(requests)
+    cold = make_engine(model, prefix_cache=False)
     for request, together in zip(requests, batched, strict=True):
-        _assert_same(engine.generate([request])[0], together, atol=1e-5)
+        _assert_same(cold.generate([request])[0], together, atol=1e-5)
+        _assert_same(warm.generate([request])[0], together, atol=1e-5)
+    assert warm.controller.kv.hit_tokens > 0 and cold.controller.kv.hit_tokens == 0
 
 
 @pytest.mark.parametrize(("max_prefill_tokens", "decode_steps"), [(7, 1), (4096, 4), (16, 3)])
@@ -53,7 +58,7 @@ def test_chunked_prefill_and_multi_step(
 ) -> None:
     model = tiny_checkpoint("qwen2")
     requests = _requests(sampled=True)
-    reference = make_engine(model).generate(requests)
+    reference = make_engine(model, prefix_cache=False).generate(requests)
     other = make_engine(
         model, max_prefill_tokens=max_prefill_tokens, decode_steps=decode_steps
     ).generate(requests)

@@ -1,19 +1,30 @@
-"""In-process generation over a ModelRunner, with no server: the reference the tests, the
-`tokenmill generate` demo and the benchmarks use.
+"""In-process generation, with no server: the real controller (scheduler, prefix cache,
+batch builder, output processor) stepping a ModelRunner directly instead of over sockets.
 
-It is a deliberately tiny scheduler: each request gets one table row and a contiguous range
-of KV slots; prompts are prefilled in chunks of at most `max_prefill_tokens`, then all rows
-decode together. The real controller (controller/) makes the same ForwardBatch messages.
+The tests' reference runs, the `tokenmill generate` demo and the benchmarks use it, so what
+they check is the same scheduling the server does.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from tokenmill.controller.config import ControllerConfig
+from tokenmill.controller.controller import Controller
 from tokenmill.protocol.arrays import pack, unpack
-from tokenmill.protocol.step import ForwardBatch, LogprobAsks, SamplingBatch, StepResult
+from tokenmill.protocol.outputs import BatchOutput, RequestOutput
+from tokenmill.protocol.requests import (
+    DetokenizeParams,
+    FrontendMessage,
+    GenerateRequest,
+    LogprobParams,
+    SamplingParams,
+)
+from tokenmill.protocol.stats import EngineReport
+from tokenmill.protocol.step import ForwardBatch, StepResult, WorkerReady
 from tokenmill.tp_worker.model_runner import ModelRunner
 
 
@@ -32,6 +43,30 @@ class OfflineRequest:
     """Score prompt tokens from this position (-1 = none); position 0 is never scored."""
     stop_at_eos: bool = False
 
+    def message(self, req_id: str) -> GenerateRequest:
+        sampling = SamplingParams(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            ignore_eos=not self.stop_at_eos,
+        )
+        logprobs = LogprobParams(
+            return_logprob=True,
+            num_top=self.num_top,
+            token_ids=self.token_ids,
+            prompt_start=self.prompt_logprob_start,
+        )
+        return GenerateRequest(
+            req_id,
+            pack(np.asarray(self.prompt_ids, np.int32)),
+            sampling,
+            logprobs,
+            DetokenizeParams(),
+        )
+
 
 @dataclass
 class OfflineOutput:
@@ -43,155 +78,90 @@ class OfflineOutput:
     prompt_logprobs: list[float] = field(default_factory=list)  # from max(start, 1)
     prompt_top_ids: list[np.ndarray] = field(default_factory=list)
     prompt_top_logprobs: list[np.ndarray] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        self.output_ids += unpack(out.new_ids).tolist()
+        if out.logprobs is not None:
+            self.logprobs += unpack(out.logprobs).tolist()
+        if out.top_ids is not None and out.top_logprobs is not None:
+            self.top_ids += list(unpack(out.top_ids))
+            self.top_logprobs += list(unpack(out.top_logprobs))
+        if out.token_ids_logprobs is not None:
+            self.token_ids_logprobs += list(unpack(out.token_ids_logprobs))
+        if out.prompt is not None:
+            self.prompt_logprobs += unpack(out.prompt.logprobs).tolist()
+            self.prompt_top_ids += list(unpack(out.prompt.top_ids))
+            self.prompt_top_logprobs += list(unpack(out.prompt.top_logprobs))
+        self.finish_reason = out.finish_reason
 
 
-@dataclass
-class _Row:
-    index: int
-    request: OfflineRequest
-    slot_base: int
-    num_computed: int = 0
-    output: OfflineOutput = field(default_factory=OfflineOutput)
-    done: bool = False
+class LocalSockets:
+    """The controller's sockets, in one process: a step goes straight to the runner."""
 
-    @property
-    def tokens(self) -> list[int]:
-        return self.request.prompt_ids + self.output.output_ids
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.inbox: deque[FrontendMessage] = deque()
+        self.outputs: list[RequestOutput] = []
+        self._result: StepResult | None = None
+
+    def receive_requests(self, timeout_ms: int) -> list[FrontendMessage]:
+        messages = list(self.inbox)
+        self.inbox.clear()
+        return messages
+
+    def send_batch(self, batch: ForwardBatch) -> None:
+        self._result = self.runner.step(batch)
+
+    def receive_result(self) -> StepResult:
+        assert self._result is not None, "no step was sent"
+        return self._result
+
+    def send_outputs(self, batch: BatchOutput) -> None:
+        self.outputs += batch.outputs
+
+    def send_report(self, report: EngineReport) -> None:
+        pass
 
 
 class OfflineEngine:
     def __init__(
-        self, runner: ModelRunner, max_prefill_tokens: int = 4096, decode_steps: int = 1
+        self,
+        runner: ModelRunner,
+        max_prefill_tokens: int = 4096,
+        decode_steps: int = 1,
+        enable_prefix_cache: bool = True,
     ) -> None:
         self.runner = runner
-        self.max_prefill_tokens = max_prefill_tokens
-        self.decode_steps = decode_steps
-        self.eos_ids = set(runner.model_config.eos_token_ids)
-        self.step_id = 0
+        self.sockets = LocalSockets(runner)
+        config = ControllerConfig(
+            "",
+            (),
+            "",
+            "",
+            "",
+            max_running_requests=runner.config.max_running_requests,
+            max_prefill_tokens=max_prefill_tokens,
+            decode_steps=decode_steps,
+            enable_prefix_cache=enable_prefix_cache,
+            report_interval_s=3600.0,
+        )
+        ready = WorkerReady(
+            runner.kv_cache_tokens, runner.max_model_len, runner.model_config.eos_token_ids
+        )
+        self.controller = Controller(config, ready, self.sockets)  # type: ignore[arg-type]
+        self.num_requests = 0
 
     def generate(self, requests: list[OfflineRequest]) -> list[OfflineOutput]:
-        cfg = self.runner.config
-        per_row = cfg.kv_cache_tokens // max(1, len(requests))
-        if len(requests) > cfg.max_running_requests:
-            raise ValueError("more requests than table rows")
-        rows = [_Row(i, r, i * per_row) for i, r in enumerate(requests)]
-        for row in rows:
-            if len(row.request.prompt_ids) + row.request.max_tokens + self.decode_steps > per_row:
-                raise ValueError(f"request needs more than the {per_row} slots a row gets")
-        while any(not r.done for r in rows):
-            prefilling = [r for r in rows if r.num_computed < len(r.request.prompt_ids)]
-            if prefilling:
-                self._run(self._prefill_rows(prefilling), 1)
-            else:
-                self._run([(r, 1) for r in rows if not r.done], self.decode_steps)
-        return [r.output for r in rows]
-
-    def _prefill_rows(self, rows: list[_Row]) -> list[tuple[_Row, int]]:
-        budget, chosen = self.max_prefill_tokens, []
-        for row in rows:
-            take = min(budget, len(row.request.prompt_ids) - row.num_computed)
-            if take <= 0:
-                break
-            chosen.append((row, take))
-            budget -= take
-        return chosen
-
-    def _run(self, plan: list[tuple[_Row, int]], steps: int) -> None:
-        batch = self._batch(plan, steps)
-        result = self.runner.step(batch)
-        self._absorb(plan, batch, result)
-
-    def _batch(self, plan: list[tuple[_Row, int]], steps: int) -> ForwardBatch:
-        ids, slots, prompt_start, next_ids = [], [], [], []
-        for row, take in plan:
-            lo, hi = row.num_computed, row.num_computed + take
-            ids += row.tokens[lo:hi]
-            slots += list(range(row.slot_base + lo, row.slot_base + hi))
-            prompt_len = len(row.request.prompt_ids)
-            wants = row.request.prompt_logprob_start >= 0 and lo < prompt_len
-            prompt_start.append(row.request.prompt_logprob_start if wants else -1)
-            next_ids.append(row.request.prompt_ids[hi] if hi < prompt_len else -1)
-        rq = [row.request for row, _ in plan]
-        seq_ends = [row.num_computed + take for row, take in plan]
-        return ForwardBatch(
-            step_id=self._next_step_id(),
-            input_ids=_i32(ids),
-            out_slots=_i32(slots),
-            req_rows=_i32([row.index for row, _ in plan]),
-            prefix_lens=_i32([row.num_computed for row, _ in plan]),
-            extend_lens=_i32([take for _, take in plan]),
-            is_prefill=pack(
-                np.array([r.num_computed < len(r.request.prompt_ids) for r, _ in plan], dtype=bool)
-            ),
-            fill_rows=_i32([]),
-            fill_lens=_i32([]),
-            fill_slots=_i32([]),
-            sampling=SamplingBatch(
-                temperature=pack(np.array([r.temperature for r in rq], np.float32)),
-                top_k=_i32([r.top_k for r in rq]),
-                top_p=pack(np.array([r.top_p for r in rq], np.float32)),
-                min_p=pack(np.array([r.min_p for r in rq], np.float32)),
-                seed=pack(np.array([r.seed for r in rq], np.int64)),
-            ),
-            logprobs=LogprobAsks(
-                num_top=_i32([r.num_top for r in rq]),
-                token_ids_offsets=_i32(np.cumsum([0] + [len(r.token_ids) for r in rq])),
-                token_ids=_i32([t for r in rq for t in r.token_ids]),
-                prompt_start=_i32(prompt_start),
-                prompt_next_id=_i32(next_ids),
-            ),
-            num_steps=steps,
-            decode_slots=_i32(
-                [
-                    [row.slot_base + end + i for (row, _), end in zip(plan, seq_ends, strict=True)]
-                    for i in range(steps - 1)
-                ]
-            )
-            if steps > 1
-            else None,
-        )
-
-    def _absorb(
-        self, plan: list[tuple[_Row, int]], batch: ForwardBatch, result: StepResult
-    ) -> None:
-        next_ids, logprobs = unpack(result.next_ids), unpack(result.logprobs)
-        top_ids, top_lps = unpack(result.top_ids), unpack(result.top_logprobs)
-        tid_lps = unpack(result.token_ids_logprobs)
-        p_off = unpack(result.prompt_offsets)
-        tid_off = unpack(batch.logprobs.token_ids_offsets)
-        top_row = 0
-        for b, (row, take) in enumerate(plan):
-            out, req = row.output, row.request
-            lo, hi = p_off[b], p_off[b + 1]
-            out.prompt_logprobs += unpack(result.prompt_logprobs)[lo:hi].tolist()
-            out.prompt_top_ids += list(unpack(result.prompt_top_ids)[lo:hi, : req.num_top])
-            out.prompt_top_logprobs += list(
-                unpack(result.prompt_top_logprobs)[lo:hi, : req.num_top]
-            )
-            row.num_computed += take
-            if row.num_computed < len(req.prompt_ids):
-                top_row += req.num_top > 0
-                continue
-            for n in range(next_ids.shape[0]):
-                if row.done:
-                    break
-                if n > 0:
-                    row.num_computed += 1
-                token = int(next_ids[n, b])
-                out.output_ids.append(token)
-                out.logprobs.append(float(logprobs[n, b]))
-                if req.num_top:
-                    out.top_ids.append(top_ids[n, top_row, : req.num_top])
-                    out.top_logprobs.append(top_lps[n, top_row, : req.num_top])
-                out.token_ids_logprobs.append(tid_lps[n, tid_off[b] : tid_off[b + 1]])
-                eos = req.stop_at_eos and token in self.eos_ids
-                row.done = eos or len(out.output_ids) >= req.max_tokens
-            top_row += req.num_top > 0
-
-    def _next_step_id(self) -> int:
-        self.step_id += 1
-        return self.step_id
-
-
-def _i32(values: object) -> object:
-    return pack(np.asarray(values, dtype=np.int32))
+        """Runs the requests together, like a server receiving them at once."""
+        ids = [f"offline-{self.num_requests + i}" for i in range(len(requests))]
+        self.num_requests += len(requests)
+        self.sockets.inbox.extend(r.message(i) for r, i in zip(requests, ids, strict=True))
+        outputs = {i: OfflineOutput() for i in ids}
+        while self.sockets.inbox or self.controller.scheduler.has_work():
+            self.controller.run_once()
+            for out in self.sockets.outputs:
+                outputs[out.req_id].add(out)
+            self.sockets.outputs.clear()
+        self.controller.kv.check_integrity([])
+        return [outputs[i] for i in ids]
