@@ -71,7 +71,13 @@ class ServerProcess:
             return self.proc.wait()
 
 
-def start_server(model: Path, log_path: Path, *args: str, timeout: float = 120.0) -> ServerProcess:
+def start_server(
+    model: Path,
+    log_path: Path,
+    *args: str,
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+) -> ServerProcess:
     port = free_port()
     argv = [
         sys.executable,
@@ -85,7 +91,7 @@ def start_server(model: Path, log_path: Path, *args: str, timeout: float = 120.0
         *args,
     ]
     log = open(log_path, "wb")  # noqa: SIM115 (the server writes it until it stops)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen(
         argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
     )
