@@ -5,13 +5,11 @@ Benchmarks are scripts (python benchmarks/NAME.py); this module sits next to the
 
 from __future__ import annotations
 
-import signal
-import socket
 import subprocess
-import sys
-import time
 import urllib.request
 from pathlib import Path
+
+from tokenmill.frontend.server_subprocess import launch, stop
 
 
 def demo_model(preset: str) -> Path:
@@ -21,58 +19,15 @@ def demo_model(preset: str) -> Path:
     return demo_checkpoint("llama", preset)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _healthy(base_url: str) -> bool:
-    try:
-        with urllib.request.urlopen(base_url + "/health", timeout=1.0) as response:
-            return response.status == 200
-    except OSError:
-        return False
-
-
 def start_server(
     model: Path, server_args: list[str], log_path: Path, timeout: float = 600.0
 ) -> tuple[subprocess.Popen, str]:
     """`tokenmill serve --model MODEL *server_args` on a free port, once /health answers."""
-    port = _free_port()
-    argv = [
-        sys.executable,
-        "-m",
-        "tokenmill.frontend.cli",
-        "serve",
-        "--model",
-        str(model),
-        "--port",
-        str(port),
-        *server_args,
-    ]
-    log = open(log_path, "wb")  # noqa: SIM115 (the server writes it until it stops)
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base_url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}; log: {log_path}")
-        if _healthy(base_url):
-            return proc, base_url
-        time.sleep(0.5)
-    stop_server(proc)
-    raise RuntimeError(f"server not healthy after {timeout} s; log: {log_path}")
+    return launch(model, server_args, log_path, timeout=timeout)
 
 
 def stop_server(proc: subprocess.Popen) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait()
+    return stop(proc)
 
 
 def read_metrics(base_url: str) -> dict[str, float]:

@@ -12,7 +12,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ import msgspec
 from tokenmill.controller.config import ControllerConfig
 from tokenmill.detokenizer.config import DetokenizerConfig
 from tokenmill.frontend.server_config import ServerConfig
+from tokenmill.frontend.server_subprocess import free_port
 from tokenmill.tp_worker.config import RunnerConfig, WorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -137,7 +137,7 @@ def launch_engine(
         device=m.device,
         logprobs_mode=s.logprobs_mode,
     )
-    dist_addr = f"tcp://127.0.0.1:{_free_port()}"
+    dist_addr = f"tcp://127.0.0.1:{free_port()}"
     for rank in range(world_size):
         engine.start(
             f"tp_worker{rank}",
@@ -160,9 +160,3 @@ def _child_env() -> dict[str, str]:
     # NOTE: glibc otherwise keeps freed [chunk, vocab] logit buffers in its arenas, and a CPU
     # worker's resident memory grows by hundreds of MiB after prompt logprobs.
     return {"MALLOC_MMAP_THRESHOLD_": str(1 << 20), **os.environ}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

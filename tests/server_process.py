@@ -3,21 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import subprocess
-import sys
-import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tokenmill.frontend.server_subprocess import launch, stop
 
 
 @dataclass
@@ -62,13 +53,7 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace")
 
     def stop(self, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
+        return stop(self.proc, timeout)
 
 
 def start_server(
@@ -78,33 +63,5 @@ def start_server(
     timeout: float = 120.0,
     env: dict[str, str] | None = None,
 ) -> ServerProcess:
-    port = free_port()
-    argv = [
-        sys.executable,
-        "-m",
-        "tokenmill.frontend.cli",
-        "serve",
-        "--model",
-        str(model),
-        "--port",
-        str(port),
-        *args,
-    ]
-    log = open(log_path, "wb")  # noqa: SIM115 (the server writes it until it stops)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.Popen(
-        argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-    )
-    server = ServerProcess(proc, port, log_path, str(model))
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()}")
-        try:
-            if server.get("/health", timeout=1.0)[0] == 200:
-                return server
-        except OSError:
-            pass
-        time.sleep(0.2)
-    server.stop()
-    raise RuntimeError(f"server not healthy after {timeout}s:\n{server.log()}")
+    proc, base_url = launch(model, list(args), log_path, env=env, timeout=timeout)
+    return ServerProcess(proc, int(base_url.rsplit(":", 1)[1]), log_path, str(model))

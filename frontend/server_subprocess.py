@@ -1,0 +1,84 @@
+"""`tokenmill serve` as a child of another program (tests, benchmarks, notebooks): start it on
+a free loopback port, wait until /health answers, stop it with the SIGTERM systemd sends.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def healthy(base_url: str) -> bool:
+    try:
+        with urllib.request.urlopen(base_url + "/health", timeout=1.0) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def launch(
+    model: Path | str,
+    server_args: list[str],
+    log_path: Path,
+    env: dict[str, str] | None = None,
+    timeout: float = 600.0,
+) -> tuple[subprocess.Popen, str]:
+    """Starts `tokenmill serve --model MODEL *server_args` (output to `log_path`) and returns
+    it with its base URL once healthy; raises with the log's tail if it dies or hangs."""
+    port = free_port()
+    argv = [
+        sys.executable,
+        "-m",
+        "tokenmill.frontend.cli",
+        "serve",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        *server_args,
+    ]
+    log = open(log_path, "wb")  # noqa: SIM115 (the server writes it until it stops)
+    proc = subprocess.Popen(
+        argv,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+    )
+    base_url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{_tail(log_path)}")
+        if healthy(base_url):
+            return proc, base_url
+        time.sleep(0.2)
+    stop(proc)
+    raise RuntimeError(f"server not healthy after {timeout} s:\n{_tail(log_path)}")
+
+
+def stop(proc: subprocess.Popen, timeout: float = 60.0) -> int:
+    """SIGTERM (the server drains), then SIGKILL after `timeout`; returns the exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+def _tail(path: Path, chars: int = 4000) -> str:
+    return path.read_text(errors="replace")[-chars:]
