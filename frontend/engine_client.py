@@ -6,6 +6,7 @@ over the controller and detokenizer sockets, and tests can implement it with a f
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -29,8 +30,14 @@ class EngineStats:
     kv_slots_free: int = 0
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
-    last_report: float = 0.0  # time.monotonic() of the controller's last report
+    # time.monotonic() of the controller's last report (it reports between steps)
+    last_report: float = field(default_factory=time.monotonic)
     extra: dict[str, float] = field(default_factory=dict)
+
+    def healthy(self, stale_after_s: float = 120.0) -> bool:
+        """Alive and stepping: a report came within `stale_after_s`. NOTE: a CPU prefill step
+        can take tens of seconds, so only a much longer silence counts as stuck."""
+        return self.alive and time.monotonic() - self.last_report < stale_after_s
 
 
 class EngineClient(Protocol):

@@ -140,7 +140,7 @@ class HttpApi:
         return json_response({"object": "list", "data": [model]})
 
     async def health(self, request: web.Request) -> web.Response:
-        if self.engine.stats.alive:
+        if self.engine.stats.healthy():
             return json_response({"status": "ok"})
         return json_response({"status": "unavailable"}, status=503)
 

@@ -18,15 +18,12 @@ from tokenmill.frontend.engine_zmq import ZmqEngineClient
 from tokenmill.frontend.http_server import build_app
 from tokenmill.frontend.launcher import EngineProcesses, launch_engine
 from tokenmill.frontend.server_config import ServerConfig
-from tokenmill.frontend.systemd_notify import SystemdNotifier, engine_healthy
+from tokenmill.frontend.systemd_notify import SystemdNotifier
 from tokenmill.frontend.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 DRAIN_TIMEOUT_S = 30.0
-# NOTE: the controller reports between steps (every 0.25 s when idle); a CPU prefill step can
-# take tens of seconds, so only a much longer silence counts as a stuck engine.
-STALE_ENGINE_S = 120.0
 
 
 async def serve(config: ServerConfig, model_dir: Path) -> int:
@@ -51,7 +48,7 @@ async def serve(config: ServerConfig, model_dir: Path) -> int:
             )
             runner = await _start_http(config, client, Tokenizer(model_dir))
             notifier.notify(f"READY=1\nSTATUS=serving {config.served_model_name}")
-            tasks.append(asyncio.create_task(notifier.watchdog(lambda: _healthy(client))))
+            tasks.append(asyncio.create_task(notifier.watchdog(client.stats.healthy)))
             await stop.wait()
             notifier.notify("STOPPING=1")
             if state["drain"]:
@@ -107,10 +104,6 @@ async def _supervise(
             stop.set()
             return
         await asyncio.sleep(0.2)
-
-
-def _healthy(client: ZmqEngineClient) -> bool:
-    return engine_healthy(client.stats.alive, client.stats.last_report, STALE_ENGINE_S)
 
 
 async def _drain(client: ZmqEngineClient) -> None:

@@ -10,7 +10,6 @@ import asyncio
 import logging
 import os
 import socket
-import time
 from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
@@ -52,8 +51,3 @@ class SystemdNotifier:
             else:
                 logger.warning("engine not healthy: no watchdog ping")
             await asyncio.sleep(self.watchdog_interval_s)
-
-
-def engine_healthy(alive: bool, last_report: float, stale_after_s: float) -> bool:
-    """Alive, and the controller reported within `stale_after_s` (it reports between steps)."""
-    return alive and time.monotonic() - last_report < stale_after_s

@@ -87,3 +87,15 @@ def test_unit_and_launch_script_agree() -> None:
         ("--decode-steps", "4"),
     ):
         assert out[out.index(flag) + 1] == value
+
+
+def test_health_means_alive_and_stepping() -> None:
+    from tokenmill.frontend.engine_client import EngineStats
+
+    stats = EngineStats()
+    assert stats.healthy()
+    stats.last_report -= 121  # the controller stopped reporting: stuck
+    assert not stats.healthy()
+    stats.last_report += 121
+    stats.alive = False
+    assert not stats.healthy()
