@@ -1,0 +1,74 @@
+"""Checkpoints as transformers itself writes them load too: the newer config spelling
+(`rope_parameters`, `dtype`), sharded safetensors with an index, and the same numbers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from helpers import make_engine
+
+from tokenmill.tp_worker.model_config import load_model_config, parse_model_config
+from tokenmill.tp_worker.offline import OfflineRequest
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_resaved_sharded_checkpoint_gives_the_same_numbers(
+    arch: str, tiny_checkpoint, tmp_path: Path
+) -> None:
+    original = tiny_checkpoint(arch)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(original, dtype=torch.float32)
+    resaved = tmp_path / "resaved"
+    hf.save_pretrained(resaved, max_shard_size="200KB")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        (resaved / name).write_bytes((original / name).read_bytes())
+    assert (resaved / "model.safetensors.index.json").exists()
+    assert len(list(resaved.glob("model-*.safetensors"))) > 1
+    raw = json.loads((resaved / "config.json").read_text())
+    assert "dtype" in raw or "rope_parameters" in raw  # the newer spelling
+    assert load_model_config(resaved) == load_model_config(original)
+    request = OfflineRequest(list(range(3, 40)), max_tokens=6, num_top=3, prompt_logprob_start=0)
+    a = make_engine(original).generate([request])[0]
+    b = make_engine(resaved).generate([request])[0]
+    assert a.output_ids == b.output_ids
+    np.testing.assert_array_equal(a.logprobs, b.logprobs)
+    np.testing.assert_array_equal(a.prompt_logprobs, b.prompt_logprobs)
+
+
+def test_both_config_spellings_parse_alike() -> None:
+    old = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 100,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rope_theta": 500000.0,
+        "torch_dtype": "bfloat16",
+        "rope_scaling": {
+            "type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    }
+    new = {k: v for k, v in old.items() if k not in ("rope_theta", "torch_dtype", "rope_scaling")}
+    new["dtype"] = "bfloat16"
+    new["rope_parameters"] = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    assert parse_model_config(old) == parse_model_config(new)
+    assert parse_model_config(old).rope_scaling["rope_type"] == "llama3"
+    with pytest.raises(ValueError, match="unsupported architectures"):
+        parse_model_config({**old, "architectures": ["GPT2LMHeadModel"]})
