@@ -39,6 +39,7 @@ from tokenmill.protocol.outputs import DetokenizedOutput
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
+PARSE_INLINE_BYTES = 64 * 1024  # larger bodies are parsed and tokenized in a worker thread
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
 _DEAD = ApiError("the engine is not running", status=503, type="server_error", code="engine_dead")
 _INTERNAL = ApiError("internal server error", status=500, type="server_error")
@@ -151,7 +152,13 @@ class HttpApi:
     async def _serve(
         self, request: web.Request, parse: Parser, responder_cls: type[Responder]
     ) -> web.StreamResponse:
-        parsed = parse(await request.read(), self.ctx)
+        body = await request.read()
+        # NOTE: a long prompt takes a while to tokenize (the tokenizer releases the GIL):
+        # parsing off the event loop keeps every other request streaming meanwhile.
+        if len(body) > PARSE_INLINE_BYTES:
+            parsed = await asyncio.to_thread(parse, body, self.ctx)
+        else:
+            parsed = parse(body, self.ctx)
         if not self.engine.stats.alive:
             raise EngineDeadError("engine is not alive")
         self.metrics.on_start(len(parsed.choices), parsed.wants_logprobs)

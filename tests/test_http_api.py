@@ -563,3 +563,14 @@ def test_chat_template_and_tokenizer(tiny_checkpoint) -> None:
         ChatTemplate("{{ messages[0].content.upper() + 1 }}", None, None).render(
             [{"role": "user", "content": "x"}]
         )
+
+
+def test_a_long_body_is_parsed_off_the_event_loop(fake_server: Server) -> None:
+    """Bodies over PARSE_INLINE_BYTES are tokenized in a thread; the answers are the same."""
+    from tokenmill.frontend.http_server import PARSE_INLINE_BYTES
+
+    text = "word " * (PARSE_INLINE_BYTES // 4)
+    status, r = fake_server.post(CMPL, _cmpl(prompt=text))
+    assert status == 400 and r["error"]["param"] == "prompt"
+    status, _ = fake_server.post(CMPL, _cmpl(prompt="short", max_tokens=1, user="x" * 70_000))
+    assert status == 200
