@@ -41,6 +41,14 @@ def alive(pid: int) -> bool:
     return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
 
 
+def wait_running(server, timeout: float = 30.0) -> None:
+    """Until the engine reports a request running (so a signal cannot beat the request)."""
+    deadline = time.monotonic() + timeout
+    while server.metrics().get("tokenmill_num_requests_running", 0) < 1:
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.05)
+
+
 @pytest.mark.parametrize("victim", ["tokenmill.tp_worker", "tokenmill.detokenizer"])
 def test_a_dead_child_fails_requests_and_stops_the_server(
     tiny_checkpoint, tmp_path: Path, victim: str
@@ -53,6 +61,13 @@ def test_a_dead_child_fails_requests_and_stops_the_server(
         "--max-model-len",
         "2048",
     )
+    try:
+        check_a_dead_child_stops_the_server(server, victim)
+    finally:
+        server.stop()
+
+
+def check_a_dead_child_stops_the_server(server, victim: str) -> None:
     children = children_of(server.proc.pid)
     assert len(children) == 3, children
     runtime_dir = re.search(r"ipc://(/[^/\"]+/tokenmill-[^/\"]+)/", " ".join(children.values()))[1]
@@ -75,7 +90,7 @@ def test_a_dead_child_fails_requests_and_stops_the_server(
 
     thread = threading.Thread(target=long_request)
     thread.start()
-    time.sleep(1.0)
+    wait_running(server)
     (pid,) = [p for p, cmd in children.items() if victim in cmd]
     os.kill(pid, signal.SIGKILL)
     code = server.proc.wait(timeout=30)
@@ -101,10 +116,13 @@ def test_sigterm_drains_in_flight_requests(tiny_checkpoint, tmp_path: Path) -> N
         )
         results.append(r.usage.completion_tokens)
 
-    thread = threading.Thread(target=request)
-    thread.start()
-    time.sleep(0.5)
-    server.proc.send_signal(signal.SIGTERM)
-    thread.join(timeout=60)
-    assert server.proc.wait(timeout=60) == 0
-    assert results == [200]
+    try:
+        thread = threading.Thread(target=request)
+        thread.start()
+        wait_running(server)
+        server.proc.send_signal(signal.SIGTERM)
+        thread.join(timeout=60)
+        assert server.proc.wait(timeout=60) == 0
+        assert results == [200]
+    finally:
+        server.stop()
