@@ -66,9 +66,15 @@ class Request:
 
     @property
     def is_prefill(self) -> bool:
-        """True until every prompt token (and, after a preemption, every earlier output
-        token but the last) is in the KV cache."""
-        return self.num_computed_tokens < self.num_tokens - (1 if self.output_ids else 0)
+        """True until every prompt token is in the KV cache. Generated tokens are always
+        computed one per step on the decode path, also when a preempted request recomputes
+        them, so that their KV (and every later logprob) is bitwise what it was."""
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
+    def is_replaying(self) -> bool:
+        """After a preemption: generated tokens (not the pending last) still to recompute."""
+        return self.num_prompt_tokens <= self.num_computed_tokens < self.num_tokens - 1
 
     def token_at(self, position: int) -> int:
         if position < len(self.prompt_ids):

@@ -77,9 +77,11 @@ class Scheduler:
                 budget -= row.num_new
                 prefill.append(row)
         while budget > 0 and self.waiting and self._admit(self.waiting[0]):
-            row = self._chunk(self.waiting.popleft(), budget)
-            budget -= row.num_new
-            prefill.append(row)
+            request = self.waiting.popleft()
+            if request.is_prefill:  # else its cached prefix covers the prompt: it decodes
+                row = self._chunk(request, budget)
+                budget -= row.num_new
+                prefill.append(row)
         return [ScheduledRow.of(r, 1, False) for r in decode] + prefill
 
     def finish(self, request: Request) -> None:
@@ -95,8 +97,8 @@ class Scheduler:
         cut so that no row runs past its max_tokens or the model's length; else 1."""
         if self.decode_steps == 1 or self.waiting or not self.running:
             return 1
-        if any(r.is_prefill for r in self.running):
-            return 1
+        if any(r.is_prefill or r.is_replaying for r in self.running):
+            return 1  # NOTE: a replayed step feeds a known token, not the last sample
         steps = self.decode_steps
         for request in self.running:
             left = request.message.sampling.max_tokens - len(request.output_ids)
@@ -147,7 +149,7 @@ class Scheduler:
         return False
 
     def _chunk(self, request: Request, budget: int) -> ScheduledRow:
-        num_new = min(budget, request.num_tokens - request.num_computed_tokens)
+        num_new = min(budget, request.num_prompt_tokens - request.num_computed_tokens)
         return ScheduledRow.of(request, num_new, True)
 
     def _preempt(self, request: Request) -> None:

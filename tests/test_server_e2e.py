@@ -550,9 +550,9 @@ def test_the_invalid_request_table_against_the_real_server(server) -> None:
 
 def test_preemption_under_a_full_pool_loses_nothing(tiny_checkpoint, tmp_path) -> None:
     """8 requests that together need ~2,000 KV slots, on a 700-slot pool: the scheduler
-    preempts and recomputes, and every answer equals the in-process runner's: the same
-    tokens, logprobs within 1e-4. NOTE: not bitwise: a preempted request's generated tokens
-    are recomputed as a prompt chunk, whose arithmetic differs from decode's (~1e-5)."""
+    preempts and recomputes, and every answer equals the in-process runner's, bitwise: a
+    preempted request recomputes its prompt as a prefill and replays its generated tokens
+    one per step on the decode path, so their KV is exactly what it was."""
     from server_process import start_server
 
     model = tiny_checkpoint("llama")
@@ -601,7 +601,7 @@ def test_preemption_under_a_full_pool_loses_nothing(tiny_checkpoint, tmp_path) -
             np.testing.assert_allclose(
                 [e[0] for e in got["meta_info"]["output_token_logprobs"]],
                 ref.logprobs,
-                atol=1e-4,
+                atol=0,
                 rtol=0,
             )
         assert wait_idle(small)["tokenmill_kv_slots_used"] == 0
