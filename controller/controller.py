@@ -56,6 +56,7 @@ class Controller:
         self.num_steps = 0
         self.num_arrivals = 0
         self.last_report = 0.0
+        self.checked_at_step = -1  # num_steps when the pool and tree were last checked
         self.handlers = {GenerateRequest: self.handle_generate, AbortRequest: self.handle_abort}
 
     def run(self) -> None:
@@ -139,7 +140,9 @@ class Controller:
         if now - self.last_report < self.config.report_interval_s:
             return
         self.last_report = now
-        if not self.scheduler.has_work():
+        if not self.scheduler.has_work() and self.num_steps != self.checked_at_step:
+            # NOTE: once per idle period: the check walks the whole pool and tree.
+            self.checked_at_step = self.num_steps
             self.kv.check_integrity([])
             self.rows.check_integrity()
         self.sockets.send_report(
