@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
-from serving import demo_model, start_server, stop_server
+from serving import add_model_args, resolve_model, start_server, stop_server
 
 from tokenmill.frontend.bench.client import BenchOptions, fetch_model_id, run_requests
 from tokenmill.frontend.bench.datasets import random_requests
@@ -32,13 +32,7 @@ TARGET_TOP5 = 0.95
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", type=Path, help="HF checkpoint dir (default: a built demo one)")
-    p.add_argument(
-        "--preset",
-        choices=("small", "medium"),
-        default="medium",
-        help="demo checkpoint size when no --model (default medium)",
-    )
+    add_model_args(p, "medium")
     p.add_argument("--rounds", type=int, default=3, help="rounds of off / 5 / 20 (default 3)")
     p.add_argument("--num-prompts", type=int, default=64, help="requests per run (default 64)")
     p.add_argument("--input-len", type=int, default=256, help="prompt tokens (default 256)")
@@ -48,11 +42,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kv-cache-tokens", type=int, default=16384, help="(default 16384)")
     p.add_argument("--json", type=Path, help="also write every run's metrics here")
     return p.parse_args()
-
-
-def resolve_model(args: argparse.Namespace) -> Path:
-    """--model, or the demo checkpoint of --preset (built once into ~/.cache/tokenmill)."""
-    return args.model if args.model is not None else demo_model(args.preset)
 
 
 def server_args(args: argparse.Namespace) -> list[str]:

@@ -21,20 +21,14 @@ from pathlib import Path
 
 import aiohttp
 import numpy as np
-from serving import demo_model, read_metrics, start_server, stop_server
+from serving import add_model_args, read_metrics, resolve_model, start_server, stop_server
 
 VARIANTS = ("off", "generation top 5", "prompt suffix top 5")
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", type=Path, help="HF checkpoint dir (default: a demo one)")
-    p.add_argument(
-        "--preset",
-        choices=("small", "medium"),
-        default="small",
-        help="demo checkpoint size when no --model (default small)",
-    )
+    add_model_args(p, "small")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--prefix-len", type=int, default=1024)
     p.add_argument("--suffix-len", type=int, default=64)
@@ -115,7 +109,7 @@ def measure(
 
 def main() -> int:
     args = parse_args()
-    model = args.model or demo_model(args.preset)
+    model = resolve_model(args)
     log_path = Path(tempfile.mkdtemp(prefix="tokenmill-bench-")) / "server.log"
     total = args.prefix_len + args.suffix_len + args.output_len
     server_args = [

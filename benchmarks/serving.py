@@ -5,11 +5,27 @@ Benchmarks are scripts (python benchmarks/NAME.py); this module sits next to the
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import urllib.request
 from pathlib import Path
 
 from tokenmill.frontend.server_subprocess import launch, stop
+
+
+def add_model_args(parser: argparse.ArgumentParser, default_preset: str) -> None:
+    parser.add_argument("--model", type=Path, help="HF checkpoint dir (default: a demo one)")
+    parser.add_argument(
+        "--preset",
+        choices=("small", "medium"),
+        default=default_preset,
+        help=f"demo checkpoint size when no --model (default {default_preset})",
+    )
+
+
+def resolve_model(args: argparse.Namespace) -> Path:
+    """--model, or the demo checkpoint of --preset (built once into ~/.cache/tokenmill)."""
+    return args.model if args.model is not None else demo_model(args.preset)
 
 
 def demo_model(preset: str) -> Path:

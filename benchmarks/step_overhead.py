@@ -16,7 +16,7 @@ import asyncio
 import tempfile
 from pathlib import Path
 
-from serving import demo_model, read_metrics, start_server, stop_server
+from serving import add_model_args, read_metrics, resolve_model, start_server, stop_server
 
 from tokenmill.frontend.bench.client import BenchOptions, fetch_model_id, run_requests
 from tokenmill.frontend.bench.datasets import random_requests
@@ -27,13 +27,7 @@ KEYS = ("decode_steps", "period_seconds", "worker_busy_seconds", "forward_second
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", type=Path, help="HF checkpoint dir (default: a demo one)")
-    p.add_argument(
-        "--preset",
-        choices=("small", "medium"),
-        default="medium",
-        help="demo checkpoint size when no --model (default medium)",
-    )
+    add_model_args(p, "medium")
     p.add_argument("--batch", type=int, default=32, help="decode batch (default 32)")
     p.add_argument("--input-len", type=int, default=32, help="prompt tokens (default 32)")
     p.add_argument("--output-len", type=int, default=128, help="output tokens (default 128)")
@@ -61,7 +55,7 @@ async def workload(base_url: str, args: argparse.Namespace, seed: int) -> None:
 
 def main() -> int:
     args = parse_args()
-    model = args.model or demo_model(args.preset)
+    model = resolve_model(args)
     log_path = Path(tempfile.mkdtemp(prefix="tokenmill-bench-")) / "server.log"
     server_args = [
         "--step-timing",

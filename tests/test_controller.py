@@ -3,15 +3,13 @@ message and the outputs (like vLLM's scheduler tests)."""
 
 from __future__ import annotations
 
-from collections import deque
-
 import numpy as np
 import pytest
 
 from tokenmill.controller.config import ControllerConfig
 from tokenmill.controller.controller import Controller
 from tokenmill.protocol.arrays import pack, unpack
-from tokenmill.protocol.outputs import BatchOutput, RequestOutput
+from tokenmill.protocol.outputs import RequestOutput
 from tokenmill.protocol.requests import (
     AbortRequest,
     DetokenizeParams,
@@ -21,6 +19,7 @@ from tokenmill.protocol.requests import (
 )
 from tokenmill.protocol.stats import EngineReport
 from tokenmill.protocol.step import ForwardBatch, StepResult, WorkerReady
+from tokenmill.tp_worker.offline import LocalSockets
 
 VOCAB = 50
 EOS = 1
@@ -79,29 +78,17 @@ def _prompt_positions(batch: ForwardBatch) -> list[np.ndarray]:
     return out
 
 
-class FakeSockets:
-    def __init__(self) -> None:
-        self.inbox: deque = deque()
-        self.batches: list[ForwardBatch] = []
-        self.outputs: list[RequestOutput] = []
-        self.reports: list[EngineReport] = []
-        self._pending: StepResult | None = None
+class FakeSockets(LocalSockets):
+    """The in-process sockets over the fake model, keeping what went out for the asserts."""
 
-    def receive_requests(self, timeout_ms: int) -> list:
-        items = list(self.inbox)
-        self.inbox.clear()
-        return items
+    def __init__(self) -> None:
+        super().__init__(fake_step)
+        self.batches: list[ForwardBatch] = []
+        self.reports: list[EngineReport] = []
 
     def send_batch(self, batch: ForwardBatch) -> None:
         self.batches.append(batch)
-        self._pending = fake_step(batch)
-
-    def receive_result(self) -> StepResult:
-        assert self._pending is not None
-        return self._pending
-
-    def send_outputs(self, batch: BatchOutput) -> None:
-        self.outputs += batch.outputs
+        super().send_batch(batch)
 
     def send_report(self, report: EngineReport) -> None:
         self.reports.append(report)

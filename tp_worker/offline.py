@@ -8,6 +8,7 @@ they check is the same scheduling the server does.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -97,10 +98,11 @@ class OfflineOutput:
 
 
 class LocalSockets:
-    """The controller's sockets, in one process: a step goes straight to the runner."""
+    """The controller's sockets, in one process: a step goes straight to `step` (a
+    ModelRunner's, or a test's fake model)."""
 
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
+    def __init__(self, step: Callable[[ForwardBatch], StepResult]) -> None:
+        self.step = step
         self.inbox: deque[FrontendMessage] = deque()
         self.outputs: list[RequestOutput] = []
         self._result: StepResult | None = None
@@ -111,7 +113,7 @@ class LocalSockets:
         return messages
 
     def send_batch(self, batch: ForwardBatch) -> None:
-        self._result = self.runner.step(batch)
+        self._result = self.step(batch)
 
     def receive_result(self) -> StepResult:
         assert self._result is not None, "no step was sent"
@@ -133,7 +135,7 @@ class OfflineEngine:
         enable_prefix_cache: bool = True,
     ) -> None:
         self.runner = runner
-        self.sockets = LocalSockets(runner)
+        self.sockets = LocalSockets(runner.step)
         config = ControllerConfig(
             "",
             (),
