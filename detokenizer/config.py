@@ -1,7 +1,7 @@
 """Configuration of the detokenizer process.
 
 Built by the launcher in the frontend process and handed to `run_detokenizer` in the
-detokenizer process (so it must stay a plain, picklable-by-multiprocessing dataclass).
+detokenizer process as JSON (so it stays a plain dataclass).
 """
 
 from __future__ import annotations
@@ -19,6 +19,10 @@ class DetokenizerConfig:
 
     output_addr: str
     """ZMQ address the detokenizer connects to, PUSH: DetokenizedBatch to the frontend."""
+
+    abort_addr: str | None = None
+    """The controller's request input (PUSH): a request this process ends on a stop string
+    is aborted there, so the engine stops generating it. None: no such socket (tests)."""
 
     parent_pid: int | None = None
     """Exit when this process is no longer our parent (the server died); None: no check."""

@@ -28,7 +28,7 @@ from tokenmill.protocol.outputs import (
     RequestOutput,
 )
 from tokenmill.protocol.process import setup_process
-from tokenmill.protocol.requests import DetokenizeParams
+from tokenmill.protocol.requests import AbortRequest, DetokenizeParams
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +150,10 @@ def serve(detokenizer: Detokenizer, config: DetokenizerConfig, ctx: zmq.Context)
     pull.bind(config.input_addr)
     push = ctx.socket(zmq.PUSH)
     push.connect(config.output_addr)
+    aborts = None
+    if config.abort_addr is not None:
+        aborts = ctx.socket(zmq.PUSH)
+        aborts.connect(config.abort_addr)
     decoder = msgspec.msgpack.Decoder(BatchOutput)
     encoder = msgspec.msgpack.Encoder()
     watch = _ParentWatch(config.parent_pid, config.parent_check_s)
@@ -163,6 +167,9 @@ def serve(detokenizer: Detokenizer, config: DetokenizerConfig, ctx: zmq.Context)
         batch = detokenizer.handle_batch_output(msg)
         if batch.outputs:
             push.send(encoder.encode(batch))
+        if aborts is not None:
+            for req_id in detokenizer.stopped_req_ids:
+                aborts.send(encoder.encode(AbortRequest(req_id)))
     logger.error("parent process %s is gone; detokenizer exits", config.parent_pid)
 
 

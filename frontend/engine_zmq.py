@@ -96,10 +96,6 @@ class ZmqEngineClient:
                 queue = self._queues.get(output.req_id)
                 if queue is not None:
                     queue.put_nowait(output)
-                if output.finish_reason == "stop" and output.finish_detail and queue:
-                    # NOTE: a stop string is found by the detokenizer; the controller must
-                    # stop too (aborting a request it already finished is a no-op).
-                    await self.abort(output.req_id)
 
     async def _receive_reports(self) -> None:
         decoder = msgspec.msgpack.Decoder(EngineReport)

@@ -108,6 +108,7 @@ def launch_engine(
             tokenizer_path=str(model_dir),
             input_addr=addrs.outputs,
             output_addr=addrs.detokenized,
+            abort_addr=addrs.requests,
             parent_pid=parent,
         ),
     )

@@ -24,7 +24,7 @@ from tokenmill.protocol.outputs import (
     PromptLogprobs,
     RequestOutput,
 )
-from tokenmill.protocol.requests import DetokenizeParams
+from tokenmill.protocol.requests import AbortRequest, DetokenizeParams
 
 TEXTS = (
     "héllo naïve café — déjà vu",
@@ -355,6 +355,7 @@ def test_serve_loop_over_zmq(tmp_path: Path) -> None:
         tokenizer_path=str(tmp_path),
         input_addr=f"ipc://{tmp_path}/in",
         output_addr=f"ipc://{tmp_path}/out",
+        abort_addr=f"ipc://{tmp_path}/aborts",
         parent_pid=-1,  # never our parent: the loop exits after one check period
         parent_check_s=1.0,
     )
@@ -362,16 +363,24 @@ def test_serve_loop_over_zmq(tmp_path: Path) -> None:
     try:
         results = ctx.socket(zmq.PULL)
         results.bind(config.output_addr)
+        aborts = ctx.socket(zmq.PULL)
+        aborts.bind(config.abort_addr)
         thread = threading.Thread(target=serve, args=(Detokenizer(fake_table(PIECES)), config, ctx))
         thread.start()
         sender = ctx.socket(zmq.PUSH)
         sender.connect(config.input_addr)
         sender.send(b"not a message")
-        msg = BatchOutput([request_output("r", [0, 1], detokenize=DetokenizeParams())])
+        stopped = request_output("s", [0, 1, 2], detokenize=DetokenizeParams(stop=("lo",)))
+        msg = BatchOutput([request_output("r", [0, 1], detokenize=DetokenizeParams()), stopped])
         sender.send(msgspec.msgpack.encode(msg))
         assert results.poll(5000)
         batch = msgspec.msgpack.Decoder(DetokenizedBatch).decode(results.recv())
         assert (batch.outputs[0].text, batch.outputs[0].token_ids) == ("Hello", [0, 1])
+        assert batch.outputs[1].finish_reason == "stop"
+        # The request it ended on a stop string is aborted at the controller; only that one.
+        assert aborts.poll(5000)
+        assert msgspec.msgpack.Decoder(AbortRequest).decode(aborts.recv()) == AbortRequest("s")
+        assert not aborts.poll(200)
         thread.join(timeout=5)
         assert not thread.is_alive()
     finally:
