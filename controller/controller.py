@@ -11,7 +11,6 @@ import os
 import time
 
 import msgspec
-import numpy as np
 import zmq
 
 from tokenmill.controller.batch_builder import build_forward_batch
@@ -22,7 +21,7 @@ from tokenmill.controller.request import Request
 from tokenmill.controller.scheduler import ScheduledRow, Scheduler
 from tokenmill.controller.slot_pool import IndexPool
 from tokenmill.controller.step_timing import StepTiming
-from tokenmill.protocol.arrays import pack
+from tokenmill.protocol.arrays import empty
 from tokenmill.protocol.outputs import BatchOutput, RequestOutput
 from tokenmill.protocol.process import exit_with_parent, setup_process
 from tokenmill.protocol.requests import AbortRequest, FrontendMessage, GenerateRequest
@@ -163,7 +162,7 @@ class Controller:
         )
 
 
-_EMPTY_IDS = pack(np.zeros(0, np.int32))
+_EMPTY_IDS = empty("int32", 0)
 
 
 class ControllerSockets:

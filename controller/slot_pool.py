@@ -21,10 +21,6 @@ class IndexPool:
         return len(self._free)
 
     @property
-    def num_used(self) -> int:
-        return len(self._used)
-
-    @property
     def used(self) -> frozenset[int]:
         return frozenset(self._used)
 
