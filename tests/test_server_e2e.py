@@ -163,8 +163,10 @@ def test_64_concurrent_requests_equal_one_by_one(server) -> None:
 
 
 def wait_idle(server, timeout: float = 10.0) -> dict[str, float]:
-    """Metrics once the engine reports no running or waiting request and no used slot."""
+    """Metrics once the engine reports no running or waiting request and no used slot, twice
+    0.3 s apart: it reports every 0.25 s, so one idle reading may predate the last request."""
     deadline = time.monotonic() + timeout
+    was_idle = False
     while True:
         metrics = server.metrics()
         idle = (
@@ -172,9 +174,10 @@ def wait_idle(server, timeout: float = 10.0) -> dict[str, float]:
             and metrics["tokenmill_num_requests_waiting"] == 0
             and metrics["tokenmill_kv_slots_used"] == 0
         )
-        if idle or time.monotonic() > deadline:
+        if (idle and was_idle) or time.monotonic() > deadline:
             return metrics
-        time.sleep(0.1)
+        was_idle = idle
+        time.sleep(0.3 if idle else 0.1)
 
 
 def test_cancelled_streams_free_their_kv_slots(server) -> None:
@@ -326,13 +329,18 @@ def test_prefix_cache_hits_and_warm_equals_cold(server) -> None:
         return body["meta_info"]
 
     def hits(expected: float | None = None) -> float:
-        """The hit counter, once the engine's reports (every 0.25 s) show `expected`."""
+        """The hit counter once it is settled: the engine reports every 0.25 s, so a request
+        can come and go between two reports; two readings 0.35 s apart must agree (and show
+        `expected`, when given)."""
         deadline = time.monotonic() + 5
+        value = wait_idle(server)["tokenmill_prefix_cache_hit_tokens_total"]
         while True:
-            value = wait_idle(server)["tokenmill_prefix_cache_hit_tokens_total"]
-            if expected is None or value == expected or time.monotonic() > deadline:
-                return value
-            time.sleep(0.1)
+            time.sleep(0.35)
+            again = wait_idle(server)["tokenmill_prefix_cache_hit_tokens_total"]
+            settled = again == value and (expected is None or value == expected)
+            if settled or time.monotonic() > deadline:
+                return again
+            value = again
 
     before = hits()
     cold = generate(logprob_start_len=100)  # nothing cached yet: computed in full
@@ -593,7 +601,7 @@ def test_preemption_under_a_full_pool_loses_nothing(tiny_checkpoint, tmp_path) -
 
     try:
         results = asyncio.run(all_at_once())
-        assert small.metrics()["tokenmill_num_preemptions"] > 0
+        assert wait_idle(small)["tokenmill_num_preemptions"] > 0
         engine = make_engine(model)
         for prompt, got in zip(prompts, results, strict=True):
             ref = engine.generate([OfflineRequest(prompt, max_tokens=150)])[0]
