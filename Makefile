@@ -11,6 +11,7 @@ PORT ?= 8000
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH)"
 	$(PIP) install -q -e '.[test]'
+	$(PYTHON) -m tokenmill.tp_worker.cpu_kernels
 
 serve: install
 	$(PYTHON) -m tokenmill.frontend.cli serve --port $(PORT)

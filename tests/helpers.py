@@ -20,13 +20,14 @@ def make_engine(
     decode_steps: int = 1,
     rows: int = 8,
     prefix_cache: bool = True,
+    dtype: str = "float32",
 ) -> OfflineEngine:
     config = RunnerConfig(
         model=str(model),
         kv_cache_tokens=rows * 512,
         max_running_requests=rows,
         max_model_len=512,
-        dtype="float32",
+        dtype=dtype,
         device="cpu",
         prompt_logprob_chunk=prompt_chunk,
     )

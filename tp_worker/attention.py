@@ -1,137 +1,56 @@
-"""Attention over the slot-addressed KV cache, for a ragged batch (tp_worker).
+"""The attention seam: one object per step that every layer calls (tp_worker).
 
-Each row's keys are gathered from the KV cache through its slots in the request->slot table,
-and one masked SDPA call per group serves all rows of the group. Decode rows (one sampled
-token each) and prefill rows (prompt chunks, after a prefix hit or not) form two groups.
-
-NOTE: the groups and the padding keep a row's numbers independent of its batch. SDPA's CPU
-kernels sum in an order that depends on the padded key length and on whether there is one
-query or many; so keys are padded to a multiple of KEY_BLOCK, prefill queries to a multiple
-of QUERY_BLOCK, and decode rows never share a call with prefill rows. The metadata is built
-once per step and shared by every layer.
+The model code is the same on every device; what runs under it is picked here from the
+device and dtype: our own paged CPU kernel (attention_cpu.py), or torch's SDPA over gathered
+keys (attention_sdpa.py) where no kernel of ours exists yet (CUDA, float16).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
-KEY_BLOCK = 64
-QUERY_BLOCK = 32
-
-
-@dataclass(frozen=True)
-class AttentionGroup:
-    key_slots: torch.Tensor  # [G, L] int64 slots of each row's keys (padding reads slot 0)
-    mask: torch.Tensor  # [G, 1, Q, L] bool, True = may attend
-    query_index: torch.Tensor  # [G, Q] int64 token index of each padded query (padding: 0)
-    valid: torch.Tensor  # [N] int64 flat [G*Q] index of each real query
-    tokens: torch.Tensor  # [N] int64 token index of each real query, same order
+from tokenmill.tp_worker import attention_cpu
+from tokenmill.tp_worker.attention_sdpa import plan_sdpa
 
 
-@dataclass(frozen=True)
-class AttentionBatch:
-    out_slots: torch.Tensor  # [T] int64 KV slot each new token writes
-    groups: tuple[AttentionGroup, ...]
+class Attention(Protocol):
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] for the new tokens -> [T, Hq * D], after writing
+        k/v into one layer's cache [slots, Hkv, D]."""
+        ...
 
 
-def build_attention_batch(
+def plan_attention(
     table: torch.Tensor,
     req_rows: torch.Tensor,
     prefix_lens: torch.Tensor,
     extend_lens: torch.Tensor,
     is_prefill: torch.Tensor,
+    positions: torch.Tensor,
     out_slots: torch.Tensor,
     sliding_window: int | None,
-) -> AttentionBatch:
-    """table [R, max_len] int32; the other inputs are [B] on the table's device."""
-    starts = torch.cumsum(extend_lens, 0) - extend_lens
-    groups = []
-    for rows, query_block in (
-        ((~is_prefill).nonzero().squeeze(1), 1),
-        (is_prefill.nonzero().squeeze(1), QUERY_BLOCK),
-    ):
-        if rows.numel():
-            groups.append(
-                _group(
-                    table,
-                    req_rows[rows],
-                    prefix_lens[rows],
-                    extend_lens[rows],
-                    starts[rows],
-                    sliding_window,
-                    query_block,
-                )
-            )
-    return AttentionBatch(out_slots=out_slots, groups=tuple(groups))
-
-
-def _group(
-    table: torch.Tensor,
-    req_rows: torch.Tensor,
-    prefix_lens: torch.Tensor,
-    extend_lens: torch.Tensor,
-    starts: torch.Tensor,
-    sliding_window: int | None,
-    query_block: int,
-) -> AttentionGroup:
-    device = table.device
-    num_q = _round_up(int(extend_lens.max()), query_block)
-    num_k = _round_up(int((prefix_lens + extend_lens).max()), KEY_BLOCK)
-    key_pos = torch.arange(num_k, device=device)
-    q_off = torch.arange(num_q, device=device)
-    q_pos = prefix_lens[:, None] + q_off[None, :]  # [G, Q]
-    valid_q = q_off[None, :] < extend_lens[:, None]  # [G, Q]
-    visible = key_pos[None, None, :] <= q_pos[:, :, None]  # causal, [G, Q, L]
-    if sliding_window is not None:
-        visible &= key_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-    # NOTE: padded queries see key 0 so that no softmax row is empty (NaN); they are dropped.
-    visible &= valid_q[:, :, None]
-    visible[:, :, 0] |= ~valid_q
-    query_index = torch.where(valid_q, starts[:, None] + q_off[None, :], 0)
-    columns = key_pos.clamp(max=table.shape[1] - 1)
-    flat = torch.arange(valid_q.numel(), device=device).view_as(valid_q)
-    return AttentionGroup(
-        key_slots=table[req_rows][:, columns].long(),
-        mask=visible.unsqueeze(1),
-        query_index=query_index,
-        valid=flat[valid_q],
-        tokens=query_index[valid_q],
+    dtype: torch.dtype,
+) -> Attention:
+    """One step's attention metadata, built once and shared by every layer. `table` is
+    [R, max_len] int32; positions and out_slots are [T]; the other tensors are [B]."""
+    if table.device.type == "cpu" and attention_cpu.supports(dtype):
+        return attention_cpu.PagedAttention(
+            table=table,
+            token_rows=req_rows.repeat_interleave(extend_lens),
+            positions=positions,
+            out_slots=out_slots,
+            sliding_window=sliding_window or 0,
+        )
+    return plan_sdpa(
+        table, req_rows, prefix_lens, extend_lens, is_prefill, out_slots, sliding_window
     )
-
-
-def _round_up(n: int, block: int) -> int:
-    return -(-n // block) * block
-
-
-def attend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    batch: AttentionBatch,
-    scale: float,
-) -> torch.Tensor:
-    """q [T, Hq, D], k/v [T, Hkv, D] for the new tokens -> [T, Hq * D].
-
-    Writes the new keys and values into the cache first, so a row attends to itself."""
-    k_cache.index_copy_(0, batch.out_slots, k)
-    v_cache.index_copy_(0, batch.out_slots, v)
-    out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-    for group in batch.groups:
-        keys = k_cache[group.key_slots].transpose(1, 2)  # [G, Hkv, L, D]
-        values = v_cache[group.key_slots].transpose(1, 2)
-        queries = q[group.query_index].transpose(1, 2)  # [G, Hq, Q, D]
-        result = F.scaled_dot_product_attention(
-            queries,
-            keys,
-            values,
-            attn_mask=group.mask,
-            scale=scale,
-            enable_gqa=queries.shape[1] != keys.shape[1],
-        )  # [G, Hq, Q, D]
-        out[group.tokens] = result.transpose(1, 2).reshape(-1, out.shape[1])[group.valid]
-    return out

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.tp_worker.attention import AttentionBatch, attend
+from tokenmill.tp_worker.attention import Attention
 from tokenmill.tp_worker.model_config import ModelConfig
 from tokenmill.tp_worker.parallel import ShardedLinear, TpGroup, VocabEmbedding, invariant_linear
 from tokenmill.tp_worker.rope import Rotary, apply_rotary
@@ -65,7 +65,7 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         cos_sin: tuple[torch.Tensor, ...],
-        batch: AttentionBatch,
+        attention: Attention,
         kv: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
@@ -76,7 +76,7 @@ class DecoderLayer(nn.Module):
         q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), *cos_sin)
         k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), *cos_sin)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        x = x + self.o_proj(attend(q, k, v, kv[0], kv[1], batch, self.scale))
+        x = x + self.o_proj(attention.attend(q, k, v, kv[0], kv[1], self.scale))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
 
@@ -108,14 +108,14 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        batch: AttentionBatch,
+        attention: Attention,
         kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         """input_ids, positions [T] -> final-normed hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
         cos_sin = self.rotary.cos_sin(positions, self.dtype)
         for layer, kv in zip(self.layers, kv_cache, strict=True):
-            x = layer(x, cos_sin, batch, kv)
+            x = layer(x, cos_sin, attention, kv)
         return self.norm(x)
 
     @torch.inference_mode()

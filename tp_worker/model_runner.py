@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from tokenmill.protocol.step import ForwardBatch, StepResult
-from tokenmill.tp_worker.attention import build_attention_batch
+from tokenmill.tp_worker.attention import plan_attention
 from tokenmill.tp_worker.config import RunnerConfig
 from tokenmill.tp_worker.device import auto_kv_cache_tokens, resolve_device, resolve_dtype
 from tokenmill.tp_worker.logprobs import ScoredPositions, default_chunk_size, score_prompt
@@ -112,14 +112,16 @@ class ModelRunner:
         last position (timed under --step-timing: the model's share of a step)."""
         rows = inputs.req_rows.repeat_interleave(inputs.extend_lens)
         self.table[rows, inputs.positions] = inputs.out_slots.int()
-        attention = build_attention_batch(
+        attention = plan_attention(
             self.table,
             inputs.req_rows,
             inputs.prefix_lens,
             inputs.extend_lens,
             inputs.is_prefill,
+            inputs.positions,
             inputs.out_slots,
             self.model_config.sliding_window,
+            self.dtype,
         )
         started = time.perf_counter()
         hidden = self.model(inputs.input_ids, inputs.positions, attention, self.kv_cache)

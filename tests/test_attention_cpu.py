@@ -1,0 +1,99 @@
+"""The CPU attention kernel (csrc/attention.cpp) against a float64 reference, and its
+invariance: a token's output is bitwise the same alone, in any batch, chunk or thread count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.tp_worker.attention_cpu import PagedAttention
+
+HEADS, KV_HEADS, DIM = 8, 2, 32
+
+
+def _cache(num_slots: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(num_slots, KV_HEADS, DIM, generator=gen).to(dtype)
+    v = torch.randn(num_slots, KV_HEADS, DIM, generator=gen).to(dtype)
+    return k, v
+
+
+def _reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: list[int],
+    window: int,
+    scale: float,
+) -> torch.Tensor:
+    """One query token [Hq, D] attending to the keys in `slots`, in float64."""
+    if window:
+        slots = slots[-window:]
+    keys = k_cache[slots].double().repeat_interleave(HEADS // KV_HEADS, 1)  # [L, Hq, D]
+    values = v_cache[slots].double().repeat_interleave(HEADS // KV_HEADS, 1)
+    scores = torch.einsum("hd,lhd->hl", q.double(), keys) * scale
+    return torch.einsum("hl,lhd->hd", scores.softmax(-1), values)
+
+
+def _run(
+    q: torch.Tensor,
+    caches: tuple[torch.Tensor, torch.Tensor],
+    table: torch.Tensor,
+    rows: list[int],
+    positions: list[int],
+    window: int = 0,
+) -> torch.Tensor:
+    """Attend without writing new keys: every token's own key is already in the cache."""
+    attention = PagedAttention(
+        table=table,
+        token_rows=torch.tensor(rows),
+        positions=torch.tensor(positions),
+        out_slots=torch.zeros(0, dtype=torch.int64),
+        sliding_window=window,
+    )
+    empty = caches[0][:0]
+    return attention.attend(q, empty, empty, caches[0], caches[1], DIM**-0.5)
+
+
+def _table(lens: list[int], width: int = 300) -> torch.Tensor:
+    """Row r holds a shuffled, disjoint set of slots: where keys lie is not where they sort."""
+    perm = torch.randperm(len(lens) * width, generator=torch.Generator().manual_seed(1))
+    return perm.view(len(lens), width).int()
+
+
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_float64_reference(dtype: torch.dtype, window: int) -> None:
+    lens = [1, 7, 40, 260]
+    table = _table(lens)
+    caches = _cache(table.numel(), dtype)
+    rows = [r for r, n in enumerate(lens) for _ in range(min(n, 3))]
+    positions = [p for n in lens for p in range(n - min(n, 3), n)]
+    q = torch.randn(len(rows), HEADS, DIM).to(dtype)
+    out = _run(q, caches, table, rows, positions, window).view(len(rows), HEADS, DIM)
+    atol = 2e-6 if dtype == torch.float32 else 1e-2
+    for i, (row, pos) in enumerate(zip(rows, positions, strict=True)):
+        slots = table[row, : pos + 1].tolist()
+        expected = _reference(q[i].float(), caches[0], caches[1], slots, window, DIM**-0.5)
+        torch.testing.assert_close(out[i].double(), expected, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_token_is_bitwise_the_same_in_any_company(dtype: torch.dtype) -> None:
+    lens = [300, 3, 150, 77, 299, 12]
+    table = _table(lens)
+    caches = _cache(table.numel(), dtype)
+    rows = [r for r, n in enumerate(lens) for _ in range(n)]
+    positions = [p for n in lens for p in range(n)]
+    q = torch.randn(len(rows), HEADS, DIM).to(dtype)
+    together = _run(q, caches, table, rows, positions)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single_thread = _run(q, caches, table, rows, positions)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(together, single_thread)
+    for i in (0, 299, 300, 400, len(rows) - 1):
+        alone = _run(q[i : i + 1], caches, table, rows[i : i + 1], positions[i : i + 1])
+        assert torch.equal(alone[0], together[i])

@@ -1,0 +1,44 @@
+"""The invariance tests again, in subprocesses, under math-library dispatch settings this
+machine would not pick by itself: the kernels an AVX2-only CPU gets (MKL and oneDNN), the
+bfloat16 emulation of an AVX-512 CPU without avx512_bf16, and one thread instead of two.
+A guarantee that rests on one CPU's kernel choice fails here, on any developer's machine."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).parent
+SETTINGS = {
+    "avx2": {"MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+    "avx512-no-bf16": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
+    "one-thread": {"OMP_NUM_THREADS": "1"},
+}
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_invariance_under_other_dispatch(setting: str, tmp_path: Path) -> None:
+    env = {**os.environ, **SETTINGS[setting]}
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"--basetemp={tmp_path}",
+            str(TESTS / "test_invariance.py"),
+            str(TESTS / "test_attention_cpu.py"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and "failed" not in result.stdout

@@ -1,0 +1,65 @@
+"""The CPU attention backend: csrc/attention.cpp reads each row's keys and values where they
+lie in the KV cache, through the request->slot table (tp_worker).
+
+Every query token attends to its own row's positions [0, position] (or the sliding window),
+so a row's work and its numbers depend on its own context only: the kernel's reduction order
+is fixed per token (see the rule at the top of csrc/attention.cpp), never by its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.tp_worker.cpu_kernels import library
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+@dataclass(frozen=True)
+class PagedAttention:
+    table: torch.Tensor  # [R, max_len] int32 slot of each position of each table row
+    token_rows: torch.Tensor  # [T] int64 table row of each new token
+    positions: torch.Tensor  # [T] int64 position of each new token in its row
+    out_slots: torch.Tensor  # [T] int64 KV slot each new token writes
+    sliding_window: int  # 0 = none
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] for the new tokens -> [T, Hq * D]. The new keys and
+        values are written into the cache first, so a token attends to itself."""
+        k_cache.index_copy_(0, self.out_slots, k)
+        v_cache.index_copy_(0, self.out_slots, v)
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        status = library().tm_paged_attention(
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            self.table.data_ptr(),
+            self.token_rows.data_ptr(),
+            self.positions.data_ptr(),
+            out.data_ptr(),
+            q.shape[0],
+            q.shape[1],
+            k_cache.shape[1],
+            q.shape[2],
+            self.table.shape[1],
+            self.sliding_window,
+            scale,
+            _DTYPE_CODES[q.dtype],
+        )
+        assert status == 0, f"tm_paged_attention failed ({status})"
+        return out.view(q.shape[0], -1)
+
+
+def supports(dtype: torch.dtype) -> bool:
+    return dtype in _DTYPE_CODES

@@ -1,0 +1,96 @@
+"""The CPU kernels in csrc/, compiled once per machine and loaded with ctypes (tp_worker).
+
+NOTE: a plain shared library, not a torch extension: it needs no torch headers (so it builds
+in seconds with the machine's g++), takes raw pointers, and shares torch's OpenMP runtime
+(the loader reuses the libgomp.so.1 that torch has already loaded). It is built with
+-march=native into a cache keyed by the source, the flags and the CPU's feature flags;
+`python -m tokenmill.tp_worker.cpu_kernels` builds it ahead of time (make install does).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SOURCES = (Path(__file__).parent / "csrc" / "attention.cpp",)
+# NOTE: -ffp-contract=off and no -ffast-math: the compiler may vectorise but never fuse or
+# reassociate, so the reduction order written in the source is the one that runs.
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++17", "-fPIC")
+
+
+def cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return Path(base) / "tokenmill" / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _key(compiler: str) -> str:
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    digest.update(" ".join((compiler, *FLAGS, _cpu_flags())).encode())
+    return digest.hexdigest()[:16]
+
+
+def _compiler() -> str:
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not compiler:
+        raise RuntimeError(
+            "tokenmill's CPU kernels need a C++ compiler: install g++ (Debian: apt-get install "
+            "g++) or set CXX"
+        )
+    return compiler
+
+
+def build() -> Path:
+    """The compiled library's path, compiling it first if this machine has no copy yet."""
+    compiler = _compiler()
+    target = cache_root() / _key(compiler) / "libtokenmill_cpu.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # NOTE: compiled to a temporary name and renamed, so ranks that build at once never load
+    # a half-written file.
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
+    os.close(fd)
+    command = [compiler, *FLAGS, "-shared", *map(str, SOURCES), "-o", tmp]
+    logger.info("building CPU kernels: %s", " ".join(command))
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"building tokenmill's CPU kernels failed:\n{result.stderr}")
+    os.replace(tmp, target)
+    return target
+
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(build()))
+    lib.tm_paged_attention.argtypes = [*[_P] * 7, *[_I] * 6, ctypes.c_float, ctypes.c_int]
+    lib.tm_paged_attention.restype = ctypes.c_int
+    return lib
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(build())
