@@ -3,7 +3,8 @@
 NOTE: a plain shared library, not a torch extension: it needs no torch headers (so it builds
 in seconds with the machine's g++), takes raw pointers, and shares torch's OpenMP runtime
 (the loader reuses the libgomp.so.1 that torch has already loaded). It is built with
--march=native into a cache keyed by the source, the flags and the CPU's feature flags;
+-march=native into a cache keyed by the source, the flags and the CPU's feature flags (the
+code fixes its own reduction order, so what -march changes is speed, never a result);
 `python -m tokenmill.tp_worker.cpu_kernels` builds it ahead of time (make install does).
 """
 
@@ -21,10 +22,10 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).parent / "csrc" / "attention.cpp",)
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("attention.cpp", "linear.cpp"))
 # NOTE: -ffp-contract=off and no -ffast-math: the compiler may vectorise but never fuse or
 # reassociate, so the reduction order written in the source is the one that runs.
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++17", "-fPIC")
+FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-std=c++17", "-fPIC")
 
 
 def cache_root() -> Path:
@@ -40,11 +41,11 @@ def _cpu_flags() -> str:
         return ""
 
 
-def _key(compiler: str) -> str:
+def _key(compiler: str, arch: str) -> str:
     digest = hashlib.sha256()
     for source in SOURCES:
         digest.update(source.read_bytes())
-    digest.update(" ".join((compiler, *FLAGS, _cpu_flags())).encode())
+    digest.update(" ".join((compiler, arch, *FLAGS, _cpu_flags())).encode())
     return digest.hexdigest()[:16]
 
 
@@ -58,10 +59,12 @@ def _compiler() -> str:
     return compiler
 
 
-def build() -> Path:
-    """The compiled library's path, compiling it first if this machine has no copy yet."""
+def build(arch: str = "native") -> Path:
+    """The compiled library's path, compiling it first if this machine has no copy yet.
+    `arch` is gcc's -march: the tests build an x86-64-v2 copy (no AVX at all) to show that
+    it computes the same bits as the native one."""
     compiler = _compiler()
-    target = cache_root() / _key(compiler) / "libtokenmill_cpu.so"
+    target = cache_root() / _key(compiler, arch) / "libtokenmill_cpu.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -69,7 +72,7 @@ def build() -> Path:
     # a half-written file.
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
     os.close(fd)
-    command = [compiler, *FLAGS, "-shared", *map(str, SOURCES), "-o", tmp]
+    command = [compiler, f"-march={arch}", *FLAGS, "-shared", *map(str, SOURCES), "-o", tmp]
     logger.info("building CPU kernels: %s", " ".join(command))
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
@@ -85,9 +88,18 @@ _I = ctypes.c_int64
 
 @functools.cache
 def library() -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(build()))
+    """This machine's build, loaded once per process."""
+    return load(build())
+
+
+def load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
     lib.tm_paged_attention.argtypes = [*[_P] * 7, *[_I] * 6, ctypes.c_float, ctypes.c_int]
     lib.tm_paged_attention.restype = ctypes.c_int
+    lib.tm_linear.argtypes = [_P, _I, _I, _I, _P, _I, _P, _P, _I, ctypes.c_int, ctypes.c_int]
+    lib.tm_linear.restype = ctypes.c_int
+    lib.tm_linear_isa.argtypes = []
+    lib.tm_linear_isa.restype = ctypes.c_int
     return lib
 
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.tp_worker.attention import Attention
+from tokenmill.tp_worker.linear_cpu import PackedLinear
 from tokenmill.tp_worker.model_config import ModelConfig
 from tokenmill.tp_worker.parallel import ShardedLinear, TpGroup, VocabEmbedding, invariant_linear
 from tokenmill.tp_worker.rope import Rotary, apply_rotary
@@ -102,6 +103,16 @@ class CausalLM(nn.Module):
             else VocabEmbedding(config.vocab_size, config.hidden_size, group, dtype, device)
         )
         self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling, device)
+        self.lm_head_kernel: PackedLinear | None = None
+
+    def use_cpu_kernels(self) -> None:
+        """Multiply through csrc/linear.cpp (after the weights are loaded)."""
+        for module in self.modules():
+            if isinstance(module, ShardedLinear):
+                module.use_cpu_kernel()
+        self.lm_head_kernel = PackedLinear(self.lm_head.weight.data, None)
+        if self.lm_head is not self.embed_tokens:
+            self.lm_head.weight.data = self.lm_head.weight.data.new_empty(0)
 
     @torch.inference_mode()
     def forward(
@@ -121,5 +132,9 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab], gathered from every rank."""
-        local = invariant_linear(hidden, self.lm_head.weight).float()
+        if self.lm_head_kernel is not None:
+            # NOTE: float32 straight from the accumulators: no rounding of logits to bfloat16.
+            local = self.lm_head_kernel(hidden, torch.float32)
+        else:
+            local = invariant_linear(hidden, self.lm_head.weight).float()
         return self.group.all_gather_last_dim(local)[:, : self.config.vocab_size]

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from tokenmill.protocol.step import ForwardBatch, StepResult
+from tokenmill.tp_worker import linear_cpu
 from tokenmill.tp_worker.attention import plan_attention
 from tokenmill.tp_worker.config import RunnerConfig
 from tokenmill.tp_worker.device import auto_kv_cache_tokens, resolve_device, resolve_dtype
@@ -39,6 +40,8 @@ class ModelRunner:
         self.model = CausalLM(self.model_config, self.group, self.dtype, self.device)
         load_weights(self.model, Path(config.model))
         self.model.eval()
+        if self.device.type == "cpu" and linear_cpu.supports(self.dtype):
+            self.model.use_cpu_kernels()
         # NOTE: allocated before the KV cache is sized from what memory is left.
         self.adjuster = LogitAdjuster(
             config.max_running_requests,

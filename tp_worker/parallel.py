@@ -15,6 +15,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.tp_worker.linear_cpu import PackedLinear
+
 
 @dataclass(frozen=True)
 class TpGroup:
@@ -79,20 +81,30 @@ class ShardedLinear(nn.Module):
             if bias
             else None
         )
+        self.kernel: PackedLinear | None = None
+
+    def use_cpu_kernel(self) -> None:
+        """Multiply through csrc/linear.cpp from now on; the unpacked weight is freed."""
+        self.kernel = PackedLinear(self.weight.data, None if self.row_parallel else self.bias)
+        self.weight.data = self.weight.data.new_empty(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.row_parallel:
-            return invariant_linear(x, self.weight, self.bias)
-        out = self.group.all_reduce(invariant_linear(x, self.weight))
+            return self._matmul(x, self.bias)
+        out = self.group.all_reduce(self._matmul(x, None))
         return out if self.bias is None else out + self.bias
 
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(x)  # NOTE: packed with the bias of a column-parallel layer
+        return invariant_linear(x, self.weight, bias)
 
-# NOTE: BLAS picks its kernel (and so its summation order) by the number of rows M: the same
-# row multiplied alone, in a batch of 8, or in a prefill chunk of 300 rounds differently.
-# Multiplying in blocks of exactly ROW_BLOCK rows (the last one zero-padded) makes each row's
-# result independent of what it is batched with: batch size, chunking and multi-step decoding
-# then give bitwise the same numbers. Decode batches pay nothing (one block is as fast as a
-# matrix-vector product: the weights' memory traffic dominates).
+
+# NOTE: where csrc/linear.cpp does not run (CUDA, float16), BLAS picks its kernel (and so its
+# summation order) by the number of rows M: the same row multiplied alone, in a batch of 8,
+# or in a prefill chunk of 300 rounds differently. Multiplying in blocks of exactly ROW_BLOCK
+# rows (the last one zero-padded) keeps each row's result independent of what it is batched
+# with, as far as the library computes a fixed shape the same way each time.
 ROW_BLOCK = 32
 
 

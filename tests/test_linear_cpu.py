@@ -1,0 +1,80 @@
+"""The CPU linear kernel (csrc/linear.cpp) against a float64 reference, its invariance (a row
+is bitwise the same alone or among any number of rows, with 1 or 2 threads), and the same
+bits from a build without any AVX (x86-64-v2) as from this machine's native build."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.tp_worker import attention_cpu, cpu_kernels, linear_cpu
+from tokenmill.tp_worker.linear_cpu import PackedLinear
+
+SHAPES = [(1, 64, 40), (13, 33, 70), (37, 256, 96), (300, 128, 64)]  # (M, K, N)
+
+
+def _case(m: int, k: int, n: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    return x, weight, bias
+
+
+@pytest.mark.parametrize(("m", "k", "n"), SHAPES)
+@pytest.mark.parametrize(
+    ("dtype", "out_dtype"),
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, None)],
+)
+def test_matches_float64_reference(
+    m: int, k: int, n: int, dtype: torch.dtype, out_dtype: torch.dtype | None
+) -> None:
+    x, weight, bias = _case(m, k, n, dtype)
+    out = PackedLinear(weight, bias)(x, out_dtype)
+    assert out.dtype == (out_dtype or dtype) and out.shape == (m, n)
+    expected = x.double() @ weight.double().T + bias.double()
+    if out.dtype == torch.bfloat16:  # only the final rounding: 2^-8 relative
+        torch.testing.assert_close(out.double(), expected, atol=1e-6, rtol=2**-8)
+    else:
+        torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_is_bitwise_the_same_in_any_company(dtype: torch.dtype) -> None:
+    x, weight, bias = _case(300, 160, 72, dtype)
+    layer = PackedLinear(weight, bias)
+    together = layer(x)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(layer(x), together)
+    finally:
+        torch.set_num_threads(threads)
+    for rows in (1, 5, 12, 13, 64):
+        for start in (0, 7, 300 - rows):
+            assert torch.equal(layer(x[start : start + rows]), together[start : start + rows])
+
+
+def test_a_build_without_avx_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The portable loops do what the AVX-512 (and AVX512_BF16) microkernels do, in the same
+    order: an x86 CPU of any generation computes the same numbers."""
+    cases = [
+        (_case(m, k, n, dtype), dtype) for m, k, n in SHAPES[:3] for dtype in linear_cpu._CODES
+    ]
+    native = [PackedLinear(w, b)(x, torch.float32) for (x, w, b), _ in cases]
+    q = torch.randn(20, 8, 32)
+    caches = (torch.randn(64, 2, 32), torch.randn(64, 2, 32))
+    table = torch.randperm(64).view(1, 64).int()
+    paged = attention_cpu.PagedAttention(
+        table, torch.zeros(20, dtype=torch.int64), torch.arange(20), torch.zeros(0).long(), 0
+    )
+    empty = caches[0][:0]
+    native_attention = paged.attend(q, empty, empty, *caches, 32**-0.5)
+
+    portable = cpu_kernels.load(cpu_kernels.build("x86-64-v2"))
+    assert portable.tm_linear_isa() == 0
+    monkeypatch.setattr(linear_cpu, "library", lambda: portable)
+    monkeypatch.setattr(attention_cpu, "library", lambda: portable)
+    for ((x, w, b), _), expected in zip(cases, native, strict=True):
+        assert torch.equal(PackedLinear(w, b)(x, torch.float32), expected)
+    assert torch.equal(paged.attend(q, empty, empty, *caches, 32**-0.5), native_attention)

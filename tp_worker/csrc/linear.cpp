@@ -1,0 +1,219 @@
+// y = x W^T (+ b) on the CPU with a reduction order fixed by this file (tp_worker, via ctypes).
+//
+// The rule: every output element is one accumulator that sums its K products in ascending k
+// (bfloat16: ascending pairs of k, each pair as one VDPBF16PS lane does it), in float32,
+// whatever M is, wherever the row sits in its block and whichever thread runs it. So a row's
+// result is the same alone, in a batch of 64 or in a prefill chunk of 2,048: no padding to a
+// fixed row count is needed, and decode pays for one row, not 32.
+//
+// W is packed once at load time into panels of NR = 32 output features:
+//   float32  [N/32][K][32]        bfloat16  [N/32][K/2][32][2]   (N, K zero-padded)
+// so the inner loop reads each panel sequentially. With AVX-512 (and AVX512_BF16) the
+// accumulators live in registers; without it a portable loop does the same operations in the
+// same order (std::fma: one rounding, as VFMADD231PS), so every x86 build gives the same bits.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int NR = 32;
+constexpr int MR = 12;
+
+inline float bf16_to_float(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
+  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// --- microkernels: acc[R][NR] = A[R rows, K] . panel[K][NR] -------------------------------
+
+#if defined(__AVX512F__)
+template <int R>
+void kernel_f32(const float* a, int64_t lda, const float* panel, int64_t k_len, float* acc) {
+  __m512 c[R][2];
+  for (int r = 0; r < R; ++r) c[r][0] = c[r][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < k_len; ++k) {
+    const __m512 b0 = _mm512_loadu_ps(panel + k * NR);
+    const __m512 b1 = _mm512_loadu_ps(panel + k * NR + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 x = _mm512_set1_ps(a[r * lda + k]);
+      c[r][0] = _mm512_fmadd_ps(x, b0, c[r][0]);
+      c[r][1] = _mm512_fmadd_ps(x, b1, c[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(acc + r * NR, c[r][0]);
+    _mm512_storeu_ps(acc + r * NR + 16, c[r][1]);
+  }
+}
+#else
+template <int R>
+void kernel_f32(const float* a, int64_t lda, const float* panel, int64_t k_len, float* acc) {
+  std::fill(acc, acc + R * NR, 0.0f);
+  for (int64_t k = 0; k < k_len; ++k)
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NR; ++j)
+        acc[r * NR + j] = std::fma(a[r * lda + k], panel[k * NR + j], acc[r * NR + j]);
+}
+#endif
+
+// The bfloat16 pair (a[k], a[k + 1]) of row r as one 32-bit word; a zero high half past K.
+inline uint32_t pair_at(const uint16_t* row, int64_t kp, int64_t k_len) {
+  const int64_t k = 2 * kp;
+  const uint32_t lo = row[k];
+  const uint32_t hi = k + 1 < k_len ? row[k + 1] : 0;
+  return lo | (hi << 16);
+}
+
+#if defined(__AVX512BF16__)
+template <int R>
+void kernel_bf16(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t k_len,
+                 float* acc) {
+  __m512 c[R][2];
+  for (int r = 0; r < R; ++r) c[r][0] = c[r][1] = _mm512_setzero_ps();
+  const int64_t full_pairs = k_len / 2, pairs = (k_len + 1) / 2;
+  for (int64_t kp = 0; kp < pairs; ++kp) {
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(panel + kp * 2 * NR);
+    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(panel + kp * 2 * NR + NR);
+    for (int r = 0; r < R; ++r) {
+      uint32_t word;
+      if (kp < full_pairs) {
+        std::memcpy(&word, a + r * lda + 2 * kp, 4);
+      } else {
+        word = pair_at(a + r * lda, kp, k_len);
+      }
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(word));
+      c[r][0] = _mm512_dpbf16_ps(c[r][0], x, b0);
+      c[r][1] = _mm512_dpbf16_ps(c[r][1], x, b1);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(acc + r * NR, c[r][0]);
+    _mm512_storeu_ps(acc + r * NR + 16, c[r][1]);
+  }
+}
+#else
+// VDPBF16PS, lane by lane: the odd element's product first, then the even one's (each
+// product of two bfloat16 values is exact in float32, so each step rounds once).
+template <int R>
+void kernel_bf16(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t k_len,
+                 float* acc) {
+  std::fill(acc, acc + R * NR, 0.0f);
+  const int64_t pairs = (k_len + 1) / 2;
+  for (int64_t kp = 0; kp < pairs; ++kp)
+    for (int r = 0; r < R; ++r) {
+      const uint32_t word = pair_at(a + r * lda, kp, k_len);
+      const float x0 = bf16_to_float(static_cast<uint16_t>(word & 0xffffu));
+      const float x1 = bf16_to_float(static_cast<uint16_t>(word >> 16));
+      for (int j = 0; j < NR; ++j) {
+        const uint16_t* w = panel + (kp * NR + j) * 2;
+        float c = acc[r * NR + j];
+        c = std::fma(x1, bf16_to_float(w[1]), c);
+        c = std::fma(x0, bf16_to_float(w[0]), c);
+        acc[r * NR + j] = c;
+      }
+    }
+}
+#endif
+
+template <typename T>
+using Kernel = void (*)(const T*, int64_t, const T*, int64_t, float*);
+
+template <int R>
+struct F32 {
+  static constexpr Kernel<float> fn = kernel_f32<R>;
+};
+template <int R>
+struct BF16 {
+  static constexpr Kernel<uint16_t> fn = kernel_bf16<R>;
+};
+
+template <typename T, template <int> class K>
+Kernel<T> kernel_for(int rows) {
+  static const Kernel<T> table[MR + 1] = {nullptr,    K<1>::fn,  K<2>::fn, K<3>::fn, K<4>::fn,
+                                          K<5>::fn,   K<6>::fn,  K<7>::fn, K<8>::fn, K<9>::fn,
+                                          K<10>::fn,  K<11>::fn, K<12>::fn};
+  return table[rows];
+}
+
+inline void store(float* dst, float v) { *dst = v; }
+inline void store(uint16_t* dst, float v) { *dst = float_to_bf16(v); }
+
+template <typename T, typename Out, template <int> class K>
+void linear(const T* x, int64_t m, int64_t k_len, int64_t lda, const T* packed, int64_t n,
+            const float* bias, Out* out, int64_t ldc) {
+  const int64_t num_panels = (n + NR - 1) / NR;
+  const int64_t panel_elems = (std::is_same<T, float>::value ? k_len : 2 * ((k_len + 1) / 2)) * NR;
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < num_panels; ++p) {
+    alignas(64) float acc[MR * NR];
+    const int64_t col0 = p * NR, cols = std::min<int64_t>(NR, n - col0);
+    for (int64_t m0 = 0; m0 < m; m0 += MR) {
+      const int rows = static_cast<int>(std::min<int64_t>(MR, m - m0));
+      kernel_for<T, K>(rows)(x + m0 * lda, lda, packed + p * panel_elems, k_len, acc);
+      for (int r = 0; r < rows; ++r) {
+        Out* dst = out + (m0 + r) * ldc + col0;
+        for (int64_t j = 0; j < cols; ++j)
+          store(dst + j, bias ? acc[r * NR + j] + bias[col0 + j] : acc[r * NR + j]);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// x [m, k] (row stride lda), packed: W [n, k] packed as above, bias [n] float32 or null,
+// out [m, n] (row stride ldc). dtype: 0 = float32 x and W, 1 = bfloat16 x and W;
+// out_dtype: 0 = float32, 1 = bfloat16. Returns 0, or -1 for an unsupported combination.
+int tm_linear(const void* x, int64_t m, int64_t k, int64_t lda, const void* packed, int64_t n,
+              const float* bias, void* out, int64_t ldc, int dtype, int out_dtype) {
+  if (dtype == 0 && out_dtype == 0) {
+    linear<float, float, F32>(static_cast<const float*>(x), m, k, lda,
+                              static_cast<const float*>(packed), n, bias,
+                              static_cast<float*>(out), ldc);
+  } else if (dtype == 1 && out_dtype == 1) {
+    linear<uint16_t, uint16_t, BF16>(static_cast<const uint16_t*>(x), m, k, lda,
+                                     static_cast<const uint16_t*>(packed), n, bias,
+                                     static_cast<uint16_t*>(out), ldc);
+  } else if (dtype == 1 && out_dtype == 0) {
+    linear<uint16_t, float, BF16>(static_cast<const uint16_t*>(x), m, k, lda,
+                                  static_cast<const uint16_t*>(packed), n, bias,
+                                  static_cast<float*>(out), ldc);
+  } else {
+    return -1;
+  }
+  return 0;
+}
+
+// Which microkernels this build has: 1 = AVX-512 float32, 2 = AVX512_BF16 (bit flags).
+int tm_linear_isa() {
+  int isa = 0;
+#if defined(__AVX512F__)
+  isa |= 1;
+#endif
+#if defined(__AVX512BF16__)
+  isa |= 2;
+#endif
+  return isa;
+}
+
+}  // extern "C"

@@ -1,0 +1,66 @@
+"""Linear layers on the CPU through csrc/linear.cpp, with weights packed once at load time
+(tp_worker).
+
+Every output element sums its products in ascending k in float32 whatever the number of
+rows (the rule is at the top of csrc/linear.cpp), so a row's result does not depend on its
+batch and no row padding is needed: a decode step multiplies its own rows only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.tp_worker.cpu_kernels import library
+
+PANEL = 32  # NR in csrc/linear.cpp: output features per packed panel
+_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def supports(dtype: torch.dtype) -> bool:
+    return dtype in _CODES
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] -> panels [N/32, K, 32] (float32) or [N/32, K/2, 32, 2] (bfloat16),
+    zero-padded to whole panels and, in bfloat16, whole pairs of k."""
+    n, k = weight.shape
+    n_pad = -(-n // PANEL) * PANEL
+    if weight.dtype == torch.float32:
+        padded = weight.new_zeros(n_pad, k)
+        padded[:n] = weight
+        return padded.view(n_pad // PANEL, PANEL, k).permute(0, 2, 1).contiguous()
+    k_pad = -(-k // 2) * 2
+    padded = weight.new_zeros(n_pad, k_pad)
+    padded[:n, :k] = weight
+    return padded.view(n_pad // PANEL, PANEL, k_pad // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+class PackedLinear:
+    """y = x W^T (+ b) for x [M, K] in the weight's dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
+        self.packed = pack(weight)
+        self.bias = None if bias is None else bias.float().contiguous()
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        x = x.contiguous()
+        out = x.new_empty(x.shape[0], self.out_features, dtype=out_dtype or self.dtype)
+        if x.shape[0] == 0:
+            return out
+        status = library().tm_linear(
+            x.data_ptr(),
+            x.shape[0],
+            self.in_features,
+            self.in_features,
+            self.packed.data_ptr(),
+            self.out_features,
+            None if self.bias is None else self.bias.data_ptr(),
+            out.data_ptr(),
+            self.out_features,
+            _CODES[x.dtype],
+            _CODES[out.dtype],
+        )
+        assert status == 0, f"tm_linear: unsupported {x.dtype} -> {out.dtype}"
+        return out
