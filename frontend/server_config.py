@@ -25,7 +25,8 @@ class ModelArgs:
     served_model_name: str | None = None
     """Model name the API answers to (default: the --model argument as given)."""
     dtype: str = "auto"
-    """auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16."""
+    """auto (bfloat16 on CUDA and on CPUs with native bfloat16: avx512_bf16 or AMX; float32
+    on other CPUs), float32, bfloat16 or float16. Logits and logprobs are float32 always."""
     device: str = "auto"
     """auto (cuda when available, else cpu), cpu or cuda."""
     max_model_len: int = 0

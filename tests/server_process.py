@@ -63,5 +63,7 @@ def start_server(
     timeout: float = 120.0,
     env: dict[str, str] | None = None,
 ) -> ServerProcess:
-    proc, base_url = launch(model, list(args), log_path, env=env, timeout=timeout)
+    # NOTE: float32 unless a test asks otherwise: the e2e tests compare with float32 runners.
+    dtype = [] if "--dtype" in args else ["--dtype", "float32"]
+    proc, base_url = launch(model, [*dtype, *args], log_path, env=env, timeout=timeout)
     return ServerProcess(proc, int(base_url.rsplit(":", 1)[1]), log_path, str(model))

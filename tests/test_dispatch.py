@@ -1,7 +1,8 @@
-"""The invariance tests again, in subprocesses, under math-library dispatch settings this
-machine would not pick by itself: the kernels an AVX2-only CPU gets (MKL and oneDNN), the
-bfloat16 emulation of an AVX-512 CPU without avx512_bf16, and one thread instead of two.
-A guarantee that rests on one CPU's kernel choice fails here, on any developer's machine."""
+"""The invariance tests again, in subprocesses, under dispatch settings this machine would
+not pick by itself: the kernels an AVX2-only CPU gets (torch's own vectorised ops, MKL,
+oneDNN), torch's unvectorised ops with oneDNN's AVX-512 kernels of a CPU without
+avx512_bf16, and one thread instead of two. A guarantee that rests on one CPU's kernel
+choice fails here, on any developer's machine."""
 
 from __future__ import annotations
 
@@ -14,8 +15,12 @@ import pytest
 
 TESTS = Path(__file__).parent
 SETTINGS = {
-    "avx2": {"MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
-    "avx512-no-bf16": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
+    "avx2": {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+    },
+    "unvectorised-no-bf16": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
     "one-thread": {"OMP_NUM_THREADS": "1"},
 }
 
@@ -34,6 +39,7 @@ def test_invariance_under_other_dispatch(setting: str, tmp_path: Path) -> None:
             f"--basetemp={tmp_path}",
             str(TESTS / "test_invariance.py"),
             str(TESTS / "test_attention_cpu.py"),
+            str(TESTS / "test_linear_cpu.py"),
         ],
         env=env,
         capture_output=True,

@@ -15,10 +15,22 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        native = device.type == "cuda" or cpu_has_native_bf16()
+        return torch.bfloat16 if native else torch.float32
     if name not in DTYPES:
         raise ValueError(f"--dtype {name!r} is not one of auto, {', '.join(DTYPES)}")
     return DTYPES[name]
+
+
+def cpu_has_native_bf16() -> bool:
+    """avx512_bf16 or AMX: bfloat16 products in hardware (csrc/linear.cpp uses VDPBF16PS);
+    elsewhere bfloat16 would be emulated, slower than float32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 # NOTE: the share of free memory the KV cache may take when --kv-cache-tokens is 0. On a GPU
