@@ -6,6 +6,11 @@ decodes a full batch of 32, and reads the step totals from /metrics before and a
 Overhead = 1 - forward / period: the controller, IPC, detokenizer and frontend, plus the
 worker's own step preparation and the lm_head / sampling. Target: <= 10%.
 
+Then, in this process, one prefill step of --prefill-tokens tokens (8 prompts) through the
+real runner: its model forward's achieved GFLOP/s (the layers' and lm_head's multiply-adds
+plus attention's) against a bare torch F.linear of [prefill-tokens x hidden x intermediate]
+on the same machine and dtype, the speed a GEMM library reaches on that shape.
+
     python benchmarks/step_overhead.py [--preset small|medium | --model DIR]
 """
 
@@ -14,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import tempfile
+import time
 from pathlib import Path
 
 from serving import add_model_args, read_metrics, resolve_model, start_server, stop_server
@@ -33,6 +39,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128, help="output tokens (default 128)")
     p.add_argument("--logprobs", type=int, default=0, help="top logprobs asked (default 0)")
     p.add_argument("--device", default="auto", help="the server's --device (default auto)")
+    p.add_argument("--dtype", default="auto", help="the server's --dtype (default auto)")
+    p.add_argument(
+        "--prefill-tokens", type=int, default=2048, help="tokens of the prefill step (2048)"
+    )
     return p.parse_args()
 
 
@@ -65,6 +75,8 @@ def main() -> int:
         args.device,
         "--kv-cache-tokens",
         str(args.batch * 512),
+        "--dtype",
+        args.dtype,
     ]
     print(f"serving {model} (log: {log_path}) ...", flush=True)
     proc, base_url = start_server(model, server_args, log_path)
@@ -88,7 +100,55 @@ def main() -> int:
         f"(target <= {TARGET:.0%}); of which outside the worker "
         f"{(period - busy) / period:.1%}"
     )
+    prefill_gflops(model, args)
     return 0 if overhead <= TARGET else 1
+
+
+def prefill_gflops(model: Path, args: argparse.Namespace) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    from tokenmill.tp_worker.config import RunnerConfig
+    from tokenmill.tp_worker.model_runner import ModelRunner
+    from tokenmill.tp_worker.offline import OfflineEngine, OfflineRequest
+
+    num_prompts, tokens = 8, args.prefill_tokens
+    per_prompt = tokens // num_prompts
+    config = RunnerConfig(
+        model=str(model),
+        kv_cache_tokens=2 * tokens,
+        max_running_requests=num_prompts,
+        max_model_len=per_prompt + 8,
+        dtype=args.dtype,
+        device="cpu",
+    )
+    runner = ModelRunner(config)
+    engine = OfflineEngine(runner, max_prefill_tokens=tokens, enable_prefix_cache=False)
+    rng = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, 1000, (num_prompts, per_prompt), generator=rng).tolist()
+    requests = [OfflineRequest(p, max_tokens=1) for p in prompts]
+    engine.generate(requests)  # warm-up
+    runner.time_forward, runner.forward_s = True, 0.0
+    engine.generate(requests)  # one prefill step: max_tokens=1 finishes every request
+    c = runner.model_config
+    q_kv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    layer_params = c.hidden_size * (q_kv + c.num_heads * c.head_dim + 3 * c.intermediate_size)
+    attention = 2 * c.num_heads * c.head_dim * per_prompt * (per_prompt + 1)  # q.k and p.V
+    flop = 2 * c.num_layers * layer_params * tokens + 2 * c.num_layers * attention * num_prompts
+    flop += 2 * c.hidden_size * c.vocab_size * num_prompts  # the lm_head, last rows only
+    ours = flop / runner.forward_s / 1e9
+    x = torch.randn(tokens, c.hidden_size, dtype=runner.dtype)
+    w = torch.randn(c.intermediate_size, c.hidden_size, dtype=runner.dtype)
+    F.linear(x, w)
+    started = time.perf_counter()
+    for _ in range(3):
+        F.linear(x, w)
+    bare = 3 * 2 * tokens * c.hidden_size * c.intermediate_size / (time.perf_counter() - started)
+    print(
+        f"{'prefill step':<28}{tokens} tokens ({runner.dtype}) in {runner.forward_s * 1e3:.1f} ms"
+        f" = {ours:.0f} GFLOP/s; bare F.linear [{tokens} x {c.hidden_size} x "
+        f"{c.intermediate_size}] {bare / 1e9:.0f} GFLOP/s; ratio {ours / (bare / 1e9):.2f}"
+    )
 
 
 if __name__ == "__main__":

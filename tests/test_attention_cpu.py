@@ -42,12 +42,25 @@ def _run(
     rows: list[int],
     positions: list[int],
     window: int = 0,
+    split: bool = False,
 ) -> torch.Tensor:
-    """Attend without writing new keys: every token's own key is already in the cache."""
+    """Attend without writing new keys: every token's own key is already in the cache.
+    Consecutive tokens of a row form one batch row (a prompt chunk), or each token its own
+    (`split`: as decode rows)."""
+    segments: list[list[int]] = []  # [table row, first token, tokens, first position]
+    for t, (row, pos) in enumerate(zip(rows, positions, strict=True)):
+        last = segments[-1] if segments else None
+        if not split and last and last[0] == row and last[3] + last[2] == pos:
+            last[2] += 1
+        else:
+            segments.append([row, t, 1, pos])
+    columns = torch.tensor(segments, dtype=torch.int64).T.contiguous()
     attention = PagedAttention(
         table=table,
-        token_rows=torch.tensor(rows),
-        positions=torch.tensor(positions),
+        rows=columns[0].clone(),
+        token_starts=columns[1].clone(),
+        num_tokens=columns[2].clone(),
+        first_pos=columns[3].clone(),
         out_slots=torch.zeros(0, dtype=torch.int64),
         sliding_window=window,
     )
@@ -67,8 +80,8 @@ def test_matches_float64_reference(dtype: torch.dtype, window: int) -> None:
     lens = [1, 7, 40, 260]
     table = _table(lens)
     caches = _cache(table.numel(), dtype)
-    rows = [r for r, n in enumerate(lens) for _ in range(min(n, 3))]
-    positions = [p for n in lens for p in range(n - min(n, 3), n)]
+    rows = [r for r, n in enumerate(lens) for _ in range(min(n, 9))]
+    positions = [p for n in lens for p in range(n - min(n, 9), n)]
     q = torch.randn(len(rows), HEADS, DIM).to(dtype)
     out = _run(q, caches, table, rows, positions, window).view(len(rows), HEADS, DIM)
     atol = 2e-6 if dtype == torch.float32 else 1e-2
@@ -78,22 +91,29 @@ def test_matches_float64_reference(dtype: torch.dtype, window: int) -> None:
         torch.testing.assert_close(out[i].double(), expected, atol=atol, rtol=0)
 
 
+@pytest.mark.parametrize("window", [0, 37])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_token_is_bitwise_the_same_in_any_company(dtype: torch.dtype) -> None:
+def test_a_token_is_bitwise_the_same_in_any_company(dtype: torch.dtype, window: int) -> None:
+    """Whole prompts, each token as its own (decode) row, alone, and in other chunkings."""
     lens = [300, 3, 150, 77, 299, 12]
     table = _table(lens)
     caches = _cache(table.numel(), dtype)
     rows = [r for r, n in enumerate(lens) for _ in range(n)]
     positions = [p for n in lens for p in range(n)]
     q = torch.randn(len(rows), HEADS, DIM).to(dtype)
-    together = _run(q, caches, table, rows, positions)
+    together = _run(q, caches, table, rows, positions, window)
+    assert torch.equal(_run(q, caches, table, rows, positions, window, split=True), together)
+    for cut in (1, 2, 3, 5, 7):  # the first row's prompt in chunks that start at `cut`
+        sub = slice(cut, 300)
+        part = _run(q[sub], caches, table, rows[sub], positions[sub], window)
+        assert torch.equal(part, together[sub])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        single_thread = _run(q, caches, table, rows, positions)
+        single_thread = _run(q, caches, table, rows, positions, window)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(together, single_thread)
     for i in (0, 299, 300, 400, len(rows) - 1):
-        alone = _run(q[i : i + 1], caches, table, rows[i : i + 1], positions[i : i + 1])
+        alone = _run(q[i : i + 1], caches, table, rows[i : i + 1], positions[i : i + 1], window)
         assert torch.equal(alone[0], together[i])

@@ -65,8 +65,9 @@ def test_a_build_without_avx_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch
     q = torch.randn(20, 8, 32)
     caches = (torch.randn(64, 2, 32), torch.randn(64, 2, 32))
     table = torch.randperm(64).view(1, 64).int()
+    one = torch.ones(1, dtype=torch.int64)
     paged = attention_cpu.PagedAttention(
-        table, torch.zeros(20, dtype=torch.int64), torch.arange(20), torch.zeros(0).long(), 0
+        table, 0 * one, 0 * one, 20 * one, 0 * one, torch.zeros(0, dtype=torch.int64), 0
     )
     empty = caches[0][:0]
     native_attention = paged.attend(q, empty, empty, *caches, 32**-0.5)

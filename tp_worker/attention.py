@@ -36,18 +36,19 @@ def plan_attention(
     prefix_lens: torch.Tensor,
     extend_lens: torch.Tensor,
     is_prefill: torch.Tensor,
-    positions: torch.Tensor,
     out_slots: torch.Tensor,
     sliding_window: int | None,
     dtype: torch.dtype,
 ) -> Attention:
     """One step's attention metadata, built once and shared by every layer. `table` is
-    [R, max_len] int32; positions and out_slots are [T]; the other tensors are [B]."""
+    [R, max_len] int32; out_slots is [T] int64; the other tensors are [B] int64 (bool)."""
     if table.device.type == "cpu" and attention_cpu.supports(dtype):
         return attention_cpu.PagedAttention(
             table=table,
-            token_rows=req_rows.repeat_interleave(extend_lens),
-            positions=positions,
+            rows=req_rows.contiguous(),
+            token_starts=torch.cumsum(extend_lens, 0) - extend_lens,
+            num_tokens=extend_lens.contiguous(),
+            first_pos=prefix_lens.contiguous(),
             out_slots=out_slots,
             sliding_window=sliding_window or 0,
         )

@@ -3,7 +3,8 @@ lie in the KV cache, through the request->slot table (tp_worker).
 
 Every query token attends to its own row's positions [0, position] (or the sliding window),
 so a row's work and its numbers depend on its own context only: the kernel's reduction order
-is fixed per token (see the rule at the top of csrc/attention.cpp), never by its batch.
+is fixed per (token, head) (see the rule at the top of csrc/attention.cpp), never by its
+batch, its chunk or how the kernel groups tokens into work items.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 @dataclass(frozen=True)
 class PagedAttention:
     table: torch.Tensor  # [R, max_len] int32 slot of each position of each table row
-    token_rows: torch.Tensor  # [T] int64 table row of each new token
-    positions: torch.Tensor  # [T] int64 position of each new token in its row
+    rows: torch.Tensor  # [B] int64 table row of each batch row
+    token_starts: torch.Tensor  # [B] int64 index in [T] of each batch row's first new token
+    num_tokens: torch.Tensor  # [B] int64 new tokens of each batch row
+    first_pos: torch.Tensor  # [B] int64 position of each batch row's first new token
     out_slots: torch.Tensor  # [T] int64 KV slot each new token writes
     sliding_window: int  # 0 = none
 
@@ -45,10 +48,12 @@ class PagedAttention:
             k_cache.data_ptr(),
             v_cache.data_ptr(),
             self.table.data_ptr(),
-            self.token_rows.data_ptr(),
-            self.positions.data_ptr(),
+            self.rows.data_ptr(),
+            self.token_starts.data_ptr(),
+            self.num_tokens.data_ptr(),
+            self.first_pos.data_ptr(),
             out.data_ptr(),
-            q.shape[0],
+            self.rows.shape[0],
             q.shape[1],
             k_cache.shape[1],
             q.shape[2],

@@ -121,7 +121,6 @@ class ModelRunner:
             inputs.prefix_lens,
             inputs.extend_lens,
             inputs.is_prefill,
-            inputs.positions,
             inputs.out_slots,
             self.model_config.sliding_window,
             self.dtype,

@@ -1,26 +1,36 @@
 // Attention over the slot-addressed KV cache on the CPU (tp_worker, via ctypes).
 //
-// The reduction order is fixed by this file, not by a math library: one query token and one
-// KV head are one work item, and within an item every sum runs over the same index ranges in
-// the same order whatever the batch, the chunk, the step or the thread that runs it:
-//   - q.k over head_dim: LANES partial sums (lane d % LANES), combined by a fixed tree;
-//   - softmax: exact max, then exp (our own polynomial, not libm) summed in LANES partial
-//     sums over key positions, combined by the same tree;
-//   - p.V: one accumulator per output element, keys in ascending position.
-// Built with -ffp-contract=off and without -ffast-math, so the compiler may vectorise these
-// loops but never reassociate them: the same source gives the same bits on any x86 CPU.
+// A work item is one KV head, one row and a block of up to LANES (query token, query head)
+// pairs of that row that share the KV head: one lane each. The reduction order is fixed per
+// lane by this file, not by a math library, and is the same whatever else is in the item,
+// the batch, the chunk or the thread that runs it:
+//   - score(key j) = scale * sum over d ascending of fma(q[d], k_j[d]) (one accumulator);
+//   - max over the lane's visible keys; e_j = exp(score_j - max), our own polynomial (not
+//     libm's); the denominator sums e_j over ascending j (invisible keys add +0.0, which
+//     leaves a non-negative sum unchanged bit for bit);
+//   - out[d] = (sum over visible j ascending of fma(e_j, v_j[d])) * (1 / denominator).
+// So a token's output is bitwise the same alone (decode), in a prompt chunk, or after a
+// prefix-cache hit. Built with -ffp-contract=off and without -ffast-math: the compiler
+// vectorises the lane loops but never fuses or reassociates what the source does not.
 //
-// Keys are read where they lie: position j of the request in table row r is slot
-// table[r * table_stride + j], so a row costs work in proportion to its own context.
+// Keys are read where they lie: position p of table row r is slot table[r * stride + p], so
+// an item costs work in proportion to its own row's context (causal, or the sliding window).
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
 constexpr int LANES = 16;
+constexpr int KEY_BLOCK = 8;  // keys scored together: independent accumulator chains
 
 inline float bf16_to_float(uint16_t v) {
   uint32_t bits = static_cast<uint32_t>(v) << 16;
@@ -37,28 +47,23 @@ inline uint16_t float_to_bf16(float f) {
   return static_cast<uint16_t>(bits >> 16);
 }
 
-template <typename T>
-inline void to_float(const T* src, float* dst, int64_t n);
-
-template <>
-inline void to_float<float>(const float* src, float* dst, int64_t n) {
+inline void to_float(const float* src, float* dst, int64_t n) {
   std::memcpy(dst, src, n * sizeof(float));
 }
 
-template <>
-inline void to_float<uint16_t>(const uint16_t* src, float* dst, int64_t n) {
+inline void to_float(const uint16_t* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(src[i]);
 }
 
 inline void store(float* dst, float v) { *dst = v; }
 inline void store(uint16_t* dst, float v) { *dst = float_to_bf16(v); }
 
-// exp(x) for x <= 0: 2^n * p(r) with r = x - n ln2 in [-ln2/2, ln2/2]; ~2 ulp. Our own so that
-// the result does not depend on which libm variant the machine dispatches to.
+// exp(x) for x <= 0: 2^n * p(r) with r = x - n ln2 in [-ln2/2, ln2/2]; ~2 ulp. Written
+// without branches so that the lane loops vectorise; the same operations run in every lane.
 inline float exp_nonpositive(float x) {
-  if (x < -87.0f) return 0.0f;
-  const float n = static_cast<float>(static_cast<int>(x * 1.44269504f - 0.5f));
-  const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+  const float xc = std::max(x, -87.0f);
+  const float n = static_cast<float>(static_cast<int32_t>(xc * 1.44269504f - 0.5f));
+  const float r = (xc - n * 0.693145752f) - n * 1.42860677e-6f;
   float p = 1.98756912e-4f;
   p = p * r + 1.39819994e-3f;
   p = p * r + 8.33345205e-3f;
@@ -69,88 +74,205 @@ inline float exp_nonpositive(float x) {
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, 4);
-  return p * scale;
+  return x < -87.0f ? 0.0f : p * scale;
 }
 
-inline float tree_sum(float* lane) {
-  for (int width = LANES / 2; width > 0; width /= 2)
-    for (int i = 0; i < width; ++i) lane[i] = lane[i] + lane[i + width];
-  return lane[0];
+#if defined(__AVX512F__)
+// exp_nonpositive in 16 lanes: the same operations in the same order, lane by lane.
+inline __m512 exp_nonpositive16(__m512 x) {
+  const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512i ni = _mm512_cvttps_epi32(
+      _mm512_sub_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504f)), _mm512_set1_ps(0.5f)));
+  const __m512 n = _mm512_cvtepi32_ps(ni);
+  const __m512 r = _mm512_sub_ps(_mm512_sub_ps(xc, _mm512_mul_ps(n, _mm512_set1_ps(0.693145752f))),
+                                 _mm512_mul_ps(n, _mm512_set1_ps(1.42860677e-6f)));
+  __m512 p = _mm512_set1_ps(1.98756912e-4f);
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.39819994e-3f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.33345205e-3f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.16657962e-2f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.66666657e-1f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(0.5f));
+  p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.0f));
+  const __m512 scale = _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23));
+  const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~under), p, scale);
+}
+#endif
+
+// For each key, the lanes that see it: e_j = exp(score - max) in those, +0.0 in the others;
+// max and the denominator over the visible lanes only.
+void softmax_numerators(float* scores, const uint16_t* masks, int64_t num_keys, float* den) {
+#if defined(__AVX512F__)
+  __m512 max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < num_keys; ++j)
+    max = _mm512_mask_max_ps(max, masks[j], max, _mm512_loadu_ps(scores + j * LANES));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < num_keys; ++j) {
+    const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(scores + j * LANES), max);
+    const __m512 e = _mm512_maskz_mov_ps(masks[j], exp_nonpositive16(x));
+    _mm512_storeu_ps(scores + j * LANES, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  _mm512_storeu_ps(den, sum);
+#else
+  float max[LANES];
+  for (int l = 0; l < LANES; ++l) {
+    max[l] = -std::numeric_limits<float>::infinity();
+    den[l] = 0.0f;
+  }
+  for (int64_t j = 0; j < num_keys; ++j)
+    for (int l = 0; l < LANES; ++l)
+      if ((masks[j] >> l) & 1) max[l] = std::max(max[l], scores[j * LANES + l]);
+  for (int64_t j = 0; j < num_keys; ++j)
+    for (int l = 0; l < LANES; ++l) {
+      float* sc = scores + j * LANES + l;
+      *sc = ((masks[j] >> l) & 1) ? exp_nonpositive(*sc - max[l]) : 0.0f;
+      den[l] = den[l] + *sc;
+    }
+#endif
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  float lane[LANES] = {};
+// scores[kk][l] = scale * sum over d ascending of fma(q_t[d][l], keys[kk][d]), for the
+// KEY_BLOCK keys of a block (rows past the last key hold leftovers and are never read).
+void score_block(const float* q_t, const float* keys, int64_t dim, float scale, float* scores) {
+#if defined(__AVX512F__)
+  __m512 acc[KEY_BLOCK];
+  for (int kk = 0; kk < KEY_BLOCK; ++kk) acc[kk] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < dim; ++d) {
+    const __m512 qd = _mm512_loadu_ps(q_t + d * LANES);
+    for (int kk = 0; kk < KEY_BLOCK; ++kk)
+      acc[kk] = _mm512_fmadd_ps(qd, _mm512_set1_ps(keys[kk * dim + d]), acc[kk]);
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int kk = 0; kk < KEY_BLOCK; ++kk)
+    _mm512_storeu_ps(scores + kk * LANES, _mm512_mul_ps(acc[kk], sc));
+#else
+  float acc[KEY_BLOCK][LANES] = {};
+  for (int64_t d = 0; d < dim; ++d)
+    for (int kk = 0; kk < KEY_BLOCK; ++kk)
+      for (int l = 0; l < LANES; ++l)
+        acc[kk][l] = std::fma(q_t[d * LANES + l], keys[kk * dim + d], acc[kk][l]);
+  for (int kk = 0; kk < KEY_BLOCK; ++kk)
+    for (int l = 0; l < LANES; ++l) scores[kk * LANES + l] = acc[kk][l] * scale;
+#endif
+}
+
+// acc[d] = fma(p, value[d], acc[d]) for every d.
+inline void accumulate(float* acc, float p, const float* value, int64_t dim) {
   int64_t d = 0;
-  for (; d + LANES <= n; d += LANES)
-    for (int i = 0; i < LANES; ++i) lane[i] = lane[i] + a[d + i] * b[d + i];
-  for (int i = 0; d + i < n; ++i) lane[i] = lane[i] + a[d + i] * b[d + i];
-  return tree_sum(lane);
+#if defined(__AVX512F__)
+  const __m512 pv = _mm512_set1_ps(p);
+  for (; d + 16 <= dim; d += 16)
+    _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, _mm512_loadu_ps(value + d),
+                                              _mm512_loadu_ps(acc + d)));
+#endif
+  for (; d < dim; ++d) acc[d] = std::fma(p, value[d], acc[d]);
 }
 
 struct Shape {
-  int64_t num_tokens, num_heads, num_kv_heads, head_dim, table_stride, window;
+  int64_t num_heads, num_kv_heads, head_dim, table_stride, window;
   float scale;
 };
 
-// One query token t, one KV head: the group of query heads that share it.
+// A block of consecutive query tokens of one row (positions first_pos...), one KV head, and
+// the query heads [head0, head0 + num_heads) of each token that share it.
+struct Item {
+  int64_t row, token0, num_tokens, first_pos, kv_head, head0, num_heads;
+};
+
+struct Scratch {
+  std::vector<float> q_t, scores, acc, keys, value;
+  std::vector<uint16_t> masks;  // [num_keys] lanes that see each key
+};
+
 template <typename T>
 void attend_item(const T* q, const T* k_cache, const T* v_cache, const int32_t* table,
-                 const int64_t* rows, const int64_t* positions, T* out, const Shape& s, int64_t t,
-                 int64_t kv_head, std::vector<float>& scratch) {
-  const int64_t group = s.num_heads / s.num_kv_heads, dim = s.head_dim;
-  const int64_t pos = positions[t];
-  const int64_t first = s.window > 0 ? std::max<int64_t>(0, pos - s.window + 1) : 0;
-  const int64_t num_keys = pos - first + 1;
-  const int32_t* slots = table + rows[t] * s.table_stride + first;
-  scratch.resize(group * (num_keys + 2 * dim + 1) + dim);
-  float* scores = scratch.data();              // [group, num_keys]
-  float* queries = scores + group * num_keys;  // [group, dim]
-  float* acc = queries + group * dim;          // [group, dim]
-  float* inv = acc + group * dim;              // [group] 1 / softmax denominator
-  float* row = inv + group;                    // [dim] one key or value as float
-  const int64_t head0 = kv_head * group;
-  to_float(q + (t * s.num_heads + head0) * dim, queries, group * dim);
-  for (int64_t j = 0; j < num_keys; ++j) {
-    to_float(k_cache + (slots[j] * s.num_kv_heads + kv_head) * dim, row, dim);
-    for (int64_t g = 0; g < group; ++g)
-      scores[g * num_keys + j] = dot(queries + g * dim, row, dim) * s.scale;
-  }
-  for (int64_t g = 0; g < group; ++g) {
-    float* sc = scores + g * num_keys;
-    float max = sc[0];
-    for (int64_t j = 1; j < num_keys; ++j) max = std::max(max, sc[j]);
-    float lane[LANES] = {};
-    for (int64_t j = 0; j < num_keys; ++j) {
-      sc[j] = exp_nonpositive(sc[j] - max);
-      lane[j % LANES] = lane[j % LANES] + sc[j];
+                 T* out, const Shape& s, const Item& it, Scratch& w) {
+  const int64_t dim = s.head_dim, hs = it.num_heads;
+  const int64_t last_pos = it.first_pos + it.num_tokens - 1;
+  const int64_t lo = s.window > 0 ? std::max<int64_t>(0, it.first_pos - s.window + 1) : 0;
+  const int64_t num_keys = last_pos - lo + 1;
+  const int32_t* slots = table + it.row * s.table_stride + lo;
+  w.q_t.assign(dim * LANES, 0.0f);  // [dim][LANES] queries, transposed
+  w.scores.resize((num_keys + KEY_BLOCK) * LANES);  // whole blocks: score_block writes 8 rows
+  w.acc.assign(LANES * dim, 0.0f);
+  w.keys.resize(KEY_BLOCK * dim);
+  w.value.resize(dim);
+  std::vector<float>& qrow = w.value;
+  for (int64_t i = 0; i < it.num_tokens; ++i)
+    for (int64_t h = 0; h < hs; ++h) {
+      to_float(q + ((it.token0 + i) * s.num_heads + it.head0 + h) * dim, qrow.data(), dim);
+      for (int64_t d = 0; d < dim; ++d) w.q_t[d * LANES + i * hs + h] = qrow[d];
     }
-    inv[g] = 1.0f / tree_sum(lane);
-  }
-  std::fill(acc, acc + group * dim, 0.0f);
+  // Key position lo + j is seen by the lanes of tokens i with pos_i - window < lo + j <= pos_i.
+  w.masks.resize(num_keys);
   for (int64_t j = 0; j < num_keys; ++j) {
-    to_float(v_cache + (slots[j] * s.num_kv_heads + kv_head) * dim, row, dim);
-    for (int64_t g = 0; g < group; ++g) {
-      const float p = scores[g * num_keys + j];
-      float* a = acc + g * dim;
-      for (int64_t d = 0; d < dim; ++d) a[d] = a[d] + p * row[d];
+    const int64_t rel = lo + j - it.first_pos;  // the first token that sees it
+    const int64_t first = std::max<int64_t>(0, rel);
+    const int64_t end = s.window > 0 ? std::min(it.num_tokens, rel + s.window) : it.num_tokens;
+    const uint32_t below_end = end > first ? (1u << (end * hs)) - 1u : 0u;
+    w.masks[j] = static_cast<uint16_t>(below_end & ~((1u << (first * hs)) - 1u));
+  }
+  // Scores, KEY_BLOCK keys at a time: independent fma chains over d.
+  for (int64_t j0 = 0; j0 < num_keys; j0 += KEY_BLOCK) {
+    const int64_t nk = std::min<int64_t>(KEY_BLOCK, num_keys - j0);
+    for (int64_t kk = 0; kk < nk; ++kk)
+      to_float(k_cache + (slots[j0 + kk] * s.num_kv_heads + it.kv_head) * dim,
+               w.keys.data() + kk * dim, dim);
+    score_block(w.q_t.data(), w.keys.data(), dim, s.scale, w.scores.data() + j0 * LANES);
+  }
+  float den[LANES];
+  softmax_numerators(w.scores.data(), w.masks.data(), num_keys, den);
+  for (int64_t j = 0; j < num_keys; ++j) {
+    to_float(v_cache + (slots[j] * s.num_kv_heads + it.kv_head) * dim, w.value.data(), dim);
+    const float* e = w.scores.data() + j * LANES;
+    for (int64_t i = 0; i < it.num_tokens; ++i) {
+      const int l0 = static_cast<int>(i * hs);
+      if (!((w.masks[j] >> l0) & 1)) continue;
+      for (int64_t h = 0; h < hs; ++h)
+        accumulate(w.acc.data() + (l0 + h) * dim, e[l0 + h], w.value.data(), dim);
     }
   }
-  T* o = out + (t * s.num_heads + head0) * dim;
-  for (int64_t i = 0; i < group * dim; ++i) store(o + i, acc[i] * inv[i / dim]);
+  for (int64_t i = 0; i < it.num_tokens; ++i)
+    for (int64_t h = 0; h < hs; ++h) {
+      const int64_t l = i * hs + h;
+      const float inv = 1.0f / den[l];
+      T* o = out + ((it.token0 + i) * s.num_heads + it.head0 + h) * dim;
+      for (int64_t d = 0; d < dim; ++d) store(o + d, w.acc[l * dim + d] * inv);
+    }
+}
+
+// Splits every row's tokens into items: each KV head's query heads in chunks of at most
+// LANES, and as many consecutive tokens as fit the lanes with them.
+std::vector<Item> plan(const int64_t* rows, const int64_t* token_starts,
+                       const int64_t* num_tokens, const int64_t* first_pos, int64_t num_rows,
+                       const Shape& s) {
+  const int64_t group = s.num_heads / s.num_kv_heads;
+  const int64_t heads = std::min<int64_t>(group, LANES);
+  const int64_t tokens_per_item = LANES / heads;
+  std::vector<Item> items;
+  for (int64_t b = 0; b < num_rows; ++b)
+    for (int64_t t = 0; t < num_tokens[b]; t += tokens_per_item)
+      for (int64_t kv = 0; kv < s.num_kv_heads; ++kv)
+        for (int64_t h = 0; h < group; h += heads)
+          items.push_back(Item{rows[b], token_starts[b] + t,
+                               std::min(tokens_per_item, num_tokens[b] - t), first_pos[b] + t,
+                               kv, kv * group + h, std::min(heads, group - h)});
+  return items;
 }
 
 template <typename T>
 void attend_all(const void* q, const void* k_cache, const void* v_cache, const int32_t* table,
-                const int64_t* rows, const int64_t* positions, void* out, const Shape& s) {
-  const int64_t num_items = s.num_tokens * s.num_kv_heads;
+                void* out, const Shape& s, const std::vector<Item>& items) {
+  const int64_t num_items = static_cast<int64_t>(items.size());
 #pragma omp parallel
   {
-    std::vector<float> scratch;
-#pragma omp for schedule(static)
-    for (int64_t item = 0; item < num_items; ++item)
+    Scratch scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < num_items; ++i)
       attend_item<T>(static_cast<const T*>(q), static_cast<const T*>(k_cache),
-                     static_cast<const T*>(v_cache), table, rows, positions,
-                     static_cast<T*>(out), s, item / s.num_kv_heads, item % s.num_kv_heads,
+                     static_cast<const T*>(v_cache), table, static_cast<T*>(out), s, items[i],
                      scratch);
   }
 }
@@ -159,20 +281,23 @@ void attend_all(const void* q, const void* k_cache, const void* v_cache, const i
 
 extern "C" {
 
-// q, out [num_tokens, num_heads, head_dim]; k_cache, v_cache [slots, num_kv_heads, head_dim];
-// table [rows, table_stride] int32 slot of each position; rows, positions [num_tokens] int64.
-// dtype 0 = float32, 1 = bfloat16 (all four tensors alike). window <= 0: no sliding window.
-// Returns 0, or -1 for an unknown dtype.
+// q, out [tokens, num_heads, head_dim]; k_cache, v_cache [slots, num_kv_heads, head_dim];
+// table [table rows, table_stride] int32 slot of each position. Batch row b holds
+// num_tokens[b] query tokens from index token_starts[b], at positions first_pos[b]...,
+// of table row rows[b]. dtype 0 = float32, 1 = bfloat16 (all four tensors alike).
+// window <= 0: no sliding window. Returns 0, or -1 for an unknown dtype.
 int tm_paged_attention(const void* q, const void* k_cache, const void* v_cache,
-                       const int32_t* table, const int64_t* rows, const int64_t* positions,
-                       void* out, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
+                       const int32_t* table, const int64_t* rows, const int64_t* token_starts,
+                       const int64_t* num_tokens, const int64_t* first_pos, void* out,
+                       int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
                        int64_t head_dim, int64_t table_stride, int64_t window, float scale,
                        int dtype) {
-  const Shape s{num_tokens, num_heads, num_kv_heads, head_dim, table_stride, window, scale};
+  const Shape s{num_heads, num_kv_heads, head_dim, table_stride, window, scale};
+  const std::vector<Item> items = plan(rows, token_starts, num_tokens, first_pos, num_rows, s);
   if (dtype == 0) {
-    attend_all<float>(q, k_cache, v_cache, table, rows, positions, out, s);
+    attend_all<float>(q, k_cache, v_cache, table, out, s, items);
   } else if (dtype == 1) {
-    attend_all<uint16_t>(q, k_cache, v_cache, table, rows, positions, out, s);
+    attend_all<uint16_t>(q, k_cache, v_cache, table, out, s, items);
   } else {
     return -1;
   }
