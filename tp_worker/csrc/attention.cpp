@@ -158,16 +158,59 @@ void score_block(const float* q_t, const float* keys, int64_t dim, float scale, 
 #endif
 }
 
-// acc[d] = fma(p, value[d], acc[d]) for every d.
-inline void accumulate(float* acc, float p, const float* value, int64_t dim) {
-  int64_t d = 0;
 #if defined(__AVX512F__)
-  const __m512 pv = _mm512_set1_ps(p);
-  for (; d + 16 <= dim; d += 16)
-    _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, _mm512_loadu_ps(value + d),
-                                              _mm512_loadu_ps(acc + d)));
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
 #endif
-  for (; d < dim; ++d) acc[d] = std::fma(p, value[d], acc[d]);
+
+// out[l][d] = sum over keys j ascending of fma(e[j][l], v_j[d]) for the first NL lanes, where
+// v_j is the row at values + slots[j] * stride. Lanes that do not see key j have e = +0.0,
+// which adds nothing (a sum that starts at +0.0 is never -0.0).
+template <int NL, typename T>
+void weighted_values(const float* e, const T* values, const int32_t* slots, int64_t num_keys,
+                     int64_t stride, int64_t dim, float* out) {
+#if defined(__AVX512F__)
+  if (dim % 16 == 0) {
+    for (int64_t d0 = 0; d0 < dim; d0 += 16) {
+      __m512 acc[NL];
+      for (int l = 0; l < NL; ++l) acc[l] = _mm512_setzero_ps();
+      for (int64_t j = 0; j < num_keys; ++j) {
+        const __m512 v = load16(values + slots[j] * stride + d0);
+        for (int l = 0; l < NL; ++l)
+          acc[l] = _mm512_fmadd_ps(_mm512_set1_ps(e[j * LANES + l]), v, acc[l]);
+      }
+      for (int l = 0; l < NL; ++l) _mm512_storeu_ps(out + l * dim + d0, acc[l]);
+    }
+    return;
+  }
+#endif
+  std::fill(out, out + NL * dim, 0.0f);
+  std::vector<float> v(dim);
+  for (int64_t j = 0; j < num_keys; ++j) {
+    to_float(values + slots[j] * stride, v.data(), dim);
+    for (int l = 0; l < NL; ++l)
+      for (int64_t d = 0; d < dim; ++d)
+        out[l * dim + d] = std::fma(e[j * LANES + l], v[d], out[l * dim + d]);
+  }
+}
+
+template <typename T>
+using WeightedValues = void (*)(const float*, const T*, const int32_t*, int64_t, int64_t, int64_t,
+                                float*);
+
+template <typename T>
+WeightedValues<T> weighted_values_for(int64_t lanes) {
+  static const WeightedValues<T> table[LANES] = {
+      weighted_values<1, T>,  weighted_values<2, T>,  weighted_values<3, T>,
+      weighted_values<4, T>,  weighted_values<5, T>,  weighted_values<6, T>,
+      weighted_values<7, T>,  weighted_values<8, T>,  weighted_values<9, T>,
+      weighted_values<10, T>, weighted_values<11, T>, weighted_values<12, T>,
+      weighted_values<13, T>, weighted_values<14, T>, weighted_values<15, T>,
+      weighted_values<16, T>};
+  return table[lanes - 1];
 }
 
 struct Shape {
@@ -196,7 +239,7 @@ void attend_item(const T* q, const T* k_cache, const T* v_cache, const int32_t* 
   const int32_t* slots = table + it.row * s.table_stride + lo;
   w.q_t.assign(dim * LANES, 0.0f);  // [dim][LANES] queries, transposed
   w.scores.resize((num_keys + KEY_BLOCK) * LANES);  // whole blocks: score_block writes 8 rows
-  w.acc.assign(LANES * dim, 0.0f);
+  w.acc.resize(LANES * dim);
   w.keys.resize(KEY_BLOCK * dim);
   w.value.resize(dim);
   std::vector<float>& qrow = w.value;
@@ -224,16 +267,9 @@ void attend_item(const T* q, const T* k_cache, const T* v_cache, const int32_t* 
   }
   float den[LANES];
   softmax_numerators(w.scores.data(), w.masks.data(), num_keys, den);
-  for (int64_t j = 0; j < num_keys; ++j) {
-    to_float(v_cache + (slots[j] * s.num_kv_heads + it.kv_head) * dim, w.value.data(), dim);
-    const float* e = w.scores.data() + j * LANES;
-    for (int64_t i = 0; i < it.num_tokens; ++i) {
-      const int l0 = static_cast<int>(i * hs);
-      if (!((w.masks[j] >> l0) & 1)) continue;
-      for (int64_t h = 0; h < hs; ++h)
-        accumulate(w.acc.data() + (l0 + h) * dim, e[l0 + h], w.value.data(), dim);
-    }
-  }
+  const int64_t lanes = it.num_tokens * hs;
+  weighted_values_for<T>(lanes)(w.scores.data(), v_cache + it.kv_head * dim, slots, num_keys,
+                                s.num_kv_heads * dim, dim, w.acc.data());
   for (int64_t i = 0; i < it.num_tokens; ++i)
     for (int64_t h = 0; h < hs; ++h) {
       const int64_t l = i * hs + h;
