@@ -157,7 +157,12 @@ def launch_engine(
     return engine
 
 
+# NOTE: glibc otherwise keeps freed [chunk, vocab] logit buffers (64 MiB, logprobs.py) in its
+# arenas, and a CPU worker's resident memory grows by hundreds of MiB after prompt logprobs;
+# blocks from this size up are mmapped and returned on free. Not lower: a 1 MiB threshold
+# mmapped (and page-faulted) every activation of every step, a third of a CPU decode step.
+MMAP_THRESHOLD = 32 << 20
+
+
 def _child_env() -> dict[str, str]:
-    # NOTE: glibc otherwise keeps freed [chunk, vocab] logit buffers in its arenas, and a CPU
-    # worker's resident memory grows by hundreds of MiB after prompt logprobs.
-    return {"MALLOC_MMAP_THRESHOLD_": str(1 << 20), **os.environ}
+    return {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), **os.environ}
