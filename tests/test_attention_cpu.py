@@ -8,7 +8,7 @@ import torch
 
 from tokenmill.tp_worker.attention_cpu import PagedAttention
 
-HEADS, KV_HEADS, DIM = 8, 2, 32
+HEADS, KV_HEADS, DIM = 8, 2, 64
 
 
 def _cache(num_slots: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, ...]:

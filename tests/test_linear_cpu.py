@@ -62,15 +62,20 @@ def test_a_build_without_avx_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch
         (_case(m, k, n, dtype), dtype) for m, k, n in SHAPES[:3] for dtype in linear_cpu._CODES
     ]
     native = [PackedLinear(w, b)(x, torch.float32) for (x, w, b), _ in cases]
-    q = torch.randn(20, 8, 32)
-    caches = (torch.randn(64, 2, 32), torch.randn(64, 2, 32))
+    q = torch.randn(20, 8, 64)
+    caches = (torch.randn(64, 2, 64), torch.randn(64, 2, 64))
     table = torch.randperm(64).view(1, 64).int()
     one = torch.ones(1, dtype=torch.int64)
     paged = attention_cpu.PagedAttention(
         table, 0 * one, 0 * one, 20 * one, 0 * one, torch.zeros(0, dtype=torch.int64), 0
     )
+    steps = torch.arange(20)  # the same 20 tokens as 20 decode rows: the other kernel path
+    decode = attention_cpu.PagedAttention(
+        table, 0 * steps, steps, steps**0, steps, torch.zeros(0, dtype=torch.int64), 0
+    )
     empty = caches[0][:0]
-    native_attention = paged.attend(q, empty, empty, *caches, 32**-0.5)
+    native_attention = paged.attend(q, empty, empty, *caches, 64**-0.5)
+    assert torch.equal(decode.attend(q, empty, empty, *caches, 64**-0.5), native_attention)
 
     portable = cpu_kernels.load(cpu_kernels.build("x86-64-v2"))
     assert portable.tm_linear_isa() == 0
@@ -78,4 +83,5 @@ def test_a_build_without_avx_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(attention_cpu, "library", lambda: portable)
     for ((x, w, b), _), expected in zip(cases, native, strict=True):
         assert torch.equal(PackedLinear(w, b)(x, torch.float32), expected)
-    assert torch.equal(paged.attend(q, empty, empty, *caches, 32**-0.5), native_attention)
+    assert torch.equal(paged.attend(q, empty, empty, *caches, 64**-0.5), native_attention)
+    assert torch.equal(decode.attend(q, empty, empty, *caches, 64**-0.5), native_attention)

@@ -197,12 +197,49 @@ void weighted_values(const float* e, const T* values, const int32_t* slots, int6
   }
 }
 
+#if defined(__AVX512F__)
+// The same sums for few lanes and a head of DC * 16 columns: every accumulator in a register
+// and each value row read once (NL * DC independent fma chains instead of NL).
+template <int NL, int DC, typename T>
+void weighted_values_small(const float* e, const T* values, const int32_t* slots,
+                           int64_t num_keys, int64_t stride, int64_t dim, float* out) {
+  __m512 acc[NL][DC];
+  for (int l = 0; l < NL; ++l)
+    for (int c = 0; c < DC; ++c) acc[l][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < num_keys; ++j) {
+    const T* row = values + slots[j] * stride;
+    for (int c = 0; c < DC; ++c) {
+      const __m512 v = load16(row + c * 16);
+      for (int l = 0; l < NL; ++l)
+        acc[l][c] = _mm512_fmadd_ps(_mm512_set1_ps(e[j * LANES + l]), v, acc[l][c]);
+    }
+  }
+  for (int l = 0; l < NL; ++l)
+    for (int c = 0; c < DC; ++c) _mm512_storeu_ps(out + l * dim + c * 16, acc[l][c]);
+}
+#endif
+
 template <typename T>
 using WeightedValues = void (*)(const float*, const T*, const int32_t*, int64_t, int64_t, int64_t,
                                 float*);
 
 template <typename T>
-WeightedValues<T> weighted_values_for(int64_t lanes) {
+WeightedValues<T> weighted_values_for(int64_t lanes, int64_t dim) {
+#if defined(__AVX512F__)
+  if (dim == 64 && lanes <= 6) {
+    static const WeightedValues<T> small[6] = {
+        weighted_values_small<1, 4, T>, weighted_values_small<2, 4, T>,
+        weighted_values_small<3, 4, T>, weighted_values_small<4, 4, T>,
+        weighted_values_small<5, 4, T>, weighted_values_small<6, 4, T>};
+    return small[lanes - 1];
+  }
+  if (dim == 128 && lanes <= 3) {
+    static const WeightedValues<T> small[3] = {weighted_values_small<1, 8, T>,
+                                               weighted_values_small<2, 8, T>,
+                                               weighted_values_small<3, 8, T>};
+    return small[lanes - 1];
+  }
+#endif
   static const WeightedValues<T> table[LANES] = {
       weighted_values<1, T>,  weighted_values<2, T>,  weighted_values<3, T>,
       weighted_values<4, T>,  weighted_values<5, T>,  weighted_values<6, T>,
@@ -212,6 +249,101 @@ WeightedValues<T> weighted_values_for(int64_t lanes) {
       weighted_values<16, T>};
   return table[lanes - 1];
 }
+
+#if defined(__AVX512F__)
+// Transposes 16 rows of 16 32-bit elements in registers.
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
+    const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
+    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0x88);
+    t[4 + i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0xdd);
+    t[8 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0x88);
+    t[12 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
+    r[4 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0x88);
+    r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd);
+    r[12 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0xdd);
+  }
+}
+
+// Up to 16 keys (rows keys + slots[kk] * stride) as float32 columns: kt[d][kk]; missing keys
+// are zeros. False when the head size does not fit the blocks (the caller scores otherwise).
+inline bool transpose_keys(const float* keys, const int32_t* slots, int nk, int64_t stride,
+                           int64_t dim, float* kt) {
+  if (dim % 16) return false;
+  for (int64_t c = 0; c < dim; c += 16) {
+    __m512 r[16];
+    for (int kk = 0; kk < 16; ++kk)
+      r[kk] = kk < nk ? _mm512_loadu_ps(keys + slots[kk] * stride + c) : _mm512_setzero_ps();
+    transpose16(r);
+    for (int i = 0; i < 16; ++i) _mm512_storeu_ps(kt + (c + i) * 16, r[i]);
+  }
+  return true;
+}
+
+// bfloat16: 16 pairs (d, d + 1) per 32-bit element, transposed, then split into two rows.
+inline bool transpose_keys(const uint16_t* keys, const int32_t* slots, int nk, int64_t stride,
+                           int64_t dim, float* kt) {
+  if (dim % 32) return false;
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t c = 0; c < dim; c += 32) {
+    __m512 r[16];
+    for (int kk = 0; kk < 16; ++kk)
+      r[kk] = kk < nk ? _mm512_castsi512_ps(_mm512_loadu_si512(keys + slots[kk] * stride + c))
+                      : _mm512_setzero_ps();
+    transpose16(r);
+    for (int p = 0; p < 16; ++p) {
+      const __m512i pairs = _mm512_castps_si512(r[p]);
+      _mm512_storeu_ps(kt + (c + 2 * p) * 16, _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)));
+      _mm512_storeu_ps(kt + (c + 2 * p + 1) * 16,
+                       _mm512_castsi512_ps(_mm512_and_si512(pairs, high)));
+    }
+  }
+  return true;
+}
+
+// One query token's NH heads against 16 transposed keys: the same fma chain over d per score
+// as score_block, with the keys in the lanes instead of the heads.
+template <int NH>
+void score_keys(const float* q_t, const float* kt, int64_t dim, float scale, int nk,
+                float* scores) {
+  __m512 acc[NH];
+  for (int h = 0; h < NH; ++h) acc[h] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < dim; ++d) {
+    const __m512 k = _mm512_loadu_ps(kt + d * 16);
+    for (int h = 0; h < NH; ++h) acc[h] = _mm512_fmadd_ps(_mm512_set1_ps(q_t[d * LANES + h]), k, acc[h]);
+  }
+  alignas(64) float lane[16];
+  for (int h = 0; h < NH; ++h) {
+    _mm512_store_ps(lane, _mm512_mul_ps(acc[h], _mm512_set1_ps(scale)));
+    for (int kk = 0; kk < nk; ++kk) scores[kk * LANES + h] = lane[kk];
+  }
+}
+
+using ScoreKeys = void (*)(const float*, const float*, int64_t, float, int, float*);
+
+inline ScoreKeys score_keys_for(int64_t heads) {
+  static const ScoreKeys table[LANES] = {
+      score_keys<1>,  score_keys<2>,  score_keys<3>,  score_keys<4>,  score_keys<5>,  score_keys<6>,
+      score_keys<7>,  score_keys<8>,  score_keys<9>,  score_keys<10>, score_keys<11>, score_keys<12>,
+      score_keys<13>, score_keys<14>, score_keys<15>, score_keys<16>};
+  return table[heads - 1];
+}
+#endif
 
 struct Shape {
   int64_t num_heads, num_kv_heads, head_dim, table_stride, window;
@@ -229,6 +361,34 @@ struct Scratch {
   std::vector<uint16_t> masks;  // [num_keys] lanes that see each key
 };
 
+// scores[j][l] for every key j and lane l (w.q_t holds the lanes' queries, transposed).
+template <typename T>
+void score_all(const T* keys, const int32_t* slots, int64_t num_keys, int64_t stride,
+               int64_t dim, float scale, int64_t lanes, Scratch& w) {
+#if defined(__AVX512F__)
+  // NOTE: few lanes (a decode token's heads): keys in the lanes instead, 16 at a time.
+  if (lanes <= 8) {
+    w.keys.resize(16 * dim);
+    bool done = true;
+    for (int64_t j0 = 0; j0 < num_keys && done; j0 += 16) {
+      const int nk = static_cast<int>(std::min<int64_t>(16, num_keys - j0));
+      done = transpose_keys(keys, slots + j0, nk, stride, dim, w.keys.data());
+      if (done)
+        score_keys_for(lanes)(w.q_t.data(), w.keys.data(), dim, scale, nk,
+                              w.scores.data() + j0 * LANES);
+    }
+    if (done) return;
+  }
+#endif
+  w.keys.resize(KEY_BLOCK * dim);
+  for (int64_t j0 = 0; j0 < num_keys; j0 += KEY_BLOCK) {
+    const int64_t nk = std::min<int64_t>(KEY_BLOCK, num_keys - j0);
+    for (int64_t kk = 0; kk < nk; ++kk)
+      to_float(keys + slots[j0 + kk] * stride, w.keys.data() + kk * dim, dim);
+    score_block(w.q_t.data(), w.keys.data(), dim, scale, w.scores.data() + j0 * LANES);
+  }
+}
+
 template <typename T>
 void attend_item(const T* q, const T* k_cache, const T* v_cache, const int32_t* table,
                  T* out, const Shape& s, const Item& it, Scratch& w) {
@@ -240,7 +400,6 @@ void attend_item(const T* q, const T* k_cache, const T* v_cache, const int32_t* 
   w.q_t.assign(dim * LANES, 0.0f);  // [dim][LANES] queries, transposed
   w.scores.resize((num_keys + KEY_BLOCK) * LANES);  // whole blocks: score_block writes 8 rows
   w.acc.resize(LANES * dim);
-  w.keys.resize(KEY_BLOCK * dim);
   w.value.resize(dim);
   std::vector<float>& qrow = w.value;
   for (int64_t i = 0; i < it.num_tokens; ++i)
@@ -257,18 +416,12 @@ void attend_item(const T* q, const T* k_cache, const T* v_cache, const int32_t* 
     const uint32_t below_end = end > first ? (1u << (end * hs)) - 1u : 0u;
     w.masks[j] = static_cast<uint16_t>(below_end & ~((1u << (first * hs)) - 1u));
   }
-  // Scores, KEY_BLOCK keys at a time: independent fma chains over d.
-  for (int64_t j0 = 0; j0 < num_keys; j0 += KEY_BLOCK) {
-    const int64_t nk = std::min<int64_t>(KEY_BLOCK, num_keys - j0);
-    for (int64_t kk = 0; kk < nk; ++kk)
-      to_float(k_cache + (slots[j0 + kk] * s.num_kv_heads + it.kv_head) * dim,
-               w.keys.data() + kk * dim, dim);
-    score_block(w.q_t.data(), w.keys.data(), dim, s.scale, w.scores.data() + j0 * LANES);
-  }
+  score_all(k_cache + it.kv_head * dim, slots, num_keys, s.num_kv_heads * dim, dim, s.scale,
+            it.num_tokens * hs, w);
   float den[LANES];
   softmax_numerators(w.scores.data(), w.masks.data(), num_keys, den);
   const int64_t lanes = it.num_tokens * hs;
-  weighted_values_for<T>(lanes)(w.scores.data(), v_cache + it.kv_head * dim, slots, num_keys,
+  weighted_values_for<T>(lanes, dim)(w.scores.data(), v_cache + it.kv_head * dim, slots, num_keys,
                                 s.num_kv_heads * dim, dim, w.acc.data());
   for (int64_t i = 0; i < it.num_tokens; ++i)
     for (int64_t h = 0; h < hs; ++h) {
