@@ -166,11 +166,18 @@ inline __m512 load16(const uint16_t* p) {
 }
 #endif
 
+// Softmax numerators e[j][l], laid out [key][LANES] (or [lane][keys] for one token).
+struct Weights {
+  const float* e;
+  int64_t key_step, lane_step;
+  float at(int64_t j, int64_t l) const { return e[j * key_step + l * lane_step]; }
+};
+
 // out[l][d] = sum over keys j ascending of fma(e[j][l], v_j[d]) for the first NL lanes, where
 // v_j is the row at values + slots[j] * stride. Lanes that do not see key j have e = +0.0,
 // which adds nothing (a sum that starts at +0.0 is never -0.0).
 template <int NL, typename T>
-void weighted_values(const float* e, const T* values, const int32_t* slots, int64_t num_keys,
+void weighted_values(Weights e, const T* values, const int32_t* slots, int64_t num_keys,
                      int64_t stride, int64_t dim, float* out) {
 #if defined(__AVX512F__)
   if (dim % 16 == 0) {
@@ -180,7 +187,7 @@ void weighted_values(const float* e, const T* values, const int32_t* slots, int6
       for (int64_t j = 0; j < num_keys; ++j) {
         const __m512 v = load16(values + slots[j] * stride + d0);
         for (int l = 0; l < NL; ++l)
-          acc[l] = _mm512_fmadd_ps(_mm512_set1_ps(e[j * LANES + l]), v, acc[l]);
+          acc[l] = _mm512_fmadd_ps(_mm512_set1_ps(e.at(j, l)), v, acc[l]);
       }
       for (int l = 0; l < NL; ++l) _mm512_storeu_ps(out + l * dim + d0, acc[l]);
     }
@@ -193,7 +200,7 @@ void weighted_values(const float* e, const T* values, const int32_t* slots, int6
     to_float(values + slots[j] * stride, v.data(), dim);
     for (int l = 0; l < NL; ++l)
       for (int64_t d = 0; d < dim; ++d)
-        out[l * dim + d] = std::fma(e[j * LANES + l], v[d], out[l * dim + d]);
+        out[l * dim + d] = std::fma(e.at(j, l), v[d], out[l * dim + d]);
   }
 }
 
@@ -201,7 +208,7 @@ void weighted_values(const float* e, const T* values, const int32_t* slots, int6
 // The same sums for few lanes and a head of DC * 16 columns: every accumulator in a register
 // and each value row read once (NL * DC independent fma chains instead of NL).
 template <int NL, int DC, typename T>
-void weighted_values_small(const float* e, const T* values, const int32_t* slots,
+void weighted_values_small(Weights e, const T* values, const int32_t* slots,
                            int64_t num_keys, int64_t stride, int64_t dim, float* out) {
   __m512 acc[NL][DC];
   for (int l = 0; l < NL; ++l)
@@ -211,7 +218,7 @@ void weighted_values_small(const float* e, const T* values, const int32_t* slots
     for (int c = 0; c < DC; ++c) {
       const __m512 v = load16(row + c * 16);
       for (int l = 0; l < NL; ++l)
-        acc[l][c] = _mm512_fmadd_ps(_mm512_set1_ps(e[j * LANES + l]), v, acc[l][c]);
+        acc[l][c] = _mm512_fmadd_ps(_mm512_set1_ps(e.at(j, l)), v, acc[l][c]);
     }
   }
   for (int l = 0; l < NL; ++l)
@@ -220,7 +227,7 @@ void weighted_values_small(const float* e, const T* values, const int32_t* slots
 #endif
 
 template <typename T>
-using WeightedValues = void (*)(const float*, const T*, const int32_t*, int64_t, int64_t, int64_t,
+using WeightedValues = void (*)(Weights, const T*, const int32_t*, int64_t, int64_t, int64_t,
                                 float*);
 
 template <typename T>
@@ -320,7 +327,7 @@ inline bool transpose_keys(const uint16_t* keys, const int32_t* slots, int nk, i
 // as score_block, with the keys in the lanes instead of the heads.
 template <int NH>
 void score_keys(const float* q_t, const float* kt, int64_t dim, float scale, int nk,
-                float* scores) {
+                float* scores, int64_t key_step, int64_t lane_step) {
   __m512 acc[NH];
   for (int h = 0; h < NH; ++h) acc[h] = _mm512_setzero_ps();
   for (int64_t d = 0; d < dim; ++d) {
@@ -329,12 +336,18 @@ void score_keys(const float* q_t, const float* kt, int64_t dim, float scale, int
   }
   alignas(64) float lane[16];
   for (int h = 0; h < NH; ++h) {
-    _mm512_store_ps(lane, _mm512_mul_ps(acc[h], _mm512_set1_ps(scale)));
-    for (int kk = 0; kk < nk; ++kk) scores[kk * LANES + h] = lane[kk];
+    const __m512 scaled = _mm512_mul_ps(acc[h], _mm512_set1_ps(scale));
+    if (key_step == 1) {  // NOTE: writes all 16; the caller's rows are padded to 16 keys
+      _mm512_storeu_ps(scores + h * lane_step, scaled);
+      continue;
+    }
+    _mm512_store_ps(lane, scaled);
+    for (int kk = 0; kk < nk; ++kk) scores[kk * key_step + h * lane_step] = lane[kk];
   }
 }
 
-using ScoreKeys = void (*)(const float*, const float*, int64_t, float, int, float*);
+using ScoreKeys = void (*)(const float*, const float*, int64_t, float, int, float*, int64_t,
+                           int64_t);
 
 inline ScoreKeys score_keys_for(int64_t heads) {
   static const ScoreKeys table[LANES] = {
@@ -375,7 +388,7 @@ void score_all(const T* keys, const int32_t* slots, int64_t num_keys, int64_t st
       done = transpose_keys(keys, slots + j0, nk, stride, dim, w.keys.data());
       if (done)
         score_keys_for(lanes)(w.q_t.data(), w.keys.data(), dim, scale, nk,
-                              w.scores.data() + j0 * LANES);
+                              w.scores.data() + j0 * LANES, LANES, 1);
     }
     if (done) return;
   }
@@ -388,6 +401,58 @@ void score_all(const T* keys, const int32_t* slots, int64_t num_keys, int64_t st
     score_block(w.q_t.data(), w.keys.data(), dim, scale, w.scores.data() + j0 * LANES);
   }
 }
+
+// out = (sum of e-weighted values) / denominator, for every lane of the item.
+template <typename T>
+void finish_item(Weights e, const T* v_cache, T* out, const Shape& s, const Item& it,
+                 int64_t num_keys, const int32_t* slots, const float* den, Scratch& w) {
+  const int64_t dim = s.head_dim, hs = it.num_heads, lanes = it.num_tokens * hs;
+  weighted_values_for<T>(lanes, dim)(e, v_cache + it.kv_head * dim, slots, num_keys,
+                                     s.num_kv_heads * dim, dim, w.acc.data());
+  for (int64_t i = 0; i < it.num_tokens; ++i)
+    for (int64_t h = 0; h < hs; ++h) {
+      const int64_t l = i * hs + h;
+      const float inv = 1.0f / den[l];
+      T* o = out + ((it.token0 + i) * s.num_heads + it.head0 + h) * dim;
+      for (int64_t d = 0; d < dim; ++d) store(o + d, w.acc[l * dim + d] * inv);
+    }
+}
+
+#if defined(__AVX512F__)
+// One query token sees every key from lo to its position, so no lane masks: scores, then
+// numerators e, per lane in a row of `padded` keys ([lane][keys]), and the denominators summed
+// over ascending keys; the same values as the general path. False where it does not apply.
+template <typename T>
+bool one_token_numerators(const T* keys, const int32_t* slots, int64_t num_keys, int64_t stride,
+                          int64_t dim, float scale, int64_t lanes, Scratch& w, int64_t padded,
+                          float* den) {
+  if (lanes > 8 || dim % (sizeof(T) == 2 ? 32 : 16)) return false;
+  w.scores.resize(std::max<size_t>(w.scores.size(), lanes * padded));
+  w.keys.resize(16 * dim);
+  float* scores = w.scores.data();
+  for (int64_t j0 = 0; j0 < num_keys; j0 += 16) {
+    const int nk = static_cast<int>(std::min<int64_t>(16, num_keys - j0));
+    transpose_keys(keys, slots + j0, nk, stride, dim, w.keys.data());
+    score_keys_for(lanes)(w.q_t.data(), w.keys.data(), dim, scale, nk, scores + j0, 1, padded);
+  }
+  for (int64_t l = 0; l < lanes; ++l) {
+    float* sc = scores + l * padded;
+    __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t j0 = 0; j0 < num_keys; j0 += 16) {
+      const int64_t nk = std::min<int64_t>(16, num_keys - j0);
+      const __mmask16 valid = static_cast<__mmask16>((1u << nk) - 1u);
+      m = _mm512_mask_max_ps(m, valid, m, _mm512_loadu_ps(sc + j0));
+    }
+    const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+    for (int64_t j0 = 0; j0 < num_keys; j0 += 16)
+      _mm512_storeu_ps(sc + j0, exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(sc + j0), max)));
+    float sum = 0.0f;
+    for (int64_t j = 0; j < num_keys; ++j) sum = sum + sc[j];
+    den[l] = sum;
+  }
+  return true;
+}
+#endif
 
 template <typename T>
 void attend_item(const T* q, const T* k_cache, const T* v_cache, const int32_t* table,
@@ -407,6 +472,19 @@ void attend_item(const T* q, const T* k_cache, const T* v_cache, const int32_t* 
       to_float(q + ((it.token0 + i) * s.num_heads + it.head0 + h) * dim, qrow.data(), dim);
       for (int64_t d = 0; d < dim; ++d) w.q_t[d * LANES + i * hs + h] = qrow[d];
     }
+  const int64_t lanes = it.num_tokens * hs;
+  float den[LANES];
+  const T* keys = k_cache + it.kv_head * dim;
+  const int64_t stride = s.num_kv_heads * dim;
+#if defined(__AVX512F__)
+  const int64_t padded = (num_keys + 15) / 16 * 16;
+  if (it.num_tokens == 1 &&
+      one_token_numerators(keys, slots, num_keys, stride, dim, s.scale, lanes, w, padded, den)) {
+    finish_item(Weights{w.scores.data(), 1, padded}, v_cache, out, s, it, num_keys, slots, den,
+                w);
+    return;
+  }
+#endif
   // Key position lo + j is seen by the lanes of tokens i with pos_i - window < lo + j <= pos_i.
   w.masks.resize(num_keys);
   for (int64_t j = 0; j < num_keys; ++j) {
@@ -416,21 +494,11 @@ void attend_item(const T* q, const T* k_cache, const T* v_cache, const int32_t* 
     const uint32_t below_end = end > first ? (1u << (end * hs)) - 1u : 0u;
     w.masks[j] = static_cast<uint16_t>(below_end & ~((1u << (first * hs)) - 1u));
   }
-  score_all(k_cache + it.kv_head * dim, slots, num_keys, s.num_kv_heads * dim, dim, s.scale,
-            it.num_tokens * hs, w);
-  float den[LANES];
+  score_all(keys, slots, num_keys, stride, dim, s.scale, lanes, w);
   softmax_numerators(w.scores.data(), w.masks.data(), num_keys, den);
-  const int64_t lanes = it.num_tokens * hs;
-  weighted_values_for<T>(lanes, dim)(w.scores.data(), v_cache + it.kv_head * dim, slots, num_keys,
-                                s.num_kv_heads * dim, dim, w.acc.data());
-  for (int64_t i = 0; i < it.num_tokens; ++i)
-    for (int64_t h = 0; h < hs; ++h) {
-      const int64_t l = i * hs + h;
-      const float inv = 1.0f / den[l];
-      T* o = out + ((it.token0 + i) * s.num_heads + it.head0 + h) * dim;
-      for (int64_t d = 0; d < dim; ++d) store(o + d, w.acc[l * dim + d] * inv);
-    }
+  finish_item(Weights{w.scores.data(), LANES, 1}, v_cache, out, s, it, num_keys, slots, den, w);
 }
+
 
 // Splits every row's tokens into items: each KV head's query heads in chunks of at most
 // LANES, and as many consecutive tokens as fit the lanes with them.
