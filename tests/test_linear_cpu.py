@@ -1,6 +1,7 @@
-"""The CPU linear kernel (csrc/linear.cpp) against a float64 reference, its invariance (a row
-is bitwise the same alone or among any number of rows, with 1 or 2 threads), and the same
-bits from a build without any AVX (x86-64-v2) as from this machine's native build."""
+"""The CPU linear and RMSNorm kernels (csrc/linear.cpp, csrc/rms_norm.cpp) against
+references, their invariance (a row is bitwise the same alone or among any number of rows,
+with 1 or 2 threads), and the same bits from a build without any AVX (x86-64-v2) as from this
+machine's native build, attention's two paths included."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from tokenmill.tp_worker import attention_cpu, cpu_kernels, linear_cpu
-from tokenmill.tp_worker.linear_cpu import PackedLinear
+from tokenmill.tp_worker.linear_cpu import PackedLinear, rms_norm_cpu
 
 SHAPES = [(1, 64, 40), (13, 33, 70), (37, 256, 96), (300, 128, 64)]  # (M, K, N)
 
@@ -55,6 +56,23 @@ def test_a_row_is_bitwise_the_same_in_any_company(dtype: torch.dtype) -> None:
             assert torch.equal(layer(x[start : start + rows]), together[start : start + rows])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_the_transformers_formula_and_is_row_invariant(
+    dtype: torch.dtype,
+) -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = (3 * torch.randn(70, 200, generator=gen)).to(dtype)
+    weight = torch.randn(200, generator=gen).to(dtype)
+    out = rms_norm_cpu(x, weight, 1e-5)
+    x32 = x.float()
+    expected = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    # NOTE: only the sum of squares' order differs: one bfloat16 rounding step at most.
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0, "rtol": 2**-7}
+    torch.testing.assert_close(out, expected, **tol)
+    for rows in (slice(0, 1), slice(5, 6), slice(13, 70)):
+        assert torch.equal(rms_norm_cpu(x[rows], weight, 1e-5), out[rows])
+
+
 def test_a_build_without_avx_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
     """The portable loops do what the AVX-512 (and AVX512_BF16) microkernels do, in the same
     order: an x86 CPU of any generation computes the same numbers."""
@@ -62,6 +80,7 @@ def test_a_build_without_avx_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch
         (_case(m, k, n, dtype), dtype) for m, k, n in SHAPES[:3] for dtype in linear_cpu._CODES
     ]
     native = [PackedLinear(w, b)(x, torch.float32) for (x, w, b), _ in cases]
+    norms = [rms_norm_cpu(x, w[0], 1e-6) for (x, w, _), _ in cases]
     q = torch.randn(20, 8, 64)
     caches = (torch.randn(64, 2, 64), torch.randn(64, 2, 64))
     table = torch.randperm(64).view(1, 64).int()
@@ -81,7 +100,8 @@ def test_a_build_without_avx_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch
     assert portable.tm_linear_isa() == 0
     monkeypatch.setattr(linear_cpu, "library", lambda: portable)
     monkeypatch.setattr(attention_cpu, "library", lambda: portable)
-    for ((x, w, b), _), expected in zip(cases, native, strict=True):
+    for ((x, w, b), _), expected, norm in zip(cases, native, norms, strict=True):
         assert torch.equal(PackedLinear(w, b)(x, torch.float32), expected)
+        assert torch.equal(rms_norm_cpu(x, w[0], 1e-6), norm)
     assert torch.equal(paged.attend(q, empty, empty, *caches, 64**-0.5), native_attention)
     assert torch.equal(decode.attend(q, empty, empty, *caches, 64**-0.5), native_attention)

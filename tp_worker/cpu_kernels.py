@@ -22,7 +22,10 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("attention.cpp", "linear.cpp"))
+SOURCES = tuple(
+    Path(__file__).parent / "csrc" / name
+    for name in ("attention.cpp", "linear.cpp", "rms_norm.cpp")
+)
 # NOTE: -ffp-contract=off and no -ffast-math: the compiler may vectorise but never fuse or
 # reassociate, so the reduction order written in the source is the one that runs.
 FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-std=c++17", "-fPIC")
@@ -98,6 +101,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.tm_paged_attention.restype = ctypes.c_int
     lib.tm_linear.argtypes = [_P, _I, _I, _I, _P, _I, _P, _P, _I, ctypes.c_int, ctypes.c_int]
     lib.tm_linear.restype = ctypes.c_int
+    lib.tm_rms_norm.argtypes = [_P, _P, _P, _I, _I, ctypes.c_float, ctypes.c_int]
+    lib.tm_rms_norm.restype = ctypes.c_int
     lib.tm_linear_isa.argtypes = []
     lib.tm_linear_isa.restype = ctypes.c_int
     return lib

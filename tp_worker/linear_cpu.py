@@ -1,5 +1,5 @@
-"""Linear layers on the CPU through csrc/linear.cpp, with weights packed once at load time
-(tp_worker).
+"""Linear layers on the CPU through csrc/linear.cpp, with weights packed once at load time,
+and RMSNorm through csrc/rms_norm.cpp (tp_worker).
 
 Every output element sums its products in ascending k in float32 whatever the number of
 rows (the rule is at the top of csrc/linear.cpp), so a row's result does not depend on its
@@ -64,3 +64,20 @@ class PackedLinear:
         )
         assert status == 0, f"tm_linear: unsupported {x.dtype} -> {out.dtype}"
         return out
+
+
+def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [..., hidden] through csrc/rms_norm.cpp (its rule is at the file's top)."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    status = library().tm_rms_norm(
+        x.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        x.numel() // x.shape[-1],
+        x.shape[-1],
+        eps,
+        _CODES[x.dtype],
+    )
+    assert status == 0, f"tm_rms_norm: unsupported {x.dtype}"
+    return out

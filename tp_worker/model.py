@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.tp_worker import linear_cpu
 from tokenmill.tp_worker.attention import Attention
-from tokenmill.tp_worker.linear_cpu import PackedLinear
+from tokenmill.tp_worker.linear_cpu import PackedLinear, rms_norm_cpu
 from tokenmill.tp_worker.model_config import ModelConfig
 from tokenmill.tp_worker.parallel import ShardedLinear, TpGroup, VocabEmbedding, invariant_linear
 from tokenmill.tp_worker.rope import Rotary, apply_rotary
@@ -27,6 +28,8 @@ class RMSNorm(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and linear_cpu.supports(x.dtype):
+            return rms_norm_cpu(x, self.weight, self.eps)
         # NOTE: variance in float32, cast back before the weight, as transformers does.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -1,0 +1,108 @@
+// RMSNorm on the CPU with a reduction order fixed by this file (tp_worker, via ctypes).
+//
+// The rule, per row: the sum of squares is LANES partial sums (lane d % LANES, fma over d
+// ascending) combined by a fixed tree; r = 1 / sqrt(sum / hidden + eps) (both correctly
+// rounded); out = weight * round_to_dtype(x * r), as transformers computes it (the
+// normalised row is rounded to the model's dtype before the weight multiplies it). A row's
+// result depends on nothing but the row: not on the batch, the thread or the CPU.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int LANES = 16;
+
+inline float bf16_to_float(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
+  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+inline float load(const float* p) { return *p; }
+inline float load(const uint16_t* p) { return bf16_to_float(*p); }
+inline float round_to(float v, const float*) { return v; }
+inline float round_to(float v, const uint16_t*) { return bf16_to_float(float_to_bf16(v)); }
+inline void store(float* dst, float v) { *dst = v; }
+inline void store(uint16_t* dst, float v) { *dst = float_to_bf16(v); }
+
+inline float tree_sum(float* lane) {
+  for (int width = LANES / 2; width > 0; width /= 2)
+    for (int i = 0; i < width; ++i) lane[i] = lane[i] + lane[i + width];
+  return lane[0];
+}
+
+template <typename T>
+float sum_of_squares(const T* x, int64_t hidden) {
+  alignas(64) float lane[LANES] = {};
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  if (hidden >= LANES) {
+    __m512 acc = _mm512_setzero_ps();
+    for (; d + LANES <= hidden; d += LANES) {
+      __m512 v;
+      if constexpr (sizeof(T) == 2) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + d));
+        v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+      } else {
+        v = _mm512_loadu_ps(reinterpret_cast<const float*>(x) + d);
+      }
+      acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    _mm512_store_ps(lane, acc);
+  }
+#endif
+  for (; d < hidden; ++d) {
+    const float v = load(x + d);
+    lane[d % LANES] = std::fma(v, v, lane[d % LANES]);
+  }
+  return tree_sum(lane);
+}
+
+template <typename T>
+void rms_norm(const T* x, const T* weight, T* out, int64_t rows, int64_t hidden, float eps) {
+#pragma omp parallel for schedule(static) if (rows * hidden >= (1 << 18))
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* row = x + r * hidden;
+    const float inv = 1.0f / std::sqrt(sum_of_squares(row, hidden) / static_cast<float>(hidden) + eps);
+    T* o = out + r * hidden;
+    for (int64_t d = 0; d < hidden; ++d)
+      store(o + d, load(weight + d) * round_to(load(row + d) * inv, row));
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// x, out [rows, hidden]; weight [hidden]; dtype 0 = float32, 1 = bfloat16 (all alike).
+// Returns 0, or -1 for an unknown dtype.
+int tm_rms_norm(const void* x, const void* weight, void* out, int64_t rows, int64_t hidden,
+                float eps, int dtype) {
+  if (dtype == 0) {
+    rms_norm(static_cast<const float*>(x), static_cast<const float*>(weight),
+             static_cast<float*>(out), rows, hidden, eps);
+  } else if (dtype == 1) {
+    rms_norm(static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(weight),
+             static_cast<uint16_t*>(out), rows, hidden, eps);
+  } else {
+    return -1;
+  }
+  return 0;
+}
+
+}  // extern "C"
