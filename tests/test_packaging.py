@@ -43,7 +43,7 @@ def test_plain_install_imports_from_outside_the_repo(tmp_path: Path) -> None:
         [f"import tokenmill.{p}" for p in SUBPACKAGES]
         + [
             "import tokenmill.tp_worker.cpu_kernels as k",
-            "assert all(s.exists() for s in k.SOURCES), k.SOURCES",
+            "assert all(s.exists() for s in k.SOURCES + k.HEADERS), k.SOURCES",
             "import tokenmill.frontend.cli as c",
             "print(c.__file__)",
         ]

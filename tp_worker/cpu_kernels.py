@@ -22,10 +22,9 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(
-    Path(__file__).parent / "csrc" / name
-    for name in ("attention.cpp", "linear.cpp", "rms_norm.cpp")
-)
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = tuple(CSRC / name for name in ("attention.cpp", "linear.cpp", "rms_norm.cpp"))
+HEADERS = (CSRC / "bf16.h",)
 # NOTE: -ffp-contract=off and no -ffast-math: the compiler may vectorise but never fuse or
 # reassociate, so the reduction order written in the source is the one that runs.
 FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-std=c++17", "-fPIC")
@@ -46,7 +45,7 @@ def _cpu_flags() -> str:
 
 def _key(compiler: str, arch: str) -> str:
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
     digest.update(" ".join((compiler, arch, *FLAGS, _cpu_flags())).encode())
     return digest.hexdigest()[:16]

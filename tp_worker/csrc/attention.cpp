@@ -27,25 +27,16 @@
 #include <immintrin.h>
 #endif
 
+#include "bf16.h"
+
 namespace {
 
 constexpr int LANES = 16;
 constexpr int KEY_BLOCK = 8;  // keys scored together: independent accumulator chains
 
-inline float bf16_to_float(uint16_t v) {
-  uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline uint16_t float_to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
-  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even
-  return static_cast<uint16_t>(bits >> 16);
-}
+using tokenmill::bf16_to_float;
+using tokenmill::float_to_bf16;
+using tokenmill::store;
 
 inline void to_float(const float* src, float* dst, int64_t n) {
   std::memcpy(dst, src, n * sizeof(float));
@@ -55,8 +46,6 @@ inline void to_float(const uint16_t* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(src[i]);
 }
 
-inline void store(float* dst, float v) { *dst = v; }
-inline void store(uint16_t* dst, float v) { *dst = float_to_bf16(v); }
 
 // exp(x) for x <= 0: 2^n * p(r) with r = x - n ln2 in [-ln2/2, ln2/2]; ~2 ulp. Written
 // without branches so that the lane loops vectorise; the same operations run in every lane.

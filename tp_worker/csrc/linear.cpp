@@ -22,25 +22,16 @@
 #include <immintrin.h>
 #endif
 
+#include "bf16.h"
+
 namespace {
 
 constexpr int NR = 32;
 constexpr int MR = 12;
 
-inline float bf16_to_float(uint16_t v) {
-  uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline uint16_t float_to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
-  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even
-  return static_cast<uint16_t>(bits >> 16);
-}
+using tokenmill::bf16_to_float;
+using tokenmill::float_to_bf16;
+using tokenmill::store;
 
 // --- microkernels: acc[R][NR] = A[R rows, K] . panel[K][NR] -------------------------------
 
@@ -153,8 +144,6 @@ Kernel<T> kernel_for(int rows) {
   return table[rows];
 }
 
-inline void store(float* dst, float v) { *dst = v; }
-inline void store(uint16_t* dst, float v) { *dst = float_to_bf16(v); }
 
 template <typename T, typename Out, template <int> class K>
 void linear(const T* x, int64_t m, int64_t k_len, int64_t lda, const T* packed, int64_t n,

@@ -14,37 +14,21 @@
 #include <immintrin.h>
 #endif
 
+#include "bf16.h"
+
 namespace {
 
 constexpr int LANES = 16;
 
-inline float bf16_to_float(uint16_t v) {
-  uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline uint16_t float_to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
-  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even
-  return static_cast<uint16_t>(bits >> 16);
-}
+using tokenmill::bf16_to_float;
+using tokenmill::float_to_bf16;
+using tokenmill::store;
 
 inline float load(const float* p) { return *p; }
 inline float load(const uint16_t* p) { return bf16_to_float(*p); }
 inline float round_to(float v, const float*) { return v; }
 inline float round_to(float v, const uint16_t*) { return bf16_to_float(float_to_bf16(v)); }
-inline void store(float* dst, float v) { *dst = v; }
-inline void store(uint16_t* dst, float v) { *dst = float_to_bf16(v); }
 
-inline float tree_sum(float* lane) {
-  for (int width = LANES / 2; width > 0; width /= 2)
-    for (int i = 0; i < width; ++i) lane[i] = lane[i] + lane[i + width];
-  return lane[0];
-}
 
 template <typename T>
 float sum_of_squares(const T* x, int64_t hidden) {
@@ -70,7 +54,7 @@ float sum_of_squares(const T* x, int64_t hidden) {
     const float v = load(x + d);
     lane[d % LANES] = std::fma(v, v, lane[d % LANES]);
   }
-  return tree_sum(lane);
+  return tokenmill::tree_sum16(lane);
 }
 
 template <typename T>
