@@ -45,6 +45,7 @@ class PackedLinear:
         self.bias = None if bias is None else bias.float().contiguous()
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        assert x.dtype == self.dtype and x.shape[-1] == self.in_features, (x.dtype, x.shape)
         x = x.contiguous()
         out = x.new_empty(x.shape[0], self.out_features, dtype=out_dtype or self.dtype)
         if x.shape[0] == 0:
