@@ -1,5 +1,5 @@
-"""The CPU linear and RMSNorm kernels (csrc/linear.cpp, csrc/rms_norm.cpp) against
-references, their invariance (a row is bitwise the same alone or among any number of rows,
+"""The CPU linear, RMSNorm and SiLU kernels (csrc/linear.cpp, rms_norm.cpp, activation.cpp)
+against references, their invariance (a row is bitwise the same alone or among any number of rows,
 with 1 or 2 threads), and the same bits from a build without any AVX (x86-64-v2) as from this
 machine's native build, attention's two paths included."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tokenmill.tp_worker import attention_cpu, cpu_kernels, linear_cpu
-from tokenmill.tp_worker.linear_cpu import PackedLinear, rms_norm_cpu
+from tokenmill.tp_worker.linear_cpu import PackedLinear, rms_norm_cpu, silu_mul_cpu
 
 SHAPES = [(1, 64, 40), (13, 33, 70), (37, 256, 96), (300, 128, 64)]  # (M, K, N)
 
@@ -73,6 +73,17 @@ def test_rms_norm_matches_the_transformers_formula_and_is_row_invariant(
         assert torch.equal(rms_norm_cpu(x[rows], weight, 1e-5), out[rows])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_torch(dtype: torch.dtype) -> None:
+    """37 columns: the vector body and the scalar tail; values far into both tails of exp."""
+    gate_up = (8 * torch.randn(9, 74, generator=torch.Generator().manual_seed(4))).to(dtype)
+    gate_up[0, :6] = torch.tensor([0.0, -0.0, 100.0, -100.0, 1e-30, -1e-30])
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    tol = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else {"atol": 0, "rtol": 2**-7}
+    torch.testing.assert_close(silu_mul_cpu(gate_up), expected, **tol)
+
+
 def test_a_build_without_avx_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
     """The portable loops do what the AVX-512 (and AVX512_BF16) microkernels do, in the same
     order: an x86 CPU of any generation computes the same numbers."""
@@ -81,6 +92,7 @@ def test_a_build_without_avx_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch
     ]
     native = [PackedLinear(w, b)(x, torch.float32) for (x, w, b), _ in cases]
     norms = [rms_norm_cpu(x, w[0], 1e-6) for (x, w, _), _ in cases]
+    activations = [silu_mul_cpu(4 * x[:, :32]) for (x, _, _), _ in cases]
     q = torch.randn(20, 8, 64)
     caches = (torch.randn(64, 2, 64), torch.randn(64, 2, 64))
     table = torch.randperm(64).view(1, 64).int()
@@ -103,5 +115,7 @@ def test_a_build_without_avx_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch
     for ((x, w, b), _), expected, norm in zip(cases, native, norms, strict=True):
         assert torch.equal(PackedLinear(w, b)(x, torch.float32), expected)
         assert torch.equal(rms_norm_cpu(x, w[0], 1e-6), norm)
+    for ((x, _, _), _), activation in zip(cases, activations, strict=True):
+        assert torch.equal(silu_mul_cpu(4 * x[:, :32]), activation)
     assert torch.equal(paged.attend(q, empty, empty, *caches, 64**-0.5), native_attention)
     assert torch.equal(decode.attend(q, empty, empty, *caches, 64**-0.5), native_attention)

@@ -23,8 +23,10 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = tuple(CSRC / name for name in ("attention.cpp", "linear.cpp", "rms_norm.cpp"))
-HEADERS = (CSRC / "bf16.h",)
+SOURCES = tuple(
+    CSRC / name for name in ("attention.cpp", "linear.cpp", "rms_norm.cpp", "activation.cpp")
+)
+HEADERS = (CSRC / "bf16.h", CSRC / "exp.h")
 # NOTE: -ffp-contract=off and no -ffast-math: the compiler may vectorise but never fuse or
 # reassociate, so the reduction order written in the source is the one that runs.
 FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-std=c++17", "-fPIC")
@@ -102,6 +104,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.tm_linear.restype = ctypes.c_int
     lib.tm_rms_norm.argtypes = [_P, _P, _P, _I, _I, ctypes.c_float, ctypes.c_int]
     lib.tm_rms_norm.restype = ctypes.c_int
+    lib.tm_silu_mul.argtypes = [_P, _P, _I, _I, ctypes.c_int]
+    lib.tm_silu_mul.restype = ctypes.c_int
     lib.tm_linear_isa.argtypes = []
     lib.tm_linear_isa.restype = ctypes.c_int
     return lib

@@ -1,5 +1,6 @@
 """Linear layers on the CPU through csrc/linear.cpp, with weights packed once at load time,
-and RMSNorm through csrc/rms_norm.cpp (tp_worker).
+RMSNorm through csrc/rms_norm.cpp and the MLP's SiLU through csrc/activation.cpp
+(tp_worker).
 
 Every output element sums its products in ascending k in float32 whatever the number of
 rows (the rule is at the top of csrc/linear.cpp), so a row's result does not depend on its
@@ -81,4 +82,17 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
         _CODES[x.dtype],
     )
     assert status == 0, f"tm_rms_norm: unsupported {x.dtype}"
+    return out
+
+
+def silu_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [N, 2 * inter] through csrc/activation.cpp -> [N, inter]."""
+    assert gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0, gate_up.shape
+    gate_up = gate_up.contiguous()
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = gate_up.new_empty(rows, inter)
+    status = library().tm_silu_mul(
+        gate_up.data_ptr(), out.data_ptr(), rows, inter, _CODES[gate_up.dtype]
+    )
+    assert status == 0, f"tm_silu_mul: unsupported {gate_up.dtype}"
     return out

@@ -28,6 +28,7 @@
 #endif
 
 #include "bf16.h"
+#include "exp.h"
 
 namespace {
 
@@ -37,6 +38,10 @@ constexpr int KEY_BLOCK = 8;  // keys scored together: independent accumulator c
 using tokenmill::bf16_to_float;
 using tokenmill::float_to_bf16;
 using tokenmill::store;
+using tokenmill::exp_nonpositive;
+#if defined(__AVX512F__)
+using tokenmill::exp_nonpositive16;
+#endif
 
 inline void to_float(const float* src, float* dst, int64_t n) {
   std::memcpy(dst, src, n * sizeof(float));
@@ -46,48 +51,6 @@ inline void to_float(const uint16_t* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(src[i]);
 }
 
-
-// exp(x) for x <= 0: 2^n * p(r) with r = x - n ln2 in [-ln2/2, ln2/2]; ~2 ulp. Written
-// without branches so that the lane loops vectorise; the same operations run in every lane.
-inline float exp_nonpositive(float x) {
-  const float xc = std::max(x, -87.0f);
-  const float n = static_cast<float>(static_cast<int32_t>(xc * 1.44269504f - 0.5f));
-  const float r = (xc - n * 0.693145752f) - n * 1.42860677e-6f;
-  float p = 1.98756912e-4f;
-  p = p * r + 1.39819994e-3f;
-  p = p * r + 8.33345205e-3f;
-  p = p * r + 4.16657962e-2f;
-  p = p * r + 1.66666657e-1f;
-  p = p * r + 0.5f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return x < -87.0f ? 0.0f : p * scale;
-}
-
-#if defined(__AVX512F__)
-// exp_nonpositive in 16 lanes: the same operations in the same order, lane by lane.
-inline __m512 exp_nonpositive16(__m512 x) {
-  const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512i ni = _mm512_cvttps_epi32(
-      _mm512_sub_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504f)), _mm512_set1_ps(0.5f)));
-  const __m512 n = _mm512_cvtepi32_ps(ni);
-  const __m512 r = _mm512_sub_ps(_mm512_sub_ps(xc, _mm512_mul_ps(n, _mm512_set1_ps(0.693145752f))),
-                                 _mm512_mul_ps(n, _mm512_set1_ps(1.42860677e-6f)));
-  __m512 p = _mm512_set1_ps(1.98756912e-4f);
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.39819994e-3f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.33345205e-3f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.16657962e-2f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.66666657e-1f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(0.5f));
-  p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.0f));
-  const __m512 scale = _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23));
-  const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
-  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~under), p, scale);
-}
-#endif
 
 // For each key, the lanes that see it: e_j = exp(score - max) in those, +0.0 in the others;
 // max and the denominator over the visible lanes only.
