@@ -5,12 +5,14 @@
 // lane by this file, not by a math library, and is the same whatever else is in the item,
 // the batch, the chunk or the thread that runs it:
 //   - score(key j) = scale * sum over d ascending of fma(q[d], k_j[d]) (one accumulator);
-//   - max over the lane's visible keys; e_j = exp(score_j - max), our own polynomial (not
-//     libm's); the denominator sums e_j over ascending j (invisible keys add +0.0, which
-//     leaves a non-negative sum unchanged bit for bit);
-//   - out[d] = (sum over visible j ascending of fma(e_j, v_j[d])) * (1 / denominator).
+//   - max over the lane's visible keys; e_j = exp(score_j - max), our own polynomial (exp.h,
+//     not libm's), and e_j = +0.0 for keys the lane does not see;
+//   - the denominator sums e_j over ascending j, and out[d] = (sum over j ascending of
+//     fma(e_j, v_j[d])) * (1 / denominator): a +0.0 term leaves these sums unchanged bit for
+//     bit (they start at +0.0 and are never -0.0), so unseen keys change nothing.
 // So a token's output is bitwise the same alone (decode), in a prompt chunk, or after a
-// prefix-cache hit. Built with -ffp-contract=off and without -ffast-math: the compiler
+// prefix-cache hit, whichever of the two vectorisations below computes it (queries in the
+// vector lanes for prompt chunks, keys in the vector lanes for one token). Built with -ffp-contract=off and without -ffast-math: the compiler
 // vectorises the lane loops but never fuses or reassociates what the source does not.
 //
 // Keys are read where they lie: position p of table row r is slot table[r * stride + p], so
@@ -36,9 +38,8 @@ constexpr int LANES = 16;
 constexpr int KEY_BLOCK = 8;  // keys scored together: independent accumulator chains
 
 using tokenmill::bf16_to_float;
-using tokenmill::float_to_bf16;
-using tokenmill::store;
 using tokenmill::exp_nonpositive;
+using tokenmill::store;
 #if defined(__AVX512F__)
 using tokenmill::exp_nonpositive16;
 #endif
@@ -50,7 +51,6 @@ inline void to_float(const float* src, float* dst, int64_t n) {
 inline void to_float(const uint16_t* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(src[i]);
 }
-
 
 // For each key, the lanes that see it: e_j = exp(score - max) in those, +0.0 in the others;
 // max and the denominator over the visible lanes only.
@@ -450,7 +450,6 @@ void attend_item(const T* q, const T* k_cache, const T* v_cache, const int32_t* 
   softmax_numerators(w.scores.data(), w.masks.data(), num_keys, den);
   finish_item(Weights{w.scores.data(), LANES, 1}, v_cache, out, s, it, num_keys, slots, den, w);
 }
-
 
 // Splits every row's tokens into items: each KV head's query heads in chunks of at most
 // LANES, and as many consecutive tokens as fit the lanes with them.

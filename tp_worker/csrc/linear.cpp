@@ -144,7 +144,6 @@ Kernel<T> kernel_for(int rows) {
   return table[rows];
 }
 
-
 template <typename T, typename Out, template <int> class K>
 void linear(const T* x, int64_t m, int64_t k_len, int64_t lda, const T* packed, int64_t n,
             const float* bias, Out* out, int64_t ldc) {

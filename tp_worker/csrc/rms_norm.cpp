@@ -29,7 +29,6 @@ inline float load(const uint16_t* p) { return bf16_to_float(*p); }
 inline float round_to(float v, const float*) { return v; }
 inline float round_to(float v, const uint16_t*) { return bf16_to_float(float_to_bf16(v)); }
 
-
 template <typename T>
 float sum_of_squares(const T* x, int64_t hidden) {
   alignas(64) float lane[LANES] = {};
