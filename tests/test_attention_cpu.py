@@ -64,8 +64,7 @@ def _run(
         out_slots=torch.zeros(0, dtype=torch.int64),
         sliding_window=window,
     )
-    empty = caches[0][:0]
-    return attention.attend(q, empty, empty, caches[0], caches[1], DIM**-0.5)
+    return attention.attend(q, caches[0], caches[1], DIM**-0.5)
 
 
 def _table(lens: list[int], width: int = 300) -> torch.Tensor:

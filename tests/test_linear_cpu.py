@@ -104,9 +104,8 @@ def test_a_build_without_avx_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch
     decode = attention_cpu.PagedAttention(
         table, 0 * steps, steps, steps**0, steps, torch.zeros(0, dtype=torch.int64), 0
     )
-    empty = caches[0][:0]
-    native_attention = paged.attend(q, empty, empty, *caches, 64**-0.5)
-    assert torch.equal(decode.attend(q, empty, empty, *caches, 64**-0.5), native_attention)
+    native_attention = paged.attend(q, *caches, 64**-0.5)
+    assert torch.equal(decode.attend(q, *caches, 64**-0.5), native_attention)
 
     portable = cpu_kernels.load(cpu_kernels.build("x86-64-v2"))
     assert portable.tm_linear_isa() == 0
@@ -117,5 +116,5 @@ def test_a_build_without_avx_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch
         assert torch.equal(rms_norm_cpu(x, w[0], 1e-6), norm)
     for ((x, _, _), _), activation in zip(cases, activations, strict=True):
         assert torch.equal(silu_mul_cpu(4 * x[:, :32]), activation)
-    assert torch.equal(paged.attend(q, empty, empty, *caches, 64**-0.5), native_attention)
-    assert torch.equal(decode.attend(q, empty, empty, *caches, 64**-0.5), native_attention)
+    assert torch.equal(paged.attend(q, *caches, 64**-0.5), native_attention)
+    assert torch.equal(decode.attend(q, *caches, 64**-0.5), native_attention)

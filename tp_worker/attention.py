@@ -16,18 +16,29 @@ from tokenmill.tp_worker.attention_sdpa import plan_sdpa
 
 
 class Attention(Protocol):
+    out_slots: torch.Tensor  # [T] int64 KV slot each new token writes
+
     def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        scale: float,
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] for the new tokens -> [T, Hq * D], after writing
-        k/v into one layer's cache [slots, Hkv, D]."""
+        """q [T, Hq, D] -> [T, Hq * D] over one layer's cache [slots, Hkv, D], which already
+        holds the new tokens' keys and values."""
         ...
+
+
+def attend_new_tokens(
+    attention: Attention,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv: tuple[torch.Tensor, torch.Tensor],
+    scale: float,
+) -> torch.Tensor:
+    """Writes the new tokens' k/v [T, Hkv, D] into the layer's cache, then attends: every
+    backend sees a token's own key."""
+    kv[0].index_copy_(0, attention.out_slots, k)
+    kv[1].index_copy_(0, attention.out_slots, v)
+    return attention.attend(q, kv[0], kv[1], scale)
 
 
 def plan_attention(
@@ -35,23 +46,25 @@ def plan_attention(
     req_rows: torch.Tensor,
     prefix_lens: torch.Tensor,
     extend_lens: torch.Tensor,
+    starts: torch.Tensor,
     is_prefill: torch.Tensor,
     out_slots: torch.Tensor,
     sliding_window: int | None,
     dtype: torch.dtype,
 ) -> Attention:
     """One step's attention metadata, built once and shared by every layer. `table` is
-    [R, max_len] int32; out_slots is [T] int64; the other tensors are [B] int64 (bool)."""
+    [R, max_len] int32; out_slots is [T] int64; the other tensors are [B] int64 (bool), starts the index
+    of each row's first new token."""
     if table.device.type == "cpu" and attention_cpu.supports(dtype):
         return attention_cpu.PagedAttention(
             table=table,
             rows=req_rows.contiguous(),
-            token_starts=torch.cumsum(extend_lens, 0) - extend_lens,
+            token_starts=starts,
             num_tokens=extend_lens.contiguous(),
             first_pos=prefix_lens.contiguous(),
             out_slots=out_slots,
             sliding_window=sliding_window or 0,
         )
     return plan_sdpa(
-        table, req_rows, prefix_lens, extend_lens, is_prefill, out_slots, sliding_window
+        table, req_rows, prefix_lens, extend_lens, starts, is_prefill, out_slots, sliding_window
     )

@@ -29,21 +29,12 @@ class PagedAttention:
     sliding_window: int  # 0 = none
 
     def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        scale: float,
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] for the new tokens -> [T, Hq * D]. The new keys and
-        values are written into the cache first, so a token attends to itself."""
+        """q [T, Hq, D] -> [T, Hq * D] over the cache, the new tokens' keys already in it."""
         # NOTE: the kernel takes raw pointers: what it reads must be laid out as it expects.
         assert k_cache.is_contiguous() and v_cache.is_contiguous() and self.table.is_contiguous()
         assert q.dtype == k_cache.dtype == v_cache.dtype and self.table.dtype == torch.int32
-        k_cache.index_copy_(0, self.out_slots, k)
-        v_cache.index_copy_(0, self.out_slots, v)
         q = q.contiguous()
         out = torch.empty_like(q)
         status = library().tm_paged_attention(

@@ -38,19 +38,9 @@ class SdpaAttention:
     groups: tuple[AttentionGroup, ...]
 
     def attend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        scale: float,
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] for the new tokens -> [T, Hq * D].
-
-        Writes the new keys and values into the cache first, so a row attends to itself."""
-        k_cache.index_copy_(0, self.out_slots, k)
-        v_cache.index_copy_(0, self.out_slots, v)
+        """q [T, Hq, D] -> [T, Hq * D] over the cache, the new tokens' keys already in it."""
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         for group in self.groups:
             keys = k_cache[group.key_slots].transpose(1, 2)  # [G, Hkv, L, D]
@@ -73,12 +63,12 @@ def plan_sdpa(
     req_rows: torch.Tensor,
     prefix_lens: torch.Tensor,
     extend_lens: torch.Tensor,
+    starts: torch.Tensor,
     is_prefill: torch.Tensor,
     out_slots: torch.Tensor,
     sliding_window: int | None,
 ) -> SdpaAttention:
     """table [R, max_len] int32; the other inputs are [B] on the table's device."""
-    starts = torch.cumsum(extend_lens, 0) - extend_lens
     groups = []
     for rows, query_block in (
         ((~is_prefill).nonzero().squeeze(1), 1),

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.tp_worker import linear_cpu
-from tokenmill.tp_worker.attention import Attention
+from tokenmill.tp_worker.attention import Attention, attend_new_tokens
 from tokenmill.tp_worker.linear_cpu import PackedLinear, rms_norm_cpu, silu_mul_cpu
 from tokenmill.tp_worker.model_config import ModelConfig
 from tokenmill.tp_worker.parallel import ShardedLinear, TpGroup, VocabEmbedding, invariant_linear
@@ -80,7 +80,7 @@ class DecoderLayer(nn.Module):
         q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), *cos_sin)
         k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), *cos_sin)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        x = x + self.o_proj(attention.attend(q, k, v, kv[0], kv[1], self.scale))
+        x = x + self.o_proj(attend_new_tokens(attention, q, k, v, kv, self.scale))
         gate_up = self.gate_up_proj(self.post_attention_layernorm(x))
         if gate_up.device.type == "cpu" and linear_cpu.supports(gate_up.dtype):
             return x + self.down_proj(silu_mul_cpu(gate_up))

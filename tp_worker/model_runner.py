@@ -120,6 +120,7 @@ class ModelRunner:
             inputs.req_rows,
             inputs.prefix_lens,
             inputs.extend_lens,
+            inputs.starts,
             inputs.is_prefill,
             inputs.out_slots,
             self.model_config.sliding_window,
