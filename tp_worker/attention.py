@@ -53,8 +53,8 @@ def plan_attention(
     dtype: torch.dtype,
 ) -> Attention:
     """One step's attention metadata, built once and shared by every layer. `table` is
-    [R, max_len] int32; out_slots is [T] int64; the other tensors are [B] int64 (bool), starts the index
-    of each row's first new token."""
+    [R, max_len] int32; out_slots is [T] int64; the other tensors are [B] int64 (bool);
+    `starts` is the index in [T] of each row's first new token."""
     if table.device.type == "cpu" and attention_cpu.supports(dtype):
         return attention_cpu.PagedAttention(
             table=table,
