@@ -39,7 +39,7 @@ def test_invariance_under_other_dispatch(setting: str, tmp_path: Path) -> None:
             f"--basetemp={tmp_path}",
             str(TESTS / "test_invariance.py"),
             str(TESTS / "test_attention_cpu.py"),
-            str(TESTS / "test_linear_cpu.py"),
+            str(TESTS / "test_cpu_ops.py"),
         ],
         env=env,
         capture_output=True,

@@ -1,8 +1,9 @@
 """The attention seam: one object per step that every layer calls (tp_worker).
 
-The model code is the same on every device; what runs under it is picked here from the
-device and dtype: our own paged CPU kernel (attention_cpu.py), or torch's SDPA over gathered
-keys (attention_sdpa.py) where no kernel of ours exists yet (CUDA, float16).
+The model code is the same on every device; what runs under it is picked once per worker
+(ModelRunner.cpu_kernels: the CPU, in a dtype csrc/ takes): our own paged CPU kernel
+(attention_cpu.py), or torch's SDPA over gathered keys (attention_sdpa.py) where no kernel
+of ours exists yet (CUDA, float16).
 """
 
 from __future__ import annotations
@@ -50,12 +51,12 @@ def plan_attention(
     is_prefill: torch.Tensor,
     out_slots: torch.Tensor,
     sliding_window: int | None,
-    dtype: torch.dtype,
+    cpu_kernels: bool,
 ) -> Attention:
     """One step's attention metadata, built once and shared by every layer. `table` is
     [R, max_len] int32; out_slots is [T] int64; the other tensors are [B] int64 (bool);
     `starts` is the index in [T] of each row's first new token."""
-    if table.device.type == "cpu" and attention_cpu.supports(dtype):
+    if cpu_kernels:
         return attention_cpu.PagedAttention(
             table=table,
             rows=req_rows.contiguous(),

@@ -14,8 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.tp_worker.cpu_kernels import library
-
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+from tokenmill.tp_worker.cpu_ops import DTYPE_CODES
 
 
 @dataclass(frozen=True)
@@ -54,11 +53,7 @@ class PagedAttention:
             self.table.shape[1],
             self.sliding_window,
             scale,
-            _DTYPE_CODES[q.dtype],
+            DTYPE_CODES[q.dtype],
         )
         assert status == 0, f"tm_paged_attention failed ({status})"
         return out.view(q.shape[0], -1)
-
-
-def supports(dtype: torch.dtype) -> bool:
-    return dtype in _DTYPE_CODES

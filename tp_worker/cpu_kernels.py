@@ -37,19 +37,21 @@ def cache_root() -> Path:
     return Path(base) / "tokenmill" / "kernels"
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> list[str]:
+    """This CPU's feature flags (avx512f, avx512_bf16, amx_bf16, ...); [] where unknown."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
+            line = next((line for line in f if line.startswith("flags")), "")
     except OSError:
-        return ""
+        return []
+    return line.partition(":")[2].split()
 
 
 def _key(compiler: str, arch: str) -> str:
     digest = hashlib.sha256()
     for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
-    digest.update(" ".join((compiler, arch, *FLAGS, _cpu_flags())).encode())
+    digest.update(" ".join((compiler, arch, *FLAGS, *cpu_flags())).encode())
     return digest.hexdigest()[:16]
 
 

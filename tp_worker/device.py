@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill.tp_worker.cpu_kernels import cpu_flags
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -25,11 +27,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def cpu_has_native_bf16() -> bool:
     """avx512_bf16 or AMX: bfloat16 products in hardware (csrc/linear.cpp uses VDPBF16PS);
     elsewhere bfloat16 would be emulated, slower than float32."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
+    flags = cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 

@@ -11,9 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.tp_worker import linear_cpu
 from tokenmill.tp_worker.attention import Attention, attend_new_tokens
-from tokenmill.tp_worker.linear_cpu import PackedLinear, rms_norm_cpu, silu_mul_cpu
+from tokenmill.tp_worker.cpu_ops import PackedLinear, rms_norm_cpu, silu_mul_cpu
 from tokenmill.tp_worker.model_config import ModelConfig
 from tokenmill.tp_worker.parallel import ShardedLinear, TpGroup, VocabEmbedding, invariant_linear
 from tokenmill.tp_worker.rope import Rotary, apply_rotary
@@ -26,9 +25,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(
             torch.ones(hidden, dtype=dtype, device=device), requires_grad=False
         )
+        self.cpu_kernel = False  # csrc/rms_norm.cpp, switched on by CausalLM.use_cpu_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and linear_cpu.supports(x.dtype):
+        if self.cpu_kernel:
             return rms_norm_cpu(x, self.weight, self.eps)
         # NOTE: variance in float32, cast back before the weight, as transformers does.
         x32 = x.float()
@@ -64,6 +64,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps, dtype, device)
         self.gate_up_proj = ShardedLinear(hidden, 2 * inter, False, False, group, dtype, device)
         self.down_proj = ShardedLinear(inter, hidden, False, True, group, dtype, device)
+        self.cpu_kernel = False  # SiLU x up by csrc/activation.cpp (CausalLM.use_cpu_kernels)
 
     def forward(
         self,
@@ -82,7 +83,7 @@ class DecoderLayer(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         x = x + self.o_proj(attend_new_tokens(attention, q, k, v, kv, self.scale))
         gate_up = self.gate_up_proj(self.post_attention_layernorm(x))
-        if gate_up.device.type == "cpu" and linear_cpu.supports(gate_up.dtype):
+        if self.cpu_kernel:
             return x + self.down_proj(silu_mul_cpu(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
@@ -112,10 +113,12 @@ class CausalLM(nn.Module):
         self.lm_head_kernel: PackedLinear | None = None
 
     def use_cpu_kernels(self) -> None:
-        """Multiply through csrc/linear.cpp (after the weights are loaded)."""
+        """Run the dense layers through csrc/ (after the weights are loaded)."""
         for module in self.modules():
             if isinstance(module, ShardedLinear):
                 module.use_cpu_kernel()
+            elif isinstance(module, (RMSNorm, DecoderLayer)):
+                module.cpu_kernel = True
         self.lm_head_kernel = PackedLinear(self.lm_head.weight.data, None)
         if self.lm_head is not self.embed_tokens:
             self.lm_head.weight.data = self.lm_head.weight.data.new_empty(0)

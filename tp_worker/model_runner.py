@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from tokenmill.protocol.step import ForwardBatch, StepResult
-from tokenmill.tp_worker import linear_cpu
+from tokenmill.tp_worker import cpu_ops
 from tokenmill.tp_worker.attention import plan_attention
 from tokenmill.tp_worker.config import RunnerConfig
 from tokenmill.tp_worker.device import auto_kv_cache_tokens, resolve_device, resolve_dtype
@@ -40,7 +40,9 @@ class ModelRunner:
         self.model = CausalLM(self.model_config, self.group, self.dtype, self.device)
         load_weights(self.model, Path(config.model))
         self.model.eval()
-        if self.device.type == "cpu" and linear_cpu.supports(self.dtype):
+        # NOTE: decided once: the dense layers and attention run in csrc/ together or not at all.
+        self.cpu_kernels = self.device.type == "cpu" and cpu_ops.supports(self.dtype)
+        if self.cpu_kernels:
             self.model.use_cpu_kernels()
         # NOTE: allocated before the KV cache is sized from what memory is left.
         self.adjuster = LogitAdjuster(
@@ -124,7 +126,7 @@ class ModelRunner:
             inputs.is_prefill,
             inputs.out_slots,
             self.model_config.sliding_window,
-            self.dtype,
+            self.cpu_kernels,
         )
         started = time.perf_counter()
         hidden = self.model(inputs.input_ids, inputs.positions, attention, self.kv_cache)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.tp_worker.linear_cpu import PackedLinear
+from tokenmill.tp_worker.cpu_ops import PackedLinear
 
 
 @dataclass(frozen=True)

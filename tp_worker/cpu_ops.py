@@ -1,6 +1,6 @@
-"""Linear layers on the CPU through csrc/linear.cpp, with weights packed once at load time,
-RMSNorm through csrc/rms_norm.cpp and the MLP's SiLU through csrc/activation.cpp
-(tp_worker).
+"""The CPU kernels' Python sides for the dense layers (tp_worker): linear layers through
+csrc/linear.cpp, with weights packed once at load time; RMSNorm through csrc/rms_norm.cpp;
+the MLP's SiLU(gate) x up through csrc/activation.cpp. Attention is attention_cpu.py.
 
 Every output element sums its products in ascending k in float32 whatever the number of
 rows (the rule is at the top of csrc/linear.cpp), so a row's result does not depend on its
@@ -14,11 +14,13 @@ import torch
 from tokenmill.tp_worker.cpu_kernels import library
 
 PANEL = 32  # NR in csrc/linear.cpp: output features per packed panel
-_CODES = {torch.float32: 0, torch.bfloat16: 1}
+# NOTE: the dtypes every kernel in csrc/ takes, with the codes they take them by.
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def supports(dtype: torch.dtype) -> bool:
-    return dtype in _CODES
+    """Whether the csrc/ kernels (dense layers and attention) take this dtype."""
+    return dtype in DTYPE_CODES
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -61,8 +63,8 @@ class PackedLinear:
             None if self.bias is None else self.bias.data_ptr(),
             out.data_ptr(),
             self.out_features,
-            _CODES[x.dtype],
-            _CODES[out.dtype],
+            DTYPE_CODES[x.dtype],
+            DTYPE_CODES[out.dtype],
         )
         assert status == 0, f"tm_linear: unsupported {x.dtype} -> {out.dtype}"
         return out
@@ -79,7 +81,7 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
         x.numel() // x.shape[-1],
         x.shape[-1],
         eps,
-        _CODES[x.dtype],
+        DTYPE_CODES[x.dtype],
     )
     assert status == 0, f"tm_rms_norm: unsupported {x.dtype}"
     return out
@@ -92,7 +94,7 @@ def silu_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = gate_up.new_empty(rows, inter)
     status = library().tm_silu_mul(
-        gate_up.data_ptr(), out.data_ptr(), rows, inter, _CODES[gate_up.dtype]
+        gate_up.data_ptr(), out.data_ptr(), rows, inter, DTYPE_CODES[gate_up.dtype]
     )
     assert status == 0, f"tm_silu_mul: unsupported {gate_up.dtype}"
     return out

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill.tp_worker import attention_cpu, cpu_kernels, linear_cpu
-from tokenmill.tp_worker.linear_cpu import PackedLinear, rms_norm_cpu, silu_mul_cpu
+from tokenmill.tp_worker import attention_cpu, cpu_kernels, cpu_ops
+from tokenmill.tp_worker.cpu_ops import PackedLinear, rms_norm_cpu, silu_mul_cpu
 
 SHAPES = [(1, 64, 40), (13, 33, 70), (37, 256, 96), (300, 128, 64)]  # (M, K, N)
 
@@ -88,7 +88,7 @@ def test_a_build_without_avx_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch
     """The portable loops do what the AVX-512 (and AVX512_BF16) microkernels do, in the same
     order: an x86 CPU of any generation computes the same numbers."""
     cases = [
-        (_case(m, k, n, dtype), dtype) for m, k, n in SHAPES[:3] for dtype in linear_cpu._CODES
+        (_case(m, k, n, dtype), dtype) for m, k, n in SHAPES[:3] for dtype in cpu_ops.DTYPE_CODES
     ]
     native = [PackedLinear(w, b)(x, torch.float32) for (x, w, b), _ in cases]
     norms = [rms_norm_cpu(x, w[0], 1e-6) for (x, w, _), _ in cases]
@@ -109,7 +109,7 @@ def test_a_build_without_avx_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch
 
     portable = cpu_kernels.load(cpu_kernels.build("x86-64-v2"))
     assert portable.tm_linear_isa() == 0
-    monkeypatch.setattr(linear_cpu, "library", lambda: portable)
+    monkeypatch.setattr(cpu_ops, "library", lambda: portable)
     monkeypatch.setattr(attention_cpu, "library", lambda: portable)
     for ((x, w, b), _), expected, norm in zip(cases, native, norms, strict=True):
         assert torch.equal(PackedLinear(w, b)(x, torch.float32), expected)
