@@ -19,17 +19,17 @@ namespace {
 using tokenmill::bf16_to_float;
 using tokenmill::exp_nonpositive;
 using tokenmill::float_to_bf16;
+using tokenmill::load;
+using tokenmill::round_to;
 using tokenmill::store;
+#if defined(__AVX512F__)
+using tokenmill::load16;
+#endif
 
 inline float silu(float x) {
   const float e = exp_nonpositive(x >= 0.0f ? -x : x);
   return (x >= 0.0f ? x : x * e) / (1.0f + e);
 }
-
-inline float load(const float* p) { return *p; }
-inline float load(const uint16_t* p) { return bf16_to_float(*p); }
-inline float round_to(float v, const float*) { return v; }
-inline float round_to(float v, const uint16_t*) { return bf16_to_float(float_to_bf16(v)); }
 
 #if defined(__AVX512F__)
 inline __m512 silu16(__m512 x) {
@@ -41,11 +41,6 @@ inline __m512 silu16(__m512 x) {
   return _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
 }
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
 inline __m512 round16(__m512 v, const float*) { return v; }
 inline __m512 round16(__m512 v, const uint16_t*) {
   alignas(64) float lanes[16];

@@ -38,6 +38,9 @@ constexpr int LANES = 16;
 constexpr int KEY_BLOCK = 8;  // keys scored together: independent accumulator chains
 
 using tokenmill::bf16_to_float;
+#if defined(__AVX512F__)
+using tokenmill::load16;
+#endif
 using tokenmill::exp_nonpositive;
 using tokenmill::store;
 #if defined(__AVX512F__)
@@ -109,14 +112,6 @@ void score_block(const float* q_t, const float* keys, int64_t dim, float scale, 
     for (int l = 0; l < LANES; ++l) scores[kk * LANES + l] = acc[kk][l] * scale;
 #endif
 }
-
-#if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-#endif
 
 // Softmax numerators e[j][l], laid out [key][LANES] (or [lane][keys] for one token).
 struct Weights {

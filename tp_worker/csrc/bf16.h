@@ -1,8 +1,13 @@
-// bfloat16 <-> float32, bit-exact and the same on every CPU (tp_worker kernels).
+// bfloat16 <-> float32 and loads of either, bit-exact and the same on every CPU (tp_worker
+// kernels), and the one order in which the kernels reduce across lanes.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace tokenmill {
 
@@ -24,6 +29,22 @@ inline uint16_t float_to_bf16(float f) {
 
 inline void store(float* dst, float v) { *dst = v; }
 inline void store(uint16_t* dst, float v) { *dst = float_to_bf16(v); }
+
+// One element of a float32 or bfloat16 tensor as float32, and a float32 rounded to the
+// tensor's dtype and back (the second argument only picks the dtype).
+inline float load(const float* p) { return *p; }
+inline float load(const uint16_t* p) { return bf16_to_float(*p); }
+inline float round_to(float v, const float*) { return v; }
+inline float round_to(float v, const uint16_t*) { return bf16_to_float(float_to_bf16(v)); }
+
+#if defined(__AVX512F__)
+// 16 consecutive elements as float32 lanes.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+#endif
 
 // Partial sums lane[0..15] combined pairwise by halves: (i, i + 8), (i, i + 4), (i, i + 2),
 // (i, i + 1). The fixed order every kernel uses where it reduces across lanes.

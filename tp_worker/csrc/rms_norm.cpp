@@ -22,12 +22,10 @@ constexpr int LANES = 16;
 
 using tokenmill::bf16_to_float;
 using tokenmill::float_to_bf16;
+using tokenmill::load;
+using tokenmill::round_to;
 using tokenmill::store;
 
-inline float load(const float* p) { return *p; }
-inline float load(const uint16_t* p) { return bf16_to_float(*p); }
-inline float round_to(float v, const float*) { return v; }
-inline float round_to(float v, const uint16_t*) { return bf16_to_float(float_to_bf16(v)); }
 
 template <typename T>
 float sum_of_squares(const T* x, int64_t hidden) {
@@ -37,13 +35,7 @@ float sum_of_squares(const T* x, int64_t hidden) {
   if (hidden >= LANES) {
     __m512 acc = _mm512_setzero_ps();
     for (; d + LANES <= hidden; d += LANES) {
-      __m512 v;
-      if constexpr (sizeof(T) == 2) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + d));
-        v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-      } else {
-        v = _mm512_loadu_ps(reinterpret_cast<const float*>(x) + d);
-      }
+      const __m512 v = tokenmill::load16(x + d);
       acc = _mm512_fmadd_ps(v, v, acc);
     }
     _mm512_store_ps(lane, acc);
