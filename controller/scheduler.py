@@ -20,6 +20,11 @@ from tokenmill.controller.slot_pool import IndexPool
 
 logger = logging.getLogger(__name__)
 
+# NOTE: a decoding request takes its next slots this many at a time while the pool has them
+# free, so that a row's keys lie together in the cache (the attention kernels read runs of
+# memory instead of one scattered slot per position); unused ones are freed with the rest.
+DECODE_SLOT_RUN = 16
+
 
 @dataclass(frozen=True)
 class ScheduledRow:
@@ -122,10 +127,22 @@ class Scheduler:
                 decoding.remove(victim)
                 needed -= missing(victim)
             self._preempt(victim)
+        spare = self.kv.pool.num_free - needed - DECODE_SLOT_RUN * len(decoding)
         for request in decoding:
             if missing(request):
-                request.slots += self.kv.alloc(missing(request))
+                extra = min(DECODE_SLOT_RUN - 1, self._slots_left(request) - missing(request))
+                extra = max(0, min(extra, spare))
+                spare -= extra
+                request.slots += self.kv.alloc(missing(request) + extra)
         return decoding
+
+    def _slots_left(self, request: Request) -> int:
+        """Slots the request can still use: one per position it may yet be fed (the last
+        token it samples is never fed back)."""
+        last = request.num_prompt_tokens + request.message.sampling.max_tokens - 1
+        if self.max_model_len is not None:
+            last = min(last, self.max_model_len)
+        return max(0, last - len(request.slots))
 
     def _admit(self, request: Request) -> bool:
         if len(self.running) >= self.max_running or self.rows.num_free == 0:

@@ -34,7 +34,9 @@ class IndexPool:
     def free(self, items: list[int]) -> None:
         for item in items:
             self._used.remove(item)  # KeyError = double free: a broken invariant
-        self._free.extend(items)
+        # NOTE: reversed, so that pop() hands them out again in their order: runs of slots
+        # freed together come back as runs (a row's keys lie together).
+        self._free.extend(reversed(items))
 
     def check_integrity(self) -> None:
         free = set(self._free)

@@ -12,9 +12,10 @@ HEADS, KV_HEADS, DIM = 8, 2, 64
 
 
 def _cache(num_slots: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Head-major [Hkv, slots, D], as the runner allocates it."""
     gen = torch.Generator().manual_seed(seed)
-    k = torch.randn(num_slots, KV_HEADS, DIM, generator=gen).to(dtype)
-    v = torch.randn(num_slots, KV_HEADS, DIM, generator=gen).to(dtype)
+    k = torch.randn(KV_HEADS, num_slots, DIM, generator=gen).to(dtype)
+    v = torch.randn(KV_HEADS, num_slots, DIM, generator=gen).to(dtype)
     return k, v
 
 
@@ -29,8 +30,10 @@ def _reference(
     """One query token [Hq, D] attending to the keys in `slots`, in float64."""
     if window:
         slots = slots[-window:]
-    keys = k_cache[slots].double().repeat_interleave(HEADS // KV_HEADS, 1)  # [L, Hq, D]
-    values = v_cache[slots].double().repeat_interleave(HEADS // KV_HEADS, 1)
+    keys = k_cache[:, slots].transpose(0, 1).double()  # [L, Hkv, D]
+    values = v_cache[:, slots].transpose(0, 1).double()
+    keys = keys.repeat_interleave(HEADS // KV_HEADS, 1)  # [L, Hq, D]
+    values = values.repeat_interleave(HEADS // KV_HEADS, 1)
     scores = torch.einsum("hd,lhd->hl", q.double(), keys) * scale
     return torch.einsum("hl,lhd->hd", scores.softmax(-1), values)
 
@@ -116,3 +119,7 @@ def test_a_token_is_bitwise_the_same_in_any_company(dtype: torch.dtype, window: 
     for i in (0, 299, 300, 400, len(rows) - 1):
         alone = _run(q[i : i + 1], caches, table, rows[i : i + 1], positions[i : i + 1], window)
         assert torch.equal(alone[0], together[i])
+    # The kernel follows the cache's strides: slot-major memory viewed as [Hkv, slots, D].
+    slot_major = tuple(c.transpose(0, 1).contiguous().transpose(0, 1) for c in caches)
+    assert slot_major[0].stride() != caches[0].stride()
+    assert torch.equal(_run(q, slot_major, table, rows, positions, window), together)

@@ -8,6 +8,7 @@ import pytest
 
 from tokenmill.controller.config import ControllerConfig
 from tokenmill.controller.controller import Controller
+from tokenmill.controller.scheduler import DECODE_SLOT_RUN
 from tokenmill.protocol.arrays import pack, unpack
 from tokenmill.protocol.outputs import RequestOutput
 from tokenmill.protocol.requests import (
@@ -315,3 +316,21 @@ def test_multi_step_waits_for_prefills_and_queues() -> None:
             assert batch.num_steps == 1
     assert tokens_of(sockets.outputs, "a") == list(range(6, 18))
     assert tokens_of(sockets.outputs, "b") == [14, 15, 16, 17]
+
+
+def test_decoding_rows_get_their_slots_in_runs() -> None:
+    """Two requests decoding side by side: each row's slots come in runs of consecutive
+    slots (not interleaved one per step), none past what the request can use, all freed."""
+    controller, sockets = make_controller(kv_tokens=256, max_model_len=128)
+    sockets.inbox.append(request("a", [3, 4, 5], max_tokens=40))
+    sockets.inbox.append(request("b", [6, 7, 8], max_tokens=20))
+    controller.run_once()
+    while all(r.num_tokens < 22 for r in controller.scheduler.running):
+        controller.run_once()
+    for r in controller.scheduler.running:
+        decode = r.slots[3:]
+        gaps = sum(1 for x, y in zip(decode, decode[1:], strict=False) if y != x + 1)
+        assert gaps <= len(decode) // DECODE_SLOT_RUN, (r.req_id, r.slots)
+        assert len(r.slots) <= r.num_prompt_tokens + r.message.sampling.max_tokens - 1
+    run_until_idle(controller)
+    assert controller.kv.num_available == 256

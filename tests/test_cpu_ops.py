@@ -94,7 +94,7 @@ def test_a_build_without_avx_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch
     norms = [rms_norm_cpu(x, w[0], 1e-6) for (x, w, _), _ in cases]
     activations = [silu_mul_cpu(4 * x[:, :32]) for (x, _, _), _ in cases]
     q = torch.randn(20, 8, 64)
-    caches = (torch.randn(64, 2, 64), torch.randn(64, 2, 64))
+    caches = (torch.randn(2, 64, 64), torch.randn(2, 64, 64))  # [Hkv, slots, D]
     table = torch.randperm(64).view(1, 64).int()
     one = torch.ones(1, dtype=torch.int64)
     paged = attention_cpu.PagedAttention(

@@ -22,7 +22,7 @@ class Attention(Protocol):
     def attend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        """q [T, Hq, D] -> [T, Hq * D] over one layer's cache [slots, Hkv, D], which already
+        """q [T, Hq, D] -> [T, Hq * D] over one layer's cache [Hkv, slots, D], which already
         holds the new tokens' keys and values."""
         ...
 
@@ -37,8 +37,8 @@ def attend_new_tokens(
 ) -> torch.Tensor:
     """Writes the new tokens' k/v [T, Hkv, D] into the layer's cache, then attends: every
     backend sees a token's own key."""
-    kv[0].index_copy_(0, attention.out_slots, k)
-    kv[1].index_copy_(0, attention.out_slots, v)
+    kv[0].index_copy_(1, attention.out_slots, k.transpose(0, 1))
+    kv[1].index_copy_(1, attention.out_slots, v.transpose(0, 1))
     return attention.attend(q, kv[0], kv[1], scale)
 
 

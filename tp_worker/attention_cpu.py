@@ -30,10 +30,12 @@ class PagedAttention:
     def attend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        """q [T, Hq, D] -> [T, Hq * D] over the cache, the new tokens' keys already in it."""
+        """q [T, Hq, D] -> [T, Hq * D] over the cache [Hkv, slots, D], the new tokens' keys
+        already in it."""
         # NOTE: the kernel takes raw pointers: what it reads must be laid out as it expects.
-        assert k_cache.is_contiguous() and v_cache.is_contiguous() and self.table.is_contiguous()
-        assert q.dtype == k_cache.dtype == v_cache.dtype and self.table.dtype == torch.int32
+        assert k_cache.stride() == v_cache.stride() and k_cache.stride(2) == 1
+        assert self.table.is_contiguous() and self.table.dtype == torch.int32
+        assert q.dtype == k_cache.dtype == v_cache.dtype
         q = q.contiguous()
         out = torch.empty_like(q)
         status = library().tm_paged_attention(
@@ -48,8 +50,10 @@ class PagedAttention:
             out.data_ptr(),
             self.rows.shape[0],
             q.shape[1],
-            k_cache.shape[1],
+            k_cache.shape[0],
             q.shape[2],
+            k_cache.stride(0),
+            k_cache.stride(1),
             self.table.shape[1],
             self.sliding_window,
             scale,

@@ -43,8 +43,8 @@ class SdpaAttention:
         """q [T, Hq, D] -> [T, Hq * D] over the cache, the new tokens' keys already in it."""
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
         for group in self.groups:
-            keys = k_cache[group.key_slots].transpose(1, 2)  # [G, Hkv, L, D]
-            values = v_cache[group.key_slots].transpose(1, 2)
+            keys = k_cache[:, group.key_slots].transpose(0, 1)  # [G, Hkv, L, D]
+            values = v_cache[:, group.key_slots].transpose(0, 1)
             queries = q[group.query_index].transpose(1, 2)  # [G, Hq, Q, D]
             result = F.scaled_dot_product_attention(
                 queries,

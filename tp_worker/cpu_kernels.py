@@ -100,7 +100,7 @@ def library() -> ctypes.CDLL:
 
 def load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
-    lib.tm_paged_attention.argtypes = [*[_P] * 9, *[_I] * 6, ctypes.c_float, ctypes.c_int]
+    lib.tm_paged_attention.argtypes = [*[_P] * 9, *[_I] * 8, ctypes.c_float, ctypes.c_int]
     lib.tm_paged_attention.restype = ctypes.c_int
     lib.tm_linear.argtypes = [_P, _I, _I, _I, _P, _I, _P, _P, _I, ctypes.c_int, ctypes.c_int]
     lib.tm_linear.restype = ctypes.c_int

@@ -63,9 +63,11 @@ class ModelRunner:
         )
         # NOTE: a row can never hold more tokens than the whole cache.
         self.max_model_len = min(config.max_model_len, self.kv_cache_tokens)
+        # NOTE: head-major: a row's keys of one head lie together when its slots do, so
+        # attention reads runs of memory rather than a head's share of every slot's line.
         kv_shape = (
-            self.kv_cache_tokens,
             local_kv_heads(self.model_config, self.group),
+            self.kv_cache_tokens,
             self.model_config.head_dim,
         )
         self.kv_cache = [

@@ -307,6 +307,7 @@ inline ScoreKeys score_keys_for(int64_t heads) {
 
 struct Shape {
   int64_t num_heads, num_kv_heads, head_dim, table_stride, window;
+  int64_t head_stride, slot_stride;  // elements between KV heads, between slots of a head
   float scale;
 };
 
@@ -354,8 +355,8 @@ template <typename T>
 void finish_item(Weights e, const T* v_cache, T* out, const Shape& s, const Item& it,
                  int64_t num_keys, const int32_t* slots, const float* den, Scratch& w) {
   const int64_t dim = s.head_dim, hs = it.num_heads, lanes = it.num_tokens * hs;
-  weighted_values_for<T>(lanes, dim)(e, v_cache + it.kv_head * dim, slots, num_keys,
-                                     s.num_kv_heads * dim, dim, w.acc.data());
+  weighted_values_for<T>(lanes, dim)(e, v_cache + it.kv_head * s.head_stride, slots, num_keys,
+                                     s.slot_stride, dim, w.acc.data());
   for (int64_t i = 0; i < it.num_tokens; ++i)
     for (int64_t h = 0; h < hs; ++h) {
       const int64_t l = i * hs + h;
@@ -366,19 +367,36 @@ void finish_item(Weights e, const T* v_cache, T* out, const Shape& s, const Item
 }
 
 #if defined(__AVX512F__)
+// Asks for rows base + slots[i] * stride (dim elements each, i < n) to come into the cache;
+// changes no result.
+template <typename T>
+inline void prefetch_rows(const T* base, const int32_t* slots, int64_t n, int64_t stride,
+                          int64_t dim) {
+  for (int64_t i = 0; i < n; ++i) {
+    const char* row = reinterpret_cast<const char*>(base + slots[i] * stride);
+    for (int64_t b = 0; b < dim * static_cast<int64_t>(sizeof(T)); b += 64)
+      _mm_prefetch(row + b, _MM_HINT_T0);
+  }
+}
+
 // One query token sees every key from lo to its position, so no lane masks: scores, then
 // numerators e, per lane in a row of `padded` keys ([lane][keys]), and the denominators summed
 // over ascending keys; the same values as the general path. False where it does not apply.
 template <typename T>
-bool one_token_numerators(const T* keys, const int32_t* slots, int64_t num_keys, int64_t stride,
-                          int64_t dim, float scale, int64_t lanes, Scratch& w, int64_t padded,
-                          float* den) {
+bool one_token_numerators(const T* keys, const T* values, const int32_t* slots,
+                          int64_t num_keys, int64_t stride, int64_t dim, float scale,
+                          int64_t lanes, Scratch& w, int64_t padded, float* den) {
   if (lanes > 8 || dim % (sizeof(T) == 2 ? 32 : 16)) return false;
   w.scores.resize(std::max<size_t>(w.scores.size(), lanes * padded));
   w.keys.resize(16 * dim);
   float* scores = w.scores.data();
   for (int64_t j0 = 0; j0 < num_keys; j0 += 16) {
     const int nk = static_cast<int>(std::min<int64_t>(16, num_keys - j0));
+    // NOTE: a decode step waits on memory (a row's keys lie in runs, not in one piece): the
+    // next block's keys and this block's values are asked for while this block is scored.
+    prefetch_rows(keys, slots + j0 + 16, std::min<int64_t>(16, num_keys - j0 - 16), stride,
+                  dim);
+    prefetch_rows(values, slots + j0, nk, stride, dim);
     transpose_keys(keys, slots + j0, nk, stride, dim, w.keys.data());
     score_keys_for(lanes)(w.q_t.data(), w.keys.data(), dim, scale, nk, scores + j0, 1, padded);
   }
@@ -421,12 +439,13 @@ void attend_item(const T* q, const T* k_cache, const T* v_cache, const int32_t* 
     }
   const int64_t lanes = it.num_tokens * hs;
   float den[LANES];
-  const T* keys = k_cache + it.kv_head * dim;
-  const int64_t stride = s.num_kv_heads * dim;
+  const T* keys = k_cache + it.kv_head * s.head_stride;
+  const int64_t stride = s.slot_stride;
 #if defined(__AVX512F__)
   const int64_t padded = (num_keys + 15) / 16 * 16;
   if (it.num_tokens == 1 &&
-      one_token_numerators(keys, slots, num_keys, stride, dim, s.scale, lanes, w, padded, den)) {
+      one_token_numerators(keys, v_cache + it.kv_head * s.head_stride, slots, num_keys, stride,
+                           dim, s.scale, lanes, w, padded, den)) {
     finish_item(Weights{w.scores.data(), 1, padded}, v_cache, out, s, it, num_keys, slots, den,
                 w);
     return;
@@ -484,7 +503,8 @@ void attend_all(const void* q, const void* k_cache, const void* v_cache, const i
 
 extern "C" {
 
-// q, out [tokens, num_heads, head_dim]; k_cache, v_cache [slots, num_kv_heads, head_dim];
+// q, out [tokens, num_heads, head_dim]; k_cache, v_cache hold head h's key of slot s at
+// h * head_stride + s * slot_stride (elements; head_dim contiguous), both alike;
 // table [table rows, table_stride] int32 slot of each position. Batch row b holds
 // num_tokens[b] query tokens from index token_starts[b], at positions first_pos[b]...,
 // of table row rows[b]. dtype 0 = float32, 1 = bfloat16 (all four tensors alike).
@@ -493,9 +513,10 @@ int tm_paged_attention(const void* q, const void* k_cache, const void* v_cache,
                        const int32_t* table, const int64_t* rows, const int64_t* token_starts,
                        const int64_t* num_tokens, const int64_t* first_pos, void* out,
                        int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
-                       int64_t head_dim, int64_t table_stride, int64_t window, float scale,
-                       int dtype) {
-  const Shape s{num_heads, num_kv_heads, head_dim, table_stride, window, scale};
+                       int64_t head_dim, int64_t head_stride, int64_t slot_stride,
+                       int64_t table_stride, int64_t window, float scale, int dtype) {
+  const Shape s{num_heads, num_kv_heads, head_dim, table_stride, window,
+                head_stride, slot_stride, scale};
   const std::vector<Item> items = plan(rows, token_starts, num_tokens, first_pos, num_rows, s);
   if (dtype == 0) {
     attend_all<float>(q, k_cache, v_cache, table, out, s, items);
