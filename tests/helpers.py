@@ -21,6 +21,7 @@ def make_engine(
     rows: int = 8,
     prefix_cache: bool = True,
     dtype: str = "float32",
+    cpu_kernels: bool = True,
 ) -> OfflineEngine:
     config = RunnerConfig(
         model=str(model),
@@ -30,6 +31,7 @@ def make_engine(
         dtype=dtype,
         device="cpu",
         prompt_logprob_chunk=prompt_chunk,
+        cpu_kernels=cpu_kernels,
     )
     return OfflineEngine(
         ModelRunner(config),

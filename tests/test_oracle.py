@@ -22,8 +22,11 @@ TEXTS = [
 ATOL = 1e-4
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_matches_transformers(arch: str, tiny_checkpoint) -> None:
+@pytest.mark.parametrize(
+    ("arch", "cpu_kernels"), [(arch, True) for arch in ARCHS] + [("llama", False)]
+)
+def test_matches_transformers(arch: str, cpu_kernels: bool, tiny_checkpoint) -> None:
+    """cpu_kernels=False: the torch path (SDPA over gathered keys) that CUDA takes."""
     model_dir = tiny_checkpoint(arch)
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -31,7 +34,7 @@ def test_matches_transformers(arch: str, tiny_checkpoint) -> None:
     requests = [
         OfflineRequest(p, max_tokens=32, num_top=20, prompt_logprob_start=0) for p in prompts
     ]
-    outputs = make_engine(model_dir).generate(requests)
+    outputs = make_engine(model_dir, cpu_kernels=cpu_kernels).generate(requests)
     for prompt, out in zip(prompts, outputs, strict=True):
         ref = oracle(hf, prompt + out.output_ids)
         n = len(prompt)

@@ -24,6 +24,10 @@ class RunnerConfig:
     """auto (cuda when available, else cpu), cpu, cuda or cuda:N."""
     prompt_logprob_chunk: int = 0
     """Prompt positions scored per lm_head chunk; 0 = as many as fit 64 MiB of logits."""
+    cpu_kernels: bool = True
+    """On the CPU, run the dense layers and attention through csrc/ (in float32 and
+    bfloat16); False takes the torch path (torch ops, SDPA) that devices without kernels of
+    ours take, so that tests can check it on the CPU."""
     logprobs_mode: str = "raw"
     """raw: generated tokens' logprobs are the log-softmax of the model's logits; processed:
     of the distribution sampled from (after stop ban, bias, penalties, temperature, filters)."""

@@ -41,7 +41,9 @@ class ModelRunner:
         load_weights(self.model, Path(config.model))
         self.model.eval()
         # NOTE: decided once: the dense layers and attention run in csrc/ together or not at all.
-        self.cpu_kernels = self.device.type == "cpu" and cpu_ops.supports(self.dtype)
+        self.cpu_kernels = (
+            config.cpu_kernels and self.device.type == "cpu" and cpu_ops.supports(self.dtype)
+        )
         if self.cpu_kernels:
             self.model.use_cpu_kernels()
         # NOTE: allocated before the KV cache is sized from what memory is left.
