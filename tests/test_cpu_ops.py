@@ -1,7 +1,8 @@
-"""The CPU linear, RMSNorm and SiLU kernels (csrc/linear.cpp, rms_norm.cpp, activation.cpp)
-against references, their invariance (a row is bitwise the same alone or among any number of rows,
-with 1 or 2 threads), and the same bits from a build without any AVX (x86-64-v2) as from this
-machine's native build, attention's two paths included."""
+"""The CPU linear, RMSNorm, SiLU and RoPE kernels (csrc/linear.cpp, rms_norm.cpp,
+activation.cpp, rope.cpp) against references, their invariance (a row is bitwise the same
+alone or among any number of rows, with 1 or 2 threads), and the same bits from a build
+without any AVX (x86-64-v2) as from this machine's native build, attention's two paths
+included."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import pytest
 import torch
 
 from tokenmill.tp_worker import attention_cpu, cpu_kernels, cpu_ops
-from tokenmill.tp_worker.cpu_ops import PackedLinear, rms_norm_cpu, silu_mul_cpu
+from tokenmill.tp_worker.cpu_ops import PackedLinear, rms_norm_cpu, rope_store_cpu, silu_mul_cpu
+from tokenmill.tp_worker.rope import Rotary, apply_rotary
 
 SHAPES = [(1, 64, 40), (13, 33, 70), (37, 256, 96), (300, 128, 64)]  # (M, K, N)
 
@@ -84,6 +86,36 @@ def test_silu_mul_matches_torch(dtype: torch.dtype) -> None:
     torch.testing.assert_close(silu_mul_cpu(gate_up), expected, **tol)
 
 
+def _rope_case(dtype: torch.dtype) -> tuple:
+    """13 tokens at scattered positions and slots; 4 query and 2 KV heads of 64."""
+    gen = torch.Generator().manual_seed(5)
+    qkv = (4 * torch.randn(13, 8 * 64, generator=gen)).to(dtype)
+    qkv[:2] = torch.tensor([0.0, -0.0]).repeat(8 * 32)  # signed zeros, at position 0 too
+    positions = torch.randint(0, 5000, (13,), generator=gen)
+    positions[0] = 0
+    rotary = Rotary(64, 500000.0, {}, torch.device("cpu"))
+    slots = torch.randperm(40, generator=gen)[:13]
+    return qkv, rotary.cos_sin(positions, dtype), slots
+
+
+def _rope_store(qkv: torch.Tensor, cos_sin: tuple, slots: torch.Tensor) -> tuple:
+    kv = (qkv.new_zeros(2, 40, 64), qkv.new_zeros(2, 40, 64))
+    return (rope_store_cpu(qkv, cos_sin, kv, slots, 4, 2), *kv)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_gives_the_torch_paths_bits(dtype: torch.dtype) -> None:
+    qkv, cos_sin, slots = _rope_case(dtype)
+    q, k_cache, v_cache = _rope_store(qkv, cos_sin, slots)
+    q_ref, k_ref, v_ref = qkv.view(13, 8, 64).split([4, 2, 2], dim=1)
+    assert torch.equal(q, apply_rotary(q_ref, *cos_sin))
+    assert torch.equal(k_cache[:, slots].transpose(0, 1), apply_rotary(k_ref, *cos_sin))
+    assert torch.equal(v_cache[:, slots].transpose(0, 1), v_ref)
+    untouched = torch.ones(40, dtype=torch.bool)
+    untouched[slots] = False
+    assert not k_cache[:, untouched].any() and not v_cache[:, untouched].any()
+
+
 def test_a_build_without_avx_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
     """The portable loops do what the AVX-512 (and AVX512_BF16) microkernels do, in the same
     order: an x86 CPU of any generation computes the same numbers."""
@@ -93,6 +125,7 @@ def test_a_build_without_avx_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch
     native = [PackedLinear(w, b)(x, torch.float32) for (x, w, b), _ in cases]
     norms = [rms_norm_cpu(x, w[0], 1e-6) for (x, w, _), _ in cases]
     activations = [silu_mul_cpu(4 * x[:, :32]) for (x, _, _), _ in cases]
+    ropes = [_rope_store(*_rope_case(dtype)) for dtype in cpu_ops.DTYPE_CODES]
     q = torch.randn(20, 8, 64)
     caches = (torch.randn(2, 64, 64), torch.randn(2, 64, 64))  # [Hkv, slots, D]
     table = torch.randperm(64).view(1, 64).int()
@@ -116,5 +149,8 @@ def test_a_build_without_avx_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch
         assert torch.equal(rms_norm_cpu(x, w[0], 1e-6), norm)
     for ((x, _, _), _), activation in zip(cases, activations, strict=True):
         assert torch.equal(silu_mul_cpu(4 * x[:, :32]), activation)
+    for dtype, rope in zip(cpu_ops.DTYPE_CODES, ropes, strict=True):
+        for ours, native in zip(_rope_store(*_rope_case(dtype)), rope, strict=True):
+            assert torch.equal(ours, native)
     assert torch.equal(paged.attend(q, *caches, 64**-0.5), native_attention)
     assert torch.equal(decode.attend(q, *caches, 64**-0.5), native_attention)

@@ -24,7 +24,8 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(
-    CSRC / name for name in ("attention.cpp", "linear.cpp", "rms_norm.cpp", "activation.cpp")
+    CSRC / name
+    for name in ("attention.cpp", "linear.cpp", "rms_norm.cpp", "activation.cpp", "rope.cpp")
 )
 HEADERS = (CSRC / "bf16.h", CSRC / "exp.h")
 # NOTE: -ffp-contract=off and no -ffast-math: the compiler may vectorise but never fuse or
@@ -108,6 +109,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.tm_rms_norm.restype = ctypes.c_int
     lib.tm_silu_mul.argtypes = [_P, _P, _I, _I, ctypes.c_int]
     lib.tm_silu_mul.restype = ctypes.c_int
+    lib.tm_rope_store.argtypes = [*[_P] * 7, *[_I] * 6, ctypes.c_int]
+    lib.tm_rope_store.restype = ctypes.c_int
     lib.tm_linear_isa.argtypes = []
     lib.tm_linear_isa.restype = ctypes.c_int
     return lib

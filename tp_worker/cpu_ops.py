@@ -1,6 +1,7 @@
 """The CPU kernels' Python sides for the dense layers (tp_worker): linear layers through
 csrc/linear.cpp, with weights packed once at load time; RMSNorm through csrc/rms_norm.cpp;
-the MLP's SiLU(gate) x up through csrc/activation.cpp. Attention is attention_cpu.py.
+the MLP's SiLU(gate) x up through csrc/activation.cpp; RoPE and the KV-cache write through
+csrc/rope.cpp. Attention is attention_cpu.py.
 
 Every output element sums its products in ascending k in float32 whatever the number of
 rows (the rule is at the top of csrc/linear.cpp), so a row's result does not depend on its
@@ -98,3 +99,42 @@ def silu_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
     )
     assert status == 0, f"tm_silu_mul: unsupported {gate_up.dtype}"
     return out
+
+
+def rope_store_cpu(
+    qkv: torch.Tensor,
+    cos_sin: tuple[torch.Tensor, ...],
+    kv: tuple[torch.Tensor, torch.Tensor],
+    slots: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+) -> torch.Tensor:
+    """The fused projection qkv [T, (heads + 2 kv_heads) * D] -> rotated q [T, heads, D];
+    the rotated keys and the values go straight into the layer's cache [Hkv, slots, D] at
+    `slots` [T] (csrc/rope.cpp: the torch path's numbers, without its temporaries)."""
+    tokens, dim = qkv.shape[0], cos_sin[0].shape[-1]
+    k_cache, v_cache = kv
+    assert qkv.shape[1] == (heads + 2 * kv_heads) * dim and qkv.dtype == k_cache.dtype
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(2) == 1
+    assert slots.dtype == torch.int64 and slots.shape[0] == tokens
+    qkv, slots = qkv.contiguous(), slots.contiguous()
+    cos, sin = (c.reshape(tokens, dim).contiguous() for c in cos_sin)
+    q = qkv.new_empty(tokens, heads, dim)
+    status = library().tm_rope_store(
+        qkv.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        slots.data_ptr(),
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        tokens,
+        heads,
+        kv_heads,
+        dim,
+        k_cache.stride(0),
+        k_cache.stride(1),
+        DTYPE_CODES[qkv.dtype],
+    )
+    assert status == 0, f"tm_rope_store: unsupported {qkv.dtype}"
+    return q

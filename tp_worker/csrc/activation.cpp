@@ -16,14 +16,14 @@
 
 namespace {
 
-using tokenmill::bf16_to_float;
 using tokenmill::exp_nonpositive;
-using tokenmill::float_to_bf16;
 using tokenmill::load;
 using tokenmill::round_to;
 using tokenmill::store;
 #if defined(__AVX512F__)
 using tokenmill::load16;
+using tokenmill::round16;
+using tokenmill::store16;
 #endif
 
 inline float silu(float x) {
@@ -40,14 +40,6 @@ inline __m512 silu16(__m512 x) {
   const __m512 num = _mm512_mask_mul_ps(x, negative, x, e);
   return _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
 }
-
-inline __m512 round16(__m512 v, const float*) { return v; }
-inline __m512 round16(__m512 v, const uint16_t*) {
-  alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, v);
-  for (float& lane : lanes) lane = bf16_to_float(float_to_bf16(lane));
-  return _mm512_load_ps(lanes);
-}
 #endif
 
 template <typename T>
@@ -59,11 +51,9 @@ void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t inter) {
     T* o = out + r * inter;
     int64_t i = 0;
 #if defined(__AVX512F__)
-    alignas(64) float lanes[16];
     for (; i + 16 <= inter; i += 16) {
       const __m512 act = round16(silu16(load16(gate + i)), gate);
-      _mm512_store_ps(lanes, _mm512_mul_ps(act, load16(up + i)));
-      for (int l = 0; l < 16; ++l) store(o + i + l, lanes[l]);
+      store16(o + i, _mm512_mul_ps(act, load16(up + i)));
     }
 #endif
     for (; i < inter; ++i) store(o + i, round_to(silu(load(gate + i)), gate) * load(up + i));

@@ -44,6 +44,28 @@ inline __m512 load16(const uint16_t* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+
+// float_to_bf16 in 16 lanes (the bfloat16 bits in the low half of each 32-bit lane), with
+// integer operations: the same bits as the scalar form, NaN and subnormals included (the
+// hardware conversion, VCVTNEPS2BF16, treats subnormals differently).
+inline __m512i bf16_bits16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(bits, _mm512_set1_epi32(0x400000)));
+  return _mm512_srli_epi32(rounded, 16);
+}
+
+// round_to and store for 16 lanes: 16 consecutive elements of the tag's dtype.
+inline __m512 round16(__m512 v, const float*) { return v; }
+inline __m512 round16(__m512 v, const uint16_t*) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(v), 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(uint16_t* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits16(v)));
+}
 #endif
 
 // Partial sums lane[0..15] combined pairwise by halves: (i, i + 8), (i, i + 4), (i, i + 2),
