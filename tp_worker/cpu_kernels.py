@@ -25,7 +25,14 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(
     CSRC / name
-    for name in ("attention.cpp", "linear.cpp", "rms_norm.cpp", "activation.cpp", "rope.cpp")
+    for name in (
+        "attention.cpp",
+        "linear.cpp",
+        "rms_norm.cpp",
+        "activation.cpp",
+        "rope.cpp",
+        "log_softmax.cpp",
+    )
 )
 HEADERS = (CSRC / "bf16.h", CSRC / "exp.h")
 # NOTE: -ffp-contract=off and no -ffast-math: the compiler may vectorise but never fuse or
@@ -111,6 +118,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.tm_silu_mul.restype = ctypes.c_int
     lib.tm_rope_store.argtypes = [*[_P] * 7, *[_I] * 6, ctypes.c_int]
     lib.tm_rope_store.restype = ctypes.c_int
+    lib.tm_log_softmax_stats.argtypes = [_P, _I, _I, _I, _P, _P, _P]
+    lib.tm_log_softmax_stats.restype = None
     lib.tm_linear_isa.argtypes = []
     lib.tm_linear_isa.restype = ctypes.c_int
     return lib

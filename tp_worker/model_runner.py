@@ -107,7 +107,9 @@ class ModelRunner:
             if i == 0 and inputs.prompt_rows.numel():
                 outputs.prompt = self._score_prompt(inputs, hidden)
             adjusted = self.adjuster.adjust(logits, inputs.adjust, i)
-            outputs.add(score_sampled(logits, inputs, adjusted, self.processed_logprobs))
+            outputs.add(
+                score_sampled(logits, inputs, adjusted, self.processed_logprobs, self.cpu_kernels)
+            )
         return outputs.to_result(batch.step_id)
 
     def _fill_table(self, inputs: StepInputs) -> None:
@@ -148,6 +150,7 @@ class ModelRunner:
             self.model.logits,
             inputs.prompt_num_top,
             self.prompt_chunk,
+            self.cpu_kernels,
         )
 
 

@@ -31,9 +31,15 @@ class SamplingTensors:
         )
 
 
-def sample(logits: torch.Tensor, params: SamplingTensors, positions: torch.Tensor) -> torch.Tensor:
-    """logits [B, V] float32, positions [B] (of the token being sampled) -> ids [B] int64."""
-    ids = logits.argmax(dim=-1)
+def sample(
+    logits: torch.Tensor,
+    params: SamplingTensors,
+    positions: torch.Tensor,
+    greedy: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """logits [B, V] float32, positions [B] (of the token being sampled) -> ids [B] int64.
+    `greedy`: logits.argmax(-1) where the caller already has it."""
+    ids = logits.argmax(dim=-1) if greedy is None else greedy.clone()
     random_rows = (params.temperature > 0).nonzero().squeeze(1)
     if len(random_rows) == 0:
         return ids

@@ -12,7 +12,7 @@ import torch
 
 from tokenmill.protocol.arrays import pack
 from tokenmill.protocol.step import StepResult
-from tokenmill.tp_worker.logprobs import ScoredPositions
+from tokenmill.tp_worker.logprobs import LogSoftmax, ScoredPositions
 from tokenmill.tp_worker.sampling import processed_logprobs, sample
 from tokenmill.tp_worker.step_inputs import StepInputs
 
@@ -31,29 +31,34 @@ def score_sampled(
     inputs: StepInputs,
     adjusted: torch.Tensor | None = None,
     processed: bool = False,
+    cpu_kernel: bool = False,
 ) -> SampledScores:
     """logits [B, V] float32 of each row's last position, and the same after the stop ban,
     bias and penalties (`adjusted`, None = unchanged) -> the ids sampled from `adjusted` and
-    their scores: from the raw logits, or (`processed`) from the distribution sampled from."""
-    adjusted = logits if adjusted is None else adjusted
+    their scores: from the raw logits, or (`processed`) from the distribution sampled from.
+    cpu_kernel: the raw log-softmax through csrc/ (LogSoftmax.of)."""
     positions = inputs.prefix_lens + inputs.extend_lens
-    next_ids = sample(adjusted, inputs.sampling, positions)
+    adjusted = logits if adjusted is None else adjusted
     if processed:
-        logprobs = processed_logprobs(adjusted, inputs.sampling)  # [B, V] float32
+        scores = LogSoftmax.given(processed_logprobs(adjusted, inputs.sampling))
+        next_ids = sample(adjusted, inputs.sampling, positions)
     else:
-        logprobs = torch.log_softmax(logits, dim=-1)  # [B, V] float32
+        scores = LogSoftmax.of(logits, cpu_kernel)
+        # NOTE: with nothing adjusted, the greedy ids are the argmax the log-softmax found.
+        greedy = scores.argmax if adjusted is logits else None
+        next_ids = sample(adjusted, inputs.sampling, positions, greedy)
     if inputs.max_top:
-        top = logprobs[inputs.top_rows].topk(inputs.max_top, dim=-1)
-        top_ids, top_logprobs = top.indices.int(), top.values
+        top_ids, top_logprobs = scores.top(inputs.top_rows, inputs.max_top)
     else:
         top_ids = torch.empty(0, 0, dtype=torch.int32, device=logits.device)
         top_logprobs = torch.empty(0, 0, device=logits.device)
+    rows = torch.arange(len(next_ids), device=logits.device)
     return SampledScores(
         next_ids=next_ids,
-        logprobs=logprobs.gather(1, next_ids[:, None]).squeeze(1),
+        logprobs=scores.at(rows, next_ids),
         top_ids=top_ids,
         top_logprobs=top_logprobs,
-        token_ids_logprobs=logprobs[inputs.token_id_rows, inputs.token_ids],
+        token_ids_logprobs=scores.at(inputs.token_id_rows, inputs.token_ids),
     )
 
 

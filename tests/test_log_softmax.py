@@ -1,0 +1,87 @@
+"""The log-softmax computed only where asked (logprobs.LogSoftmax, csrc/log_softmax.cpp):
+close to torch's log_softmax, the first max as argmax, NaN where torch gives NaN, a row's
+numbers independent of its company, and the same bits from a build without any AVX."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.tp_worker import cpu_kernels, logprobs
+from tokenmill.tp_worker.logprobs import LogSoftmax
+
+
+def _logits(rows: int = 9, vocab: int = 1003, seed: int = 0) -> torch.Tensor:
+    """1003 columns: 62 whole blocks of 16 and a tail of 11."""
+    return 6 * torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("cpu_kernel", [True, False])
+def test_matches_torch_log_softmax(cpu_kernel: bool) -> None:
+    logits = _logits()
+    scores = LogSoftmax.of(logits, cpu_kernel)
+    expected = torch.log_softmax(logits.double(), dim=-1)
+    rows = torch.arange(9).repeat_interleave(1003)
+    ids = torch.arange(1003).repeat(9)
+    torch.testing.assert_close(
+        scores.at(rows, ids).double(), expected.flatten(), atol=1e-6, rtol=3e-7
+    )
+    assert torch.equal(scores.argmax, logits.argmax(dim=-1))
+    top_ids, top_values = scores.top(torch.tensor([4, 0]), 5)
+    reference = expected[[4, 0]].topk(5, dim=-1)
+    assert torch.equal(top_ids.long(), reference.indices)
+    torch.testing.assert_close(top_values.double(), reference.values, atol=2e-6, rtol=0)
+
+
+def test_ties_infinities_and_nan_as_torch() -> None:
+    logits = _logits(6, 40)
+    logits[0, [3, 17, 33]] = 50.0  # a tie in three lanes: the first index wins
+    logits[1] = float("-inf")
+    logits[1, 25] = 0.0  # one finite logit: logprob 0 there, -inf elsewhere
+    logits[2, [5, 30]] = float("nan")
+    logits[3, 7] = float("inf")
+    logits[4] = float("-inf")
+    logits[5, 38] = 80.0  # the max in the tail past the last whole block
+    scores = LogSoftmax.of(logits, cpu_kernel=True)
+    assert scores.argmax.tolist() == [3, 25, 5, 7, 0, 38]
+    assert torch.equal(scores.argmax, logits.argmax(dim=-1))
+    rows = torch.arange(6).repeat_interleave(40)
+    ids = torch.arange(40).repeat(6)
+    ours = scores.at(rows, ids).view(6, 40)
+    expected = torch.log_softmax(logits, dim=-1)
+    assert ours[1, 25] == 0.0 and bool((ours[1, :25] == float("-inf")).all())
+    for row in (2, 3, 4):
+        assert bool(ours[row].isnan().all()) and bool(expected[row].isnan().all())
+    torch.testing.assert_close(ours[[0, 5]], expected[[0, 5]], atol=2e-6, rtol=0)
+
+
+def test_a_row_is_bitwise_the_same_in_any_company() -> None:
+    logits = _logits(64, 3000)
+    together = LogSoftmax.of(logits, cpu_kernel=True)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = LogSoftmax.of(logits, cpu_kernel=True)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(single.logsum, together.logsum)
+    for start, stop in ((0, 1), (13, 14), (5, 40)):
+        part = LogSoftmax.of(logits[start:stop], cpu_kernel=True)
+        assert torch.equal(part.logsum, together.logsum[start:stop])
+        assert torch.equal(part.max, together.max[start:stop])
+    strided = LogSoftmax.of(torch.cat([logits, logits], dim=1)[:, :3000], cpu_kernel=True)
+    assert torch.equal(strided.logsum, together.logsum)
+
+
+def test_a_build_without_avx_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    logits = _logits(7, 1003)
+    logits[2, 100] = float("nan")
+    native = LogSoftmax.of(logits, cpu_kernel=True)
+    portable = cpu_kernels.load(cpu_kernels.build("x86-64-v2"))
+    monkeypatch.setattr(logprobs, "library", lambda: portable)
+    other = LogSoftmax.of(logits, cpu_kernel=True)
+    assert torch.equal(other.argmax, native.argmax)
+    assert torch.equal(other.max[[0, 1, 3, 4, 5, 6]], native.max[[0, 1, 3, 4, 5, 6]])
+    assert torch.equal(other.logsum.isnan(), native.logsum.isnan())
+    finite = ~native.logsum.isnan()
+    assert torch.equal(other.logsum[finite], native.logsum[finite])

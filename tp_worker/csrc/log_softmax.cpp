@@ -1,0 +1,122 @@
+// What a float32 log-softmax needs of each row of logits, in one read of the row and without
+// writing a [rows, vocab] matrix (tp_worker, via ctypes): the max, the index of its first
+// occurrence (the greedy token), and logsum = log(sum over j of exp(x_j - max)), so that
+// logprob_j = (x_j - max) - logsum for whichever j the caller wants, as torch's log_softmax
+// computes it.
+//
+// The sum's order is fixed here: lane l of 16 sums exp(x_j - max) over the columns
+// j = l (mod 16) below the last whole block of 16, in ascending order; the lanes combine by
+// tree_sum16; the leftover columns follow one by one, ascending. exp is exp.h's; the log is
+// taken in double and rounded to float. So a row's numbers depend on the row alone, and are
+// the same in the AVX-512 and the portable form. A row whose max is not finite (a NaN or a
+// +inf logit, or every logit -inf) gets logsum NaN, as torch's log_softmax gives NaN there.
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "bf16.h"
+#include "exp.h"
+
+namespace {
+
+using tokenmill::exp_nonpositive;
+using tokenmill::tree_sum16;
+#if defined(__AVX512F__)
+using tokenmill::exp_nonpositive16;
+#endif
+
+constexpr int LANES = 16;
+
+// The max and its first index; a NaN counts as the max (its first index), as torch's argmax.
+void row_max(const float* x, int64_t n, float* max, int64_t* index) {
+  float best = -std::numeric_limits<float>::infinity();
+  int64_t at = 0;
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  const int64_t whole = n / LANES * LANES;
+  if (whole > 0) {
+    __m512 lane_best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    __m512i lane_at = _mm512_set1_epi32(0);
+    __mmask16 nan = 0;
+    __m512i column = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (; j < whole; j += LANES) {
+      const __m512 v = _mm512_loadu_ps(x + j);
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      const __mmask16 greater = _mm512_cmp_ps_mask(v, lane_best, _CMP_GT_OQ);
+      lane_best = _mm512_mask_mov_ps(lane_best, greater, v);
+      lane_at = _mm512_mask_mov_epi32(lane_at, greater, column);
+      column = _mm512_add_epi32(column, _mm512_set1_epi32(LANES));
+    }
+    if (nan) {  // NOTE: rare; the scalar loop below finds the first NaN
+      j = 0;
+    } else {
+      alignas(64) float values[LANES];
+      alignas(64) int32_t indices[LANES];
+      _mm512_store_ps(values, lane_best);
+      _mm512_store_si512(indices, lane_at);
+      best = values[0];
+      at = indices[0];
+      for (int l = 1; l < LANES; ++l)
+        if (values[l] > best || (values[l] == best && indices[l] < at)) {
+          best = values[l];
+          at = indices[l];
+        }
+    }
+  }
+#endif
+  for (; j < n; ++j) {
+    if (std::isnan(x[j])) {
+      best = x[j];
+      at = j;
+      break;
+    }
+    if (x[j] > best) {
+      best = x[j];
+      at = j;
+    }
+  }
+  *max = best;
+  *index = at;
+}
+
+float row_logsum(const float* x, int64_t n, float max) {
+  if (!std::isfinite(max)) return std::numeric_limits<float>::quiet_NaN();
+  const int64_t whole = n / LANES * LANES;
+  alignas(64) float lane[LANES] = {};
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  const __m512 m = _mm512_set1_ps(max);
+  for (int64_t j = 0; j < whole; j += LANES)
+    acc = _mm512_add_ps(acc, exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(x + j), m)));
+  _mm512_store_ps(lane, acc);
+#else
+  for (int64_t j = 0; j < whole; j += LANES)
+    for (int l = 0; l < LANES; ++l) lane[l] = lane[l] + exp_nonpositive(x[j + l] - max);
+#endif
+  float sum = tree_sum16(lane);
+  for (int64_t j = whole; j < n; ++j) sum = sum + exp_nonpositive(x[j] - max);
+  return static_cast<float>(std::log(static_cast<double>(sum)));
+}
+
+}  // namespace
+
+extern "C" {
+
+// logits [rows, vocab] float32, rows row_stride apart; max_out, logsum_out [rows] float32,
+// argmax_out [rows] int64.
+void tm_log_softmax_stats(const float* logits, int64_t rows, int64_t vocab, int64_t row_stride,
+                          float* max_out, int64_t* argmax_out, float* logsum_out) {
+#pragma omp parallel for schedule(static) if (rows * vocab >= (1 << 16))
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* x = logits + r * row_stride;
+    row_max(x, vocab, max_out + r, argmax_out + r);
+    logsum_out[r] = row_logsum(x, vocab, max_out[r]);
+  }
+}
+
+}  // extern "C"
