@@ -19,7 +19,7 @@ def _logits(rows: int = 9, vocab: int = 1003, seed: int = 0) -> torch.Tensor:
 @pytest.mark.parametrize("cpu_kernel", [True, False])
 def test_matches_torch_log_softmax(cpu_kernel: bool) -> None:
     logits = _logits()
-    scores = LogSoftmax.of(logits, cpu_kernel)
+    scores = LogSoftmax.of(logits, cpu_kernel, top=8)
     expected = torch.log_softmax(logits.double(), dim=-1)
     rows = torch.arange(9).repeat_interleave(1003)
     ids = torch.arange(1003).repeat(9)
@@ -42,8 +42,14 @@ def test_ties_infinities_and_nan_as_torch() -> None:
     logits[3, 7] = float("inf")
     logits[4] = float("-inf")
     logits[5, 38] = 80.0  # the max in the tail past the last whole block
-    scores = LogSoftmax.of(logits, cpu_kernel=True)
+    scores = LogSoftmax.of(logits, cpu_kernel=True, top=4)
     assert scores.argmax.tolist() == [3, 25, 5, 7, 0, 38]
+    top_ids, top_values = scores.top(torch.tensor([0, 1, 5]), 4)
+    assert top_ids[0, :3].tolist() == [3, 17, 33]  # equal values: the smaller index first
+    assert top_ids[1, 0] == 25 and top_values[1, 0] == 0.0
+    assert bool((top_values[1, 1:] == float("-inf")).all()) and top_ids[2, 0] == 38
+    nan_row_ids, _ = scores.top(torch.tensor([2]), 2)  # NaN rows are torch's: NaN first
+    assert nan_row_ids[0].tolist() in ([5, 30], [30, 5])
     assert torch.equal(scores.argmax, logits.argmax(dim=-1))
     rows = torch.arange(6).repeat_interleave(40)
     ids = torch.arange(40).repeat(6)
@@ -76,10 +82,13 @@ def test_a_row_is_bitwise_the_same_in_any_company() -> None:
 def test_a_build_without_avx_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
     logits = _logits(7, 1003)
     logits[2, 100] = float("nan")
-    native = LogSoftmax.of(logits, cpu_kernel=True)
+    native = LogSoftmax.of(logits, cpu_kernel=True, top=20)
     portable = cpu_kernels.load(cpu_kernels.build("x86-64-v2"))
     monkeypatch.setattr(logprobs, "library", lambda: portable)
-    other = LogSoftmax.of(logits, cpu_kernel=True)
+    other = LogSoftmax.of(logits, cpu_kernel=True, top=20)
+    rows = torch.tensor([0, 1, 3, 4, 5, 6])
+    for ours, theirs in zip(other.top(rows, 20), native.top(rows, 20), strict=True):
+        assert torch.equal(ours, theirs)
     assert torch.equal(other.argmax, native.argmax)
     assert torch.equal(other.max[[0, 1, 3, 4, 5, 6]], native.max[[0, 1, 3, 4, 5, 6]])
     assert torch.equal(other.logsum.isnan(), native.logsum.isnan())

@@ -36,20 +36,26 @@ class LogSoftmax:
     max: torch.Tensor  # [N] float32
     argmax: torch.Tensor  # [N] int64, the first index of the max (torch's argmax)
     logsum: torch.Tensor  # [N] float32
+    # NOTE: the kernel's top-k of every row, found in the same pass ([N, K] int32 / float32).
+    top_ids: torch.Tensor | None = None
+    top_logits: torch.Tensor | None = None
 
     @staticmethod
-    def of(logits: torch.Tensor, cpu_kernel: bool) -> LogSoftmax:
-        """cpu_kernel: through csrc/log_softmax.cpp (float32 logits in CPU memory)."""
+    def of(logits: torch.Tensor, cpu_kernel: bool, top: int = 0) -> LogSoftmax:
+        """cpu_kernel: through csrc/log_softmax.cpp (float32 logits in CPU memory), which
+        also finds each row's `top` largest logits."""
         if not cpu_kernel:
-            top = logits.max(dim=-1)
-            shifted = logits - top.values[:, None]
+            best = logits.max(dim=-1)
+            shifted = logits - best.values[:, None]
             logsum = torch.log(torch.exp(shifted).sum(dim=-1))
-            return LogSoftmax(logits, top.values, top.indices, logsum)
+            return LogSoftmax(logits, best.values, best.indices, logsum)
         assert logits.dtype == torch.float32 and logits.device.type == "cpu"
         assert logits.dim() == 2 and logits.stride(1) == 1
-        rows = logits.shape[0]
+        rows, top = logits.shape[0], min(top, logits.shape[1])
         max_, logsum = logits.new_empty(rows), logits.new_empty(rows)
         argmax = torch.empty(rows, dtype=torch.int64)
+        top_ids = torch.empty(rows, top, dtype=torch.int32)
+        top_logits = logits.new_empty(rows, top)
         library().tm_log_softmax_stats(
             logits.data_ptr(),
             rows,
@@ -58,8 +64,19 @@ class LogSoftmax:
             max_.data_ptr(),
             argmax.data_ptr(),
             logsum.data_ptr(),
+            top,
+            top_ids.data_ptr(),
+            top_logits.data_ptr(),
         )
-        return LogSoftmax(logits, max_, argmax, logsum)
+        found = top > 0
+        return LogSoftmax(
+            logits,
+            max_,
+            argmax,
+            logsum,
+            top_ids if found else None,
+            top_logits if found else None,
+        )
 
     @staticmethod
     def given(logprobs: torch.Tensor) -> LogSoftmax:
@@ -76,11 +93,28 @@ class LogSoftmax:
     def top(self, rows: torch.Tensor | None, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k most likely ids [R, k] int32 of rows [R] (None: every row), and their
         logprobs [R, k]."""
-        logits, max_, logsum = self.logits, self.max, self.logsum
-        if rows is not None:
-            logits, max_, logsum = logits[rows], max_[rows], logsum[rows]
-        top = logits.topk(k, dim=-1)
-        return top.indices.int(), (top.values - max_[:, None]) - logsum[:, None]
+        max_, logsum = (
+            (self.max, self.logsum) if rows is None else (self.max[rows], self.logsum[rows])
+        )
+        found = self._found_top(rows, k, max_)
+        if found is None:
+            logits = self.logits if rows is None else self.logits[rows]
+            top = logits.topk(k, dim=-1)
+            found = top.indices.int(), top.values
+        ids, values = found
+        return ids, (values - max_[:, None]) - logsum[:, None]
+
+    def _found_top(
+        self, rows: torch.Tensor | None, k: int, max_: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The top k the kernel found for `rows`, if it did: not for rows with a NaN, which
+        it leaves to torch (whose topk puts NaN first)."""
+        if self.top_ids is None or self.top_logits is None or self.top_ids.shape[1] < k:
+            return None
+        if bool(max_.isnan().any()):
+            return None
+        ids, values = self.top_ids[:, :k], self.top_logits[:, :k]
+        return (ids, values) if rows is None else (ids[rows], values[rows])
 
 
 def default_chunk_size(vocab: int) -> int:
@@ -110,9 +144,10 @@ def score_prompt(
     """hidden [P, H] (each predicting targets [P]) -> scores, in chunks of chunk_size rows."""
     parts = []
     for start in range(0, hidden.shape[0], chunk_size):
-        scores = LogSoftmax.of(logits_fn(hidden[start : start + chunk_size]), cpu_kernel)
+        logits = logits_fn(hidden[start : start + chunk_size])
+        scores = LogSoftmax.of(logits, cpu_kernel, num_top)
         parts.append(score_targets(scores, targets[start : start + chunk_size], num_top))
-        del scores
+        del logits, scores
     if not parts:
         return ScoredPositions(
             hidden.new_empty(0, dtype=torch.float32),

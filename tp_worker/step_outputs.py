@@ -43,7 +43,7 @@ def score_sampled(
         scores = LogSoftmax.given(processed_logprobs(adjusted, inputs.sampling))
         next_ids = sample(adjusted, inputs.sampling, positions)
     else:
-        scores = LogSoftmax.of(logits, cpu_kernel)
+        scores = LogSoftmax.of(logits, cpu_kernel, inputs.max_top)
         # NOTE: with nothing adjusted, the greedy ids are the argmax the log-softmax found.
         greedy = scores.argmax if adjusted is logits else None
         next_ids = sample(adjusted, inputs.sampling, positions, greedy)

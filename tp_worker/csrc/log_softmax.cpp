@@ -103,19 +103,52 @@ float row_logsum(const float* x, int64_t n, float max) {
   return static_cast<float>(std::log(static_cast<double>(sum)));
 }
 
+// The k largest logits of a row (k <= vocab) into ids / values, largest first; of equal
+// values the smaller index first (NaN rows are the caller's: it asks only for rows without).
+void row_top(const float* x, int64_t n, int64_t k, int32_t* ids, float* values) {
+  int64_t filled = 0;
+  auto insert = [&](int64_t j) {  // into the sorted prefix, after any equal value
+    int64_t at = filled < k ? filled++ : k - 1;
+    while (at > 0 && x[j] > values[at - 1]) {
+      values[at] = values[at - 1];
+      ids[at] = ids[at - 1];
+      --at;
+    }
+    values[at] = x[j];
+    ids[at] = static_cast<int32_t>(j);
+  };
+  int64_t j = 0;
+  for (; j < n && filled < k; ++j) insert(j);
+#if defined(__AVX512F__)
+  // NOTE: most blocks hold nothing above the current k-th value: one compare skips them.
+  for (; j + LANES <= n; j += LANES) {
+    __mmask16 above = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + j), _mm512_set1_ps(values[k - 1]),
+                                         _CMP_GT_OQ);
+    for (int l = 0; above; ++l, above >>= 1)
+      if ((above & 1) && x[j + l] > values[k - 1]) insert(j + l);
+  }
+#endif
+  for (; j < n; ++j)
+    if (x[j] > values[k - 1]) insert(j);
+}
+
 }  // namespace
 
 extern "C" {
 
 // logits [rows, vocab] float32, rows row_stride apart; max_out, logsum_out [rows] float32,
-// argmax_out [rows] int64.
+// argmax_out [rows] int64; with top > 0 (and <= vocab), the top largest logits of each row
+// whose max is not NaN into top_ids [rows, top] int32 and top_values [rows, top] float32.
 void tm_log_softmax_stats(const float* logits, int64_t rows, int64_t vocab, int64_t row_stride,
-                          float* max_out, int64_t* argmax_out, float* logsum_out) {
+                          float* max_out, int64_t* argmax_out, float* logsum_out, int64_t top,
+                          int32_t* top_ids, float* top_values) {
 #pragma omp parallel for schedule(static) if (rows * vocab >= (1 << 16))
   for (int64_t r = 0; r < rows; ++r) {
     const float* x = logits + r * row_stride;
     row_max(x, vocab, max_out + r, argmax_out + r);
     logsum_out[r] = row_logsum(x, vocab, max_out[r]);
+    if (top > 0 && !std::isnan(max_out[r]))
+      row_top(x, vocab, top, top_ids + r * top, top_values + r * top);
   }
 }
 
