@@ -411,10 +411,13 @@ bool one_token_numerators(const T* keys, const T* values, const int32_t* slots,
     const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(m));
     for (int64_t j0 = 0; j0 < num_keys; j0 += 16)
       _mm512_storeu_ps(sc + j0, exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(sc + j0), max)));
-    float sum = 0.0f;
-    for (int64_t j = 0; j < num_keys; ++j) sum = sum + sc[j];
-    den[l] = sum;
   }
+  // NOTE: each lane's sum runs over ascending keys; the lanes' chains advance together so
+  // that their additions overlap instead of waiting on one another.
+  float sums[8] = {};
+  for (int64_t j = 0; j < num_keys; ++j)
+    for (int64_t l = 0; l < lanes; ++l) sums[l] = sums[l] + scores[l * padded + j];
+  for (int64_t l = 0; l < lanes; ++l) den[l] = sums[l];
   return true;
 }
 #endif
