@@ -6,11 +6,16 @@ never pickled. Every process that puts an array on a socket goes through `pack` 
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 import numpy as np
 
 # NOTE: a closed set of dtypes keeps a malformed frame from naming an object dtype.
 _DTYPES = frozenset({"bool", "int8", "int32", "int64", "float16", "float32", "float64", "uint8"})
+# NOTE: looked up, not rebuilt per call: a step packs a few arrays per request.
+_LITTLE = {name: np.dtype(name).newbyteorder("<") for name in _DTYPES}
+_NAME_OF = {dtype: name for name, dtype in _LITTLE.items()}
 
 
 class Array(msgspec.Struct, frozen=True, array_like=True):
@@ -23,20 +28,23 @@ class Array(msgspec.Struct, frozen=True, array_like=True):
 
 def pack(array: np.ndarray) -> Array:
     array = np.asarray(array)
-    if array.dtype.name not in _DTYPES:
-        raise TypeError(f"dtype {array.dtype} cannot travel in a message")
-    # NOTE: asarray, not ascontiguousarray (which makes 0-d arrays 1-d); little-endian bytes.
-    array = np.asarray(array, dtype=array.dtype.newbyteorder("<"), order="C")
-    return Array(array.dtype.name, tuple(int(n) for n in array.shape), array.tobytes())
+    name = _NAME_OF.get(array.dtype)  # a little-endian dtype of the set
+    if name is None:
+        if array.dtype.name not in _DTYPES:
+            raise TypeError(f"dtype {array.dtype} cannot travel in a message")
+        name = array.dtype.name
+        array = array.astype(_LITTLE[name])
+    # NOTE: tobytes writes C order whatever the strides (and keeps 0-d arrays 0-d).
+    return Array(name, array.shape, array.tobytes(order="C"))
 
 
 def unpack(message: Array) -> np.ndarray:
     """A read-only view of the message's bytes (no copy)."""
-    if message.dtype not in _DTYPES:
+    dtype = _LITTLE.get(message.dtype)
+    if dtype is None:
         raise ValueError(f"dtype {message.dtype!r} is not allowed in a message")
-    dtype = np.dtype(message.dtype).newbyteorder("<")
-    count = int(np.prod(message.shape, dtype=np.int64))
-    if count * dtype.itemsize != len(message.data):
+    count = math.prod(message.shape)
+    if count < 0 or count * dtype.itemsize != len(message.data):
         raise ValueError(f"{len(message.data)} bytes do not fill shape {message.shape} of {dtype}")
     return np.frombuffer(message.data, dtype=dtype, count=count).reshape(message.shape)
 
