@@ -45,10 +45,10 @@ class LogSoftmax:
         """cpu_kernel: through csrc/log_softmax.cpp (float32 logits in CPU memory), which
         also finds each row's `top` largest logits."""
         if not cpu_kernel:
-            best = logits.max(dim=-1)
-            shifted = logits - best.values[:, None]
-            logsum = torch.log(torch.exp(shifted).sum(dim=-1))
-            return LogSoftmax(logits, best.values, best.indices, logsum)
+            # NOTE: argmax, not max's indices: only argmax promises the first of equal maxima.
+            max_ = logits.amax(dim=-1)
+            logsum = torch.log(torch.exp(logits - max_[:, None]).sum(dim=-1))
+            return LogSoftmax(logits, max_, logits.argmax(dim=-1), logsum)
         assert logits.dtype == torch.float32 and logits.device.type == "cpu"
         assert logits.dim() == 2 and logits.stride(1) == 1
         rows, top = logits.shape[0], min(top, logits.shape[1])
