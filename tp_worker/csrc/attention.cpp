@@ -12,8 +12,9 @@
 //     bit (they start at +0.0 and are never -0.0), so unseen keys change nothing.
 // So a token's output is bitwise the same alone (decode), in a prompt chunk, or after a
 // prefix-cache hit, whichever of the two vectorisations below computes it (queries in the
-// vector lanes for prompt chunks, keys in the vector lanes for one token). Built with -ffp-contract=off and without -ffast-math: the compiler
-// vectorises the lane loops but never fuses or reassociates what the source does not.
+// vector lanes for prompt chunks, keys in the vector lanes for one token). Built with
+// -ffp-contract=off and without -ffast-math: the compiler vectorises the lane loops but never
+// fuses or reassociates what the source does not.
 //
 // Keys are read where they lie: position p of table row r is slot table[r * stride + p], so
 // an item costs work in proportion to its own row's context (causal, or the sliding window).

@@ -53,7 +53,8 @@ inline __m512i bf16_bits16(__m512 v) {
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
   const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(bits, _mm512_set1_epi32(0x400000)));
+  const __m512i quiet = _mm512_or_si512(bits, _mm512_set1_epi32(0x400000));
+  rounded = _mm512_mask_mov_epi32(rounded, nan, quiet);
   return _mm512_srli_epi32(rounded, 16);
 }
 

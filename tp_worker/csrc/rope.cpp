@@ -33,7 +33,7 @@ inline float rotate(float x, float rot, float c, float s, const T* tag) {
   return a + b;
 }
 
-// One head of head_dim elements: rotated into dst (which may be the cache), or copied.
+// One head of head_dim elements, rotated into dst (which may lie in the KV cache).
 template <typename T>
 void rope_head(const T* src, const T* cos, const T* sin, int64_t dim, T* dst) {
   const int64_t half = dim / 2;
@@ -73,7 +73,8 @@ void rope_store(const T* qkv, const T* cos, const T* sin, const int64_t* slots, 
     const T* row = qkv + t * width;
     const T* c = cos + t * dim;
     const T* s = sin + t * dim;
-    for (int64_t h = 0; h < heads; ++h) rope_head(row + h * dim, c, s, dim, q_out + (t * heads + h) * dim);
+    for (int64_t h = 0; h < heads; ++h)
+      rope_head(row + h * dim, c, s, dim, q_out + (t * heads + h) * dim);
     const int64_t at = slots[t] * slot_stride;
     for (int64_t h = 0; h < kv_heads; ++h) {
       rope_head(row + (heads + h) * dim, c, s, dim, k_cache + h * head_stride + at);
