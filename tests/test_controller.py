@@ -334,3 +334,16 @@ def test_decoding_rows_get_their_slots_in_runs() -> None:
         assert len(r.slots) <= r.num_prompt_tokens + r.message.sampling.max_tokens - 1
     run_until_idle(controller)
     assert controller.kv.num_available == 256
+
+
+def test_slot_runs_never_cost_a_preemption_on_a_tight_pool() -> None:
+    """Two requests that together need 42 slots, on a 44-slot pool: a run never takes more
+    than its request can use, so they finish without a preemption, and nothing leaks."""
+    controller, sockets = make_controller(kv_tokens=44, max_prefill=64, max_model_len=64)
+    sockets.inbox.append(request("a", list(range(3, 13)), max_tokens=12))
+    sockets.inbox.append(request("b", list(range(15, 25)), max_tokens=12))
+    run_until_idle(controller)
+    assert controller.scheduler.num_preemptions == 0
+    assert tokens_of(sockets.outputs, "a") == list(range(13, 25))
+    assert tokens_of(sockets.outputs, "b") == list(range(25, 37))
+    assert controller.kv.num_available == 44
