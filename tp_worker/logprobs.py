@@ -34,7 +34,8 @@ class LogSoftmax:
 
     logits: torch.Tensor  # [N, V] float32
     max: torch.Tensor  # [N] float32
-    argmax: torch.Tensor  # [N] int64, the first index of the max (torch's argmax)
+    # NOTE: [N] int64 first index of the max (torch's argmax), where the pass found it free.
+    argmax: torch.Tensor | None
     logsum: torch.Tensor  # [N] float32
     # NOTE: the kernel's top-k of every row, found in the same pass ([N, K] int32 / float32).
     top_ids: torch.Tensor | None = None
@@ -45,10 +46,9 @@ class LogSoftmax:
         """cpu_kernel: through csrc/log_softmax.cpp (float32 logits in CPU memory), which
         also finds each row's `top` largest logits."""
         if not cpu_kernel:
-            # NOTE: argmax, not max's indices: only argmax promises the first of equal maxima.
             max_ = logits.amax(dim=-1)
             logsum = torch.log(torch.exp(logits - max_[:, None]).sum(dim=-1))
-            return LogSoftmax(logits, max_, logits.argmax(dim=-1), logsum)
+            return LogSoftmax(logits, max_, None, logsum)
         assert logits.dtype == torch.float32 and logits.device.type == "cpu"
         assert logits.dim() == 2 and logits.stride(1) == 1
         rows, top = logits.shape[0], min(top, logits.shape[1])
@@ -83,7 +83,7 @@ class LogSoftmax:
         """An already normalised [N, V] float32 (max and logsum 0 leave its values as they
         are)."""
         zeros = logprobs.new_zeros(logprobs.shape[0])
-        return LogSoftmax(logprobs, zeros, logprobs.argmax(dim=-1), zeros)
+        return LogSoftmax(logprobs, zeros, None, zeros)
 
     def at(self, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """logprobs [M] of token ids [M] in rows [M]."""
