@@ -26,20 +26,18 @@ class Attention(Protocol):
         holds the new tokens' keys and values."""
         ...
 
-
-def attend_new_tokens(
-    attention: Attention,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv: tuple[torch.Tensor, torch.Tensor],
-    scale: float,
-) -> torch.Tensor:
-    """Writes the new tokens' k/v [T, Hkv, D] into the layer's cache, then attends: every
-    backend sees a token's own key."""
-    kv[0].index_copy_(1, attention.out_slots, k.transpose(0, 1))
-    kv[1].index_copy_(1, attention.out_slots, v.transpose(0, 1))
-    return attention.attend(q, kv[0], kv[1], scale)
+    def attend_projection(
+        self,
+        qkv: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, ...],
+        kv: tuple[torch.Tensor, torch.Tensor],
+        num_heads: int,
+        num_kv_heads: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """The fused projection qkv [T, (Hq + 2 Hkv) * D] -> [T, Hq * D]: RoPE on q and k,
+        the new keys and values into the layer's cache, then `attend`."""
+        ...
 
 
 def plan_attention(

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.tp_worker.cpu_kernels import library
-from tokenmill.tp_worker.cpu_ops import DTYPE_CODES
+from tokenmill.tp_worker.cpu_ops import DTYPE_CODES, rope_store_cpu
 
 
 @dataclass(frozen=True)
@@ -61,3 +61,16 @@ class PagedAttention:
         )
         assert status == 0, f"tm_paged_attention failed ({status})"
         return out.view(q.shape[0], -1)
+
+    def attend_projection(
+        self,
+        qkv: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, ...],
+        kv: tuple[torch.Tensor, torch.Tensor],
+        num_heads: int,
+        num_kv_heads: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """RoPE and the KV write in one pass (csrc/rope.cpp), then `attend` (see Attention)."""
+        q = rope_store_cpu(qkv, cos_sin, kv, self.out_slots, num_heads, num_kv_heads)
+        return self.attend(q, kv[0], kv[1], scale)

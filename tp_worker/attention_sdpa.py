@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tokenmill.tp_worker.rope import apply_rotary
+
 KEY_BLOCK = 64
 QUERY_BLOCK = 32
 
@@ -56,6 +58,24 @@ class SdpaAttention:
             )  # [G, Hq, Q, D]
             out[group.tokens] = result.transpose(1, 2).reshape(-1, out.shape[1])[group.valid]
         return out
+
+    def attend_projection(
+        self,
+        qkv: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, ...],
+        kv: tuple[torch.Tensor, torch.Tensor],
+        num_heads: int,
+        num_kv_heads: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """RoPE and the KV write with torch ops, then SDPA (see Attention)."""
+        dim = cos_sin[0].shape[-1]
+        q, k, v = qkv.split([num_heads * dim, num_kv_heads * dim, num_kv_heads * dim], dim=-1)
+        q = apply_rotary(q.view(-1, num_heads, dim), *cos_sin)
+        k = apply_rotary(k.view(-1, num_kv_heads, dim), *cos_sin)
+        kv[0].index_copy_(1, self.out_slots, k.transpose(0, 1))
+        kv[1].index_copy_(1, self.out_slots, v.view(-1, num_kv_heads, dim).transpose(0, 1))
+        return self.attend(q, kv[0], kv[1], scale)
 
 
 def plan_sdpa(

@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.tp_worker.attention import Attention, attend_new_tokens
-from tokenmill.tp_worker.cpu_ops import PackedLinear, rms_norm_cpu, rope_store_cpu, silu_mul_cpu
+from tokenmill.tp_worker.attention import Attention
+from tokenmill.tp_worker.cpu_ops import PackedLinear, rms_norm_cpu, silu_mul_cpu
 from tokenmill.tp_worker.model_config import ModelConfig
 from tokenmill.tp_worker.parallel import ShardedLinear, TpGroup, VocabEmbedding, invariant_linear
-from tokenmill.tp_worker.rope import Rotary, apply_rotary
+from tokenmill.tp_worker.rope import Rotary
 
 
 class RMSNorm(nn.Module):
@@ -64,8 +64,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps, dtype, device)
         self.gate_up_proj = ShardedLinear(hidden, 2 * inter, False, False, group, dtype, device)
         self.down_proj = ShardedLinear(inter, hidden, False, True, group, dtype, device)
-        # NOTE: RoPE + KV write and SiLU x up by csrc/ (switched on by CausalLM.use_cpu_kernels)
-        self.cpu_kernel = False
+        self.cpu_kernel = False  # SiLU x up by csrc/activation.cpp (CausalLM.use_cpu_kernels)
 
     def forward(
         self,
@@ -76,32 +75,15 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
         qkv = self.qkv_proj(self.input_layernorm(x))
-        x = x + self.o_proj(self._attend(qkv, cos_sin, attention, kv))
+        attended = attention.attend_projection(
+            qkv, cos_sin, kv, self.num_heads, self.num_kv_heads, self.scale
+        )
+        x = x + self.o_proj(attended)
         gate_up = self.gate_up_proj(self.post_attention_layernorm(x))
         if self.cpu_kernel:
             return x + self.down_proj(silu_mul_cpu(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
-
-    def _attend(
-        self,
-        qkv: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, ...],
-        attention: Attention,
-        kv: tuple[torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor:
-        """RoPE, the new keys and values into the cache, attention: [T, qkv] -> [T, Hq * D]."""
-        if self.cpu_kernel:
-            q = rope_store_cpu(
-                qkv, cos_sin, kv, attention.out_slots, self.num_heads, self.num_kv_heads
-            )
-            return attention.attend(q, kv[0], kv[1], self.scale)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), *cos_sin)
-        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), *cos_sin)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        return attend_new_tokens(attention, q, k, v, kv, self.scale)
 
 
 class CausalLM(nn.Module):
