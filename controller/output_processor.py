@@ -114,10 +114,13 @@ class OutputProcessor:
         request.num_sent_outputs = len(request.output_ids)
         lo, hi = arrays.token_ids_offsets[b], arrays.token_ids_offsets[b + 1]
         row = arrays.top_row[b]
+        # NOTE: the chosen tokens' logprobs come with any per-position logprobs (top or
+        # token_ids): the detokenizer's entries are built around them (computed for every row).
+        positions = asks.return_logprob or k > 0 or bool(asks.token_ids)
         return RequestOutput(
             req_id=request.req_id,
             new_ids=pack(np.asarray(new_ids, np.int32)),
-            logprobs=pack(arrays.logprobs[:n, b]) if asks.return_logprob else None,
+            logprobs=pack(arrays.logprobs[:n, b]) if positions else None,
             top_ids=pack(arrays.top_ids[:n, row, :k]) if k else None,
             top_logprobs=pack(arrays.top_logprobs[:n, row, :k]) if k else None,
             token_ids_logprobs=pack(arrays.token_ids_logprobs[:n, lo:hi])
