@@ -156,12 +156,17 @@ class Scheduler:
         return True
 
     def _shares_a_running_prefill(self, request: Request) -> bool:
-        """True when a request still prefilling computes most of what this one would."""
+        """True when a request still prefilling computes most of what this one would, or all
+        of the prefix it says it shares with requests sent alongside it."""
         if self.kv.cache is None or request.max_cached_prefix <= 0:
             return False
         tokens = request.tokens(0, request.max_cached_prefix)
+        enough = len(tokens) // 2 + 1
+        shared = min(request.message.shared_prefix_len, len(tokens))
+        if shared > 0:
+            enough = min(enough, shared)
         for other in self.running:
-            if other.is_prefill and 2 * _common_prefix(tokens, other.prompt_ids) > len(tokens):
+            if other.is_prefill and _common_prefix(tokens, other.prompt_ids) >= enough:
                 return True
         return False
 

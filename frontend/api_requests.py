@@ -20,6 +20,7 @@ import numpy as np
 from msgspec import Meta
 
 from tokenmill.frontend.chat_template import ChatTemplate
+from tokenmill.frontend.rerank_prompt import RerankPrompt
 from tokenmill.frontend.tokenizer import Tokenizer
 from tokenmill.protocol.arrays import pack
 from tokenmill.protocol.requests import (
@@ -88,6 +89,8 @@ class RequestContext:
     served_model_name: str
     max_model_len: int
     max_logprobs: int
+    max_score_items: int = 4096  # --max-score-items
+    rerank: RerankPrompt | None = None  # --rerank-template and --rerank-labels
 
 
 @dataclass(frozen=True)
@@ -103,7 +106,7 @@ class Choice:
 
 @dataclass(frozen=True)
 class ParsedRequest:
-    api: str  # "chat" | "completion" | "generate"
+    api: str  # "chat" | "completion" | "generate" | "score"
     response_id: str
     model: str
     choices: list[Choice]

@@ -29,9 +29,19 @@ from tokenmill.frontend.api_responses import (
     sse,
 )
 from tokenmill.frontend.api_responses_native import NativeResponder
+from tokenmill.frontend.api_scoring import (
+    ScoringJob,
+    generative_scoring_response,
+    parse_generative_scoring,
+    parse_rerank,
+    parse_score,
+    rerank_response,
+    score_response,
+)
 from tokenmill.frontend.chat_template import ChatTemplate
 from tokenmill.frontend.engine_client import EngineClient, EngineDeadError
 from tokenmill.frontend.http_metrics import ApiMetrics
+from tokenmill.frontend.rerank_prompt import rerank_prompt
 from tokenmill.frontend.server_config import ServerConfig
 from tokenmill.frontend.tokenizer import Tokenizer
 from tokenmill.protocol.outputs import DetokenizedOutput
@@ -45,6 +55,8 @@ _DEAD = ApiError("the engine is not running", status=503, type="server_error", c
 _INTERNAL = ApiError("internal server error", status=500, type="server_error")
 
 Parser = Callable[[bytes, RequestContext], ParsedRequest]
+ScoringParser = Callable[[bytes, RequestContext], ScoringJob]
+ScoringResponder = Callable[[ScoringJob, list[list[float]]], Any]
 
 
 def json_response(obj: Any, status: int = 200) -> web.Response:
@@ -129,6 +141,15 @@ class HttpApi:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, parse_generate, NativeResponder)
 
+    async def score(self, request: web.Request) -> web.Response:
+        return await self._score(request, parse_score, score_response)
+
+    async def generative_scoring(self, request: web.Request) -> web.Response:
+        return await self._score(request, parse_generative_scoring, generative_scoring_response)
+
+    async def rerank(self, request: web.Request) -> web.Response:
+        return await self._score(request, parse_rerank, rerank_response)
+
     async def models(self, request: web.Request) -> web.Response:
         model = {
             "id": self.ctx.served_model_name,
@@ -149,9 +170,9 @@ class HttpApi:
         text = self.metrics.render(self.engine.stats)
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
-    async def _serve(
-        self, request: web.Request, parse: Parser, responder_cls: type[Responder]
-    ) -> web.StreamResponse:
+    async def _parse(
+        self, request: web.Request, parse: Callable[[bytes, RequestContext], Any]
+    ) -> Any:
         body = await request.read()
         # NOTE: a long prompt takes a while to tokenize (the tokenizer releases the GIL):
         # parsing off the event loop keeps every other request streaming meanwhile.
@@ -161,6 +182,32 @@ class HttpApi:
             parsed = parse(body, self.ctx)
         if not self.engine.stats.alive:
             raise EngineDeadError("engine is not alive")
+        return parsed
+
+    async def _score(
+        self, request: web.Request, parse: ScoringParser, respond: ScoringResponder
+    ) -> web.Response:
+        """Runs every item of a scoring request at once; answers with their label logprobs."""
+        job: ScoringJob = await self._parse(request, parse)
+        self.metrics.on_start(len(job.parsed.choices), True)
+        logprobs: list[list[float]] = [[] for _ in job.parsed.choices]
+        async with aclosing(self._outputs(job.parsed)) as outputs:
+            async for index, out in outputs:
+                if out.logprobs:
+                    logprobs[index] = out.logprobs[0].token_ids_logprobs
+        missing = [i for i, values in enumerate(logprobs) if len(values) != len(job.label_ids)]
+        if missing:
+            raise ApiError(
+                f"the engine returned no label logprobs for item {missing[0]}",
+                status=500,
+                type="server_error",
+            )
+        return json_response(respond(job, logprobs))
+
+    async def _serve(
+        self, request: web.Request, parse: Parser, responder_cls: type[Responder]
+    ) -> web.StreamResponse:
+        parsed: ParsedRequest = await self._parse(request, parse)
         self.metrics.on_start(len(parsed.choices), parsed.wants_logprobs)
         responder = responder_cls(parsed, self.ctx.tokenizer)
         if parsed.stream:
@@ -278,6 +325,8 @@ def build_app(
         served_model_name=config.served_model_name,
         max_model_len=max_model_len or resolve_max_model_len(config, tokenizer),
         max_logprobs=config.scheduler.max_logprobs,
+        max_score_items=config.scoring.max_score_items,
+        rerank=rerank_prompt(config.scoring, tokenizer),
     )
     api = HttpApi(config, engine, ctx)
     app = web.Application(
@@ -286,6 +335,10 @@ def build_app(
     app.router.add_post("/v1/chat/completions", api.chat)
     app.router.add_post("/v1/completions", api.completions)
     app.router.add_post("/generate", api.generate)
+    app.router.add_post("/v1/score", api.score)
+    app.router.add_post("/generative_scoring", api.generative_scoring)
+    app.router.add_post("/v1/rerank", api.rerank)
+    app.router.add_post("/rerank", api.rerank)
     app.router.add_get("/v1/models", api.models)
     app.router.add_get("/health", api.health)
     app.router.add_get("/metrics", api.prometheus)

@@ -27,7 +27,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "serve",
         help="serve a checkpoint over an OpenAI-compatible HTTP API",
         description="Starts the tokenmill server: an OpenAI-compatible API (/v1/chat/completions,"
-        " /v1/completions), the native /generate, /v1/models, /health and /metrics. With no "
+        " /v1/completions), the native /generate, scoring (/v1/score, /generative_scoring,"
+        " /v1/rerank), /v1/models, /health and /metrics. With no "
         "--model it builds (once, cached) and serves a small demo checkpoint.",
     )
     add_arguments(p)
@@ -47,9 +48,21 @@ def resolve(config: ServerConfig) -> tuple[ServerConfig, Path]:
         max_len = min(
             int(raw.get("max_position_embeddings", DEFAULT_MAX_MODEL_LEN)), DEFAULT_MAX_MODEL_LEN
         )
+    check_rerank_prompt(config, model_dir)
     name = config.model.served_model_name or config.model.model or "tokenmill-demo"
     model = replace(config.model, max_model_len=max_len, served_model_name=name)
     return replace(config, model=model), model_dir
+
+
+def check_rerank_prompt(config: ServerConfig, model_dir: Path) -> None:
+    """--rerank-template and --rerank-labels against the tokenizer, before any process starts."""
+    from tokenmill.frontend.rerank_prompt import rerank_prompt
+    from tokenmill.frontend.tokenizer import Tokenizer
+
+    try:
+        rerank_prompt(config.scoring, Tokenizer(model_dir))
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
 
 def check_tensor_parallel(raw: dict, tp: int) -> None:

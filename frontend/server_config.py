@@ -75,11 +75,25 @@ class HttpArgs:
 
 
 @dataclass(frozen=True)
+class ScoringArgs:
+    max_score_items: int = 4096
+    """Items (or documents) one /v1/score, /generative_scoring or /v1/rerank request may carry
+    at most; more is a 400."""
+    rerank_template: str = ""
+    """The prompt /v1/rerank scores, with {query} and {document} in it: the text itself or a
+    file that holds it (default: a built-in yes/no relevance question, shown in the README)."""
+    rerank_labels: str = "yes,no"
+    """The rerank prompt's two answers, comma-separated and taken literally, one token each:
+    relevance = P(first) / (P(first) + P(second)) of the token after the prompt."""
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     model: ModelArgs = field(default_factory=ModelArgs)
     scheduler: SchedulerArgs = field(default_factory=SchedulerArgs)
     parallel: ParallelArgs = field(default_factory=ParallelArgs)
     http: HttpArgs = field(default_factory=HttpArgs)
+    scoring: ScoringArgs = field(default_factory=ScoringArgs)
 
     @property
     def served_model_name(self) -> str:
@@ -91,6 +105,7 @@ SECTIONS = {
     "scheduler": SchedulerArgs,
     "parallel": ParallelArgs,
     "http": HttpArgs,
+    "scoring": ScoringArgs,
 }
 
 
@@ -178,6 +193,12 @@ def validate(config: ServerConfig) -> None:
             "use auto, float32, bfloat16 or float16",
         ),
         (0 <= h.port < 65536, "--port", h.port, "use 0..65535"),
+        (
+            config.scoring.max_score_items >= 1,
+            "--max-score-items",
+            config.scoring.max_score_items,
+            "use 1 or more",
+        ),
         (
             h.log_level.lower() in ("debug", "info", "warning", "error"),
             "--log-level",

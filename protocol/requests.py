@@ -47,6 +47,9 @@ class GenerateRequest(msgspec.Struct, frozen=True, tag="generate"):
     sampling: SamplingParams
     logprobs: LogprobParams
     detokenize: DetokenizeParams
+    # Leading tokens this request shares with requests sent alongside it (a scoring
+    # request's query): it waits for a running prefill of them instead of computing them too.
+    shared_prefix_len: int = 0
 
 
 class AbortRequest(msgspec.Struct, frozen=True, tag="abort"):

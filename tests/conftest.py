@@ -48,6 +48,8 @@ def server(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory):
         "32",
         "--max-model-len",
         "1024",
+        "--rerank-labels",
+        "y,n",  # NOTE: the tiny tokenizer has no one-token "yes" / "no"
     )
     yield proc
     code = proc.stop()

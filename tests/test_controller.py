@@ -3,6 +3,7 @@ message and the outputs (like vLLM's scheduler tests)."""
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -347,3 +348,23 @@ def test_slot_runs_never_cost_a_preemption_on_a_tight_pool() -> None:
     assert tokens_of(sockets.outputs, "a") == list(range(13, 25))
     assert tokens_of(sockets.outputs, "b") == list(range(25, 37))
     assert controller.kv.num_available == 44
+
+
+def test_a_shared_prefix_is_computed_once_even_when_short() -> None:
+    """Items of one scoring request share the query: with the hint, the later items wait for
+    the first one's prefill and hit the cache, even where the query is under half the prompt
+    (where requests without the hint compute it each)."""
+    query = list(range(3, 11))  # 8 tokens
+    items = [list(range(20 + 12 * i, 32 + 12 * i)) for i in range(4)]  # 12 tokens each
+
+    def run(hint: int) -> Controller:
+        controller, sockets = make_controller(kv_tokens=512, max_prefill=256)
+        for i, item in enumerate(items):
+            message = request(f"s{i}", query + item, max_tokens=1, token_ids=(5, 6))
+            sockets.inbox.append(msgspec.structs.replace(message, shared_prefix_len=hint))
+        run_until_idle(controller)
+        assert all(tokens_of(sockets.outputs, f"s{i}") for i in range(4))
+        return controller
+
+    assert run(hint=len(query)).kv.hit_tokens == 3 * len(query)
+    assert run(hint=0).kv.hit_tokens == 0

