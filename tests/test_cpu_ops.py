@@ -154,3 +154,73 @@ def test_a_build_without_avx_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch
             assert torch.equal(ours, native)
     assert torch.equal(paged.attend(q, *caches, 64**-0.5), native_attention)
     assert torch.equal(decode.attend(q, *caches, 64**-0.5), native_attention)
+
+
+def _attention_both_paths(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """20 tokens of one row as one prompt chunk, and as 20 decode rows (the other path)."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(20, 8, 64, generator=gen).to(dtype)
+    caches = tuple(torch.randn(2, 64, 64, generator=gen).to(dtype) for _ in range(2))
+    table = torch.randperm(64, generator=gen).view(1, 64).int()
+    one, steps, no_slots = torch.ones(1, dtype=torch.int64), torch.arange(20), torch.zeros(0)
+    chunk = attention_cpu.PagedAttention(table, 0 * one, 0 * one, 20 * one, 0 * one,
+                                         no_slots.long(), 0)  # fmt: skip
+    rows = attention_cpu.PagedAttention(table, 0 * steps, steps, steps**0, steps,
+                                        no_slots.long(), 0)  # fmt: skip
+    return chunk.attend(q, *caches, 64**-0.5), rows.attend(q, *caches, 64**-0.5)
+
+
+@pytest.mark.parametrize("arch", ["x86-64-v2", "skylake-avx512"])
+def test_attention_from_other_builds_gives_the_same_bits(
+    arch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both attention paths, both dtypes, from a build without AVX and from one with AVX-512
+    but no AVX512_BF16 (bfloat16 scores by two roundings per pair instead of VDPBF16PS)."""
+    if arch == "skylake-avx512" and "avx512f" not in cpu_kernels.cpu_flags():
+        pytest.skip("this CPU runs no AVX-512 code")
+    native = {dtype: _attention_both_paths(dtype) for dtype in cpu_ops.DTYPE_CODES}
+    for chunk, rows in native.values():
+        assert torch.equal(chunk, rows)
+    other = cpu_kernels.load(cpu_kernels.build(arch))
+    monkeypatch.setattr(attention_cpu, "library", lambda: other)
+    for dtype, (chunk, _) in native.items():
+        ours_chunk, ours_rows = _attention_both_paths(dtype)
+        assert torch.equal(ours_chunk, chunk) and torch.equal(ours_rows, chunk)
+
+
+def _order_probe() -> tuple[torch.Tensor, ...]:
+    """bfloat16 scores whose value depends on the order of a pair's two products: with
+    q = (1, 0, 4096, 4096, 0...) and a key (1, 0, -4096, 4096, 0...), VDPBF16PS adds the odd
+    product first, 1 + 2^24 rounds to 2^24, and the score is 0; even first it would be 1.
+    Even keys are that key, odd keys are zero (score 0 either way); their values +1 and -1."""
+    q = torch.zeros(20, 8, 64)
+    q[:, :, 0], q[:, :, 2], q[:, :, 3] = 1.0, 4096.0, 4096.0
+    keys = torch.zeros(2, 64, 64)
+    keys[:, 0::2, 0], keys[:, 0::2, 2], keys[:, 0::2, 3] = 1.0, -4096.0, 4096.0
+    values = torch.ones(2, 64, 64)
+    values[:, 1::2] = -1.0
+    return q.bfloat16(), keys.bfloat16(), values.bfloat16()
+
+
+@pytest.mark.parametrize("arch", ["native", "x86-64-v2", "skylake-avx512"])
+def test_bfloat16_scores_add_a_pairs_odd_product_first(
+    arch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if arch == "skylake-avx512" and "avx512f" not in cpu_kernels.cpu_flags():
+        pytest.skip("this CPU runs no AVX-512 code")
+    lib = cpu_kernels.load(cpu_kernels.build(arch))
+    monkeypatch.setattr(attention_cpu, "library", lambda: lib)
+    q, k, v = _order_probe()
+    table = torch.arange(64).view(1, 64).int()
+    one, steps, no_slots = torch.ones(1, dtype=torch.int64), torch.arange(20), torch.zeros(0)
+    chunk = attention_cpu.PagedAttention(table, 0 * one, 0 * one, 20 * one, 0 * one,
+                                         no_slots.long(), 0)  # fmt: skip
+    rows = attention_cpu.PagedAttention(table, 0 * steps, steps, steps**0, steps,
+                                        no_slots.long(), 0)  # fmt: skip
+    # every score 0: each token averages its keys' values, +1 and -1 alternating
+    seen = steps + 1
+    expected = ((seen + 1) // 2 - seen // 2) / seen
+    for attention in (chunk, rows):
+        out = attention.attend(q, k, v, 1.0).float().view(20, 8, 64)
+        expanded = expected.view(20, 1, 1).expand(20, 8, 64).float()
+        torch.testing.assert_close(out, expanded, atol=2e-3, rtol=0)  # bfloat16 outputs

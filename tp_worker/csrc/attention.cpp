@@ -5,6 +5,8 @@
 // lane by this file, not by a math library, and is the same whatever else is in the item,
 // the batch, the chunk or the thread that runs it:
 //   - score(key j) = scale * sum over d ascending of fma(q[d], k_j[d]) (one accumulator);
+//     in bfloat16, over the pairs (d, d + 1) ascending, each as one VDPBF16PS lane adds it
+//     (bf16.h's dot_pair: the odd product, then the even one, each rounded once);
 //   - max over the lane's visible keys; e_j = exp(score_j - max), our own polynomial (exp.h,
 //     not libm's), and e_j = +0.0 for keys the lane does not see;
 //   - the denominator sums e_j over ascending j, and out[d] = (sum over j ascending of
@@ -24,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -250,25 +253,57 @@ inline bool transpose_keys(const float* keys, const int32_t* slots, int nk, int6
   return true;
 }
 
-// bfloat16: 16 pairs (d, d + 1) per 32-bit element, transposed, then split into two rows.
-inline bool transpose_keys(const uint16_t* keys, const int32_t* slots, int nk, int64_t stride,
-                           int64_t dim, float* kt) {
+// bfloat16: up to 16 keys' pairs (d, d + 1) as 32-bit words, transposed: kt[p][kk] is pair p
+// of key kk; zeros for missing keys. False when the head size does not fit the blocks.
+inline bool transpose_key_pairs(const uint16_t* keys, const int32_t* slots, int nk,
+                                int64_t stride, int64_t dim, uint32_t* kt) {
   if (dim % 32) return false;
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   for (int64_t c = 0; c < dim; c += 32) {
     __m512 r[16];
     for (int kk = 0; kk < 16; ++kk)
       r[kk] = kk < nk ? _mm512_castsi512_ps(_mm512_loadu_si512(keys + slots[kk] * stride + c))
                       : _mm512_setzero_ps();
     transpose16(r);
-    for (int p = 0; p < 16; ++p) {
-      const __m512i pairs = _mm512_castps_si512(r[p]);
-      _mm512_storeu_ps(kt + (c + 2 * p) * 16, _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)));
-      _mm512_storeu_ps(kt + (c + 2 * p + 1) * 16,
-                       _mm512_castsi512_ps(_mm512_and_si512(pairs, high)));
-    }
+    for (int p = 0; p < 16; ++p)
+      _mm512_storeu_si512(kt + (c / 2 + p) * 16, _mm512_castps_si512(r[p]));
   }
   return true;
+}
+
+// One query token's NH heads against 16 transposed bfloat16 keys: dot_pair over the pairs
+// ascending, keys in the lanes (the same sums as score_block_pairs, heads in the lanes).
+template <int NH>
+void score_key_pairs(const uint32_t* q_pairs, const uint32_t* kt, int64_t dim, float scale,
+                     int nk, float* scores, int64_t key_step, int64_t lane_step) {
+  __m512 acc[NH];
+  for (int h = 0; h < NH; ++h) acc[h] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < dim / 2; ++p) {
+    const __m512i k = _mm512_loadu_si512(kt + p * 16);
+    for (int h = 0; h < NH; ++h)
+      acc[h] = tokenmill::dot_pair16(
+          acc[h], k, _mm512_set1_epi32(static_cast<int>(q_pairs[p * LANES + h])));
+  }
+  alignas(64) float lane[16];
+  for (int h = 0; h < NH; ++h) {
+    const __m512 scaled = _mm512_mul_ps(acc[h], _mm512_set1_ps(scale));
+    if (key_step == 1) {  // NOTE: writes all 16; the caller's rows are padded to 16 keys
+      _mm512_storeu_ps(scores + h * lane_step, scaled);
+      continue;
+    }
+    _mm512_store_ps(lane, scaled);
+    for (int kk = 0; kk < nk; ++kk) scores[kk * key_step + h * lane_step] = lane[kk];
+  }
+}
+
+using ScorePairs = void (*)(const uint32_t*, const uint32_t*, int64_t, float, int, float*,
+                            int64_t, int64_t);
+
+inline ScorePairs score_key_pairs_for(int64_t heads) {
+  static const ScorePairs table[8] = {score_key_pairs<1>, score_key_pairs<2>,
+                                      score_key_pairs<3>, score_key_pairs<4>,
+                                      score_key_pairs<5>, score_key_pairs<6>,
+                                      score_key_pairs<7>, score_key_pairs<8>};
+  return table[heads - 1];
 }
 
 // One query token's NH heads against 16 transposed keys: the same fma chain over d per score
@@ -320,12 +355,79 @@ struct Item {
 
 struct Scratch {
   std::vector<float> q_t, scores, acc, keys, value;
+  std::vector<uint32_t> q_pairs, key_pairs;  // bfloat16: [dim / 2][LANES], [dim / 2][16]
   std::vector<uint16_t> masks;  // [num_keys] lanes that see each key
 };
 
+// Elements 2p and 2p + 1 of a bfloat16 row as one 32-bit word (low, high); a zero high half
+// past an odd dim.
+inline uint32_t pair_word(const uint16_t* row, int64_t p, int64_t dim) {
+  const uint32_t lo = row[2 * p];
+  const uint32_t hi = 2 * p + 1 < dim ? row[2 * p + 1] : 0u;
+  return lo | (hi << 16);
+}
+
+// bfloat16, queries in the lanes: scores[kk][l] = scale * dot_pair over the pairs ascending
+// of q_pairs[p][l] and key kk's pair p, for the nk (<= KEY_BLOCK) keys of a block starting at
+// `slots` (rows past nk hold leftovers and are never read).
+void score_block_pairs(const uint32_t* q_pairs, const uint16_t* keys, const int32_t* slots,
+                       int nk, int64_t stride, int64_t dim, float scale, float* scores) {
+  const uint16_t* rows[KEY_BLOCK];
+  for (int kk = 0; kk < KEY_BLOCK; ++kk) rows[kk] = keys + slots[std::min(kk, nk - 1)] * stride;
+  const int64_t pairs = (dim + 1) / 2;
+#if defined(__AVX512F__)
+  __m512 acc[KEY_BLOCK];
+  for (int kk = 0; kk < KEY_BLOCK; ++kk) acc[kk] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const __m512i q = _mm512_loadu_si512(q_pairs + p * LANES);
+    for (int kk = 0; kk < KEY_BLOCK; ++kk) {
+      uint32_t word;
+      if (2 * p + 1 < dim) {
+        std::memcpy(&word, rows[kk] + 2 * p, 4);  // NOTE: one broadcast load
+      } else {
+        word = pair_word(rows[kk], p, dim);
+      }
+      acc[kk] = tokenmill::dot_pair16(acc[kk], q, _mm512_set1_epi32(static_cast<int>(word)));
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int kk = 0; kk < KEY_BLOCK; ++kk)
+    _mm512_storeu_ps(scores + kk * LANES, _mm512_mul_ps(acc[kk], sc));
+#else
+  for (int kk = 0; kk < nk; ++kk)
+    for (int l = 0; l < LANES; ++l) {
+      float acc = 0.0f;
+      for (int64_t p = 0; p < pairs; ++p)
+        acc = tokenmill::dot_pair(acc, q_pairs[p * LANES + l], pair_word(rows[kk], p, dim));
+      scores[kk * LANES + l] = acc * scale;
+    }
+#endif
+}
+
 // scores[j][l] for every key j and lane l (w.q_t holds the lanes' queries, transposed).
-template <typename T>
-void score_all(const T* keys, const int32_t* slots, int64_t num_keys, int64_t stride,
+void score_all(const uint16_t* keys, const int32_t* slots, int64_t num_keys, int64_t stride,
+               int64_t dim, float scale, int64_t lanes, Scratch& w) {
+#if defined(__AVX512F__)
+  // NOTE: few lanes (a decode token's heads): keys in the lanes instead, 16 at a time.
+  if (lanes <= 8 && dim % 32 == 0) {
+    w.key_pairs.resize(8 * dim);
+    for (int64_t j0 = 0; j0 < num_keys; j0 += 16) {
+      const int nk = static_cast<int>(std::min<int64_t>(16, num_keys - j0));
+      transpose_key_pairs(keys, slots + j0, nk, stride, dim, w.key_pairs.data());
+      score_key_pairs_for(lanes)(w.q_pairs.data(), w.key_pairs.data(), dim, scale, nk,
+                                 w.scores.data() + j0 * LANES, LANES, 1);
+    }
+    return;
+  }
+#endif
+  for (int64_t j0 = 0; j0 < num_keys; j0 += KEY_BLOCK) {
+    const int nk = static_cast<int>(std::min<int64_t>(KEY_BLOCK, num_keys - j0));
+    score_block_pairs(w.q_pairs.data(), keys, slots + j0, nk, stride, dim, scale,
+                      w.scores.data() + j0 * LANES);
+  }
+}
+
+void score_all(const float* keys, const int32_t* slots, int64_t num_keys, int64_t stride,
                int64_t dim, float scale, int64_t lanes, Scratch& w) {
 #if defined(__AVX512F__)
   // NOTE: few lanes (a decode token's heads): keys in the lanes instead, 16 at a time.
@@ -382,6 +484,23 @@ inline void prefetch_rows(const T* base, const int32_t* slots, int64_t n, int64_
   }
 }
 
+// Up to 16 keys scored for `lanes` heads of one token, keys in the lanes: scores[l][kk] at
+// l * lane_step + kk (dim a multiple of 16, or 32 in bfloat16).
+inline void score_sixteen(const float* keys, const int32_t* slots, int nk, int64_t stride,
+                          int64_t dim, float scale, int64_t lanes, Scratch& w, float* scores,
+                          int64_t lane_step) {
+  transpose_keys(keys, slots, nk, stride, dim, w.keys.data());
+  score_keys_for(lanes)(w.q_t.data(), w.keys.data(), dim, scale, nk, scores, 1, lane_step);
+}
+
+inline void score_sixteen(const uint16_t* keys, const int32_t* slots, int nk, int64_t stride,
+                          int64_t dim, float scale, int64_t lanes, Scratch& w, float* scores,
+                          int64_t lane_step) {
+  transpose_key_pairs(keys, slots, nk, stride, dim, w.key_pairs.data());
+  score_key_pairs_for(lanes)(w.q_pairs.data(), w.key_pairs.data(), dim, scale, nk, scores, 1,
+                             lane_step);
+}
+
 // One query token sees every key from lo to its position, so no lane masks: scores, then
 // numerators e, per lane in a row of `padded` keys ([lane][keys]), and the denominators summed
 // over ascending keys; the same values as the general path. False where it does not apply.
@@ -392,6 +511,7 @@ bool one_token_numerators(const T* keys, const T* values, const int32_t* slots,
   if (lanes > 8 || dim % (sizeof(T) == 2 ? 32 : 16)) return false;
   w.scores.resize(std::max<size_t>(w.scores.size(), lanes * padded));
   w.keys.resize(16 * dim);
+  w.key_pairs.resize(8 * dim);
   float* scores = w.scores.data();
   for (int64_t j0 = 0; j0 < num_keys; j0 += 16) {
     const int nk = static_cast<int>(std::min<int64_t>(16, num_keys - j0));
@@ -400,8 +520,7 @@ bool one_token_numerators(const T* keys, const T* values, const int32_t* slots,
     prefetch_rows(keys, slots + j0 + 16, std::min<int64_t>(16, num_keys - j0 - 16), stride,
                   dim);
     prefetch_rows(values, slots + j0, nk, stride, dim);
-    transpose_keys(keys, slots + j0, nk, stride, dim, w.keys.data());
-    score_keys_for(lanes)(w.q_t.data(), w.keys.data(), dim, scale, nk, scores + j0, 1, padded);
+    score_sixteen(keys, slots + j0, nk, stride, dim, scale, lanes, w, scores + j0, padded);
   }
   for (int64_t l = 0; l < lanes; ++l) {
     float* sc = scores + l * padded;
@@ -443,6 +562,15 @@ void attend_item(const T* q, const T* k_cache, const T* v_cache, const int32_t* 
       to_float(q + ((it.token0 + i) * s.num_heads + it.head0 + h) * dim, qrow.data(), dim);
       for (int64_t d = 0; d < dim; ++d) w.q_t[d * LANES + i * hs + h] = qrow[d];
     }
+  if constexpr (std::is_same<T, uint16_t>::value) {
+    w.q_pairs.assign((dim + 1) / 2 * LANES, 0u);  // [dim / 2][LANES] pairs of bfloat16
+    for (int64_t i = 0; i < it.num_tokens; ++i)
+      for (int64_t h = 0; h < hs; ++h) {
+        const uint16_t* row = q + ((it.token0 + i) * s.num_heads + it.head0 + h) * dim;
+        for (int64_t p = 0; p < (dim + 1) / 2; ++p)
+          w.q_pairs[p * LANES + i * hs + h] = pair_word(row, p, dim);
+      }
+  }
   const int64_t lanes = it.num_tokens * hs;
   float den[LANES];
   const T* keys = k_cache + it.kv_head * s.head_stride;

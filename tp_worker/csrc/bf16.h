@@ -2,6 +2,7 @@
 // kernels), and the one order in which the kernels reduce across lanes.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -66,6 +67,31 @@ inline __m512 round16(__m512 v, const uint16_t*) {
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void store16(uint16_t* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits16(v)));
+}
+#endif
+
+// One step of a bfloat16 dot product over pairs, as one VDPBF16PS lane takes it: acc plus the
+// high (odd) halves' product, rounded, plus the low (even) halves' product, rounded (each
+// product of two bfloat16 values is exact in float32). a and b hold a pair in 32 bits.
+inline float dot_pair(float acc, uint32_t a, uint32_t b) {
+  acc = std::fma(bf16_to_float(static_cast<uint16_t>(a >> 16)),
+                 bf16_to_float(static_cast<uint16_t>(b >> 16)), acc);
+  return std::fma(bf16_to_float(static_cast<uint16_t>(a & 0xffffu)),
+                  bf16_to_float(static_cast<uint16_t>(b & 0xffffu)), acc);
+}
+
+#if defined(__AVX512F__)
+// dot_pair in 16 lanes: VDPBF16PS where the CPU has it, the same two roundings elsewhere.
+inline __m512 dot_pair16(__m512 acc, __m512i a, __m512i b) {
+#if defined(__AVX512BF16__)
+  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+#else
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(a, high)),
+                        _mm512_castsi512_ps(_mm512_and_si512(b, high)), acc);
+  return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)),
+                         _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)), acc);
+#endif
 }
 #endif
 
