@@ -157,13 +157,48 @@ def report(name: str, figures: dict[str, list[float]]) -> dict[str, float]:
     return means
 
 
+def check_prompts(work: Workload) -> tuple[list[int], list[list[int]]]:
+    """A fixed short query and 8 items, for comparing values across servers."""
+    return work.items[-1], work.items[:8]
+
+
 def first_label_probabilities(url: str, path: str, work: Workload) -> list[float]:
-    """P(first label) of 8 items after a fixed short query, through `path`, unnormalised."""
-    query, items = work.items[-1], work.items[:8]
+    """P(first label) of the check prompts, through `path`, unnormalised."""
+    query, items = check_prompts(work)
     _, answer = asyncio.run(score_round(url, path, query, items, apply_softmax=False))
     if "scores" in answer:
         return [row[0] for row in answer["scores"]]
     return [d["score"] for d in answer["data"]]
+
+
+def transformers_logprobs(model: Path, work: Workload, dtype: str) -> list[float]:
+    """log P(first label) of the check prompts by transformers in `dtype`."""
+    import torch
+    import transformers
+
+    lm = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype))
+    query, items = check_prompts(work)
+    values = []
+    with torch.no_grad():
+        for item in items:
+            logits = lm.eval()(torch.tensor([query + item])).logits[0, -1].float()
+            values.append(float(torch.log_softmax(logits, -1)[LABELS[0]]))
+    return values
+
+
+def distances(
+    model: Path, work: Workload, args: argparse.Namespace, **servers: list[float]
+) -> None:
+    """How far each server's log P(first label) is from transformers in float32."""
+    exact = transformers_logprobs(model, work, "float32")
+    theirs = {f"transformers {args.dtype}": transformers_logprobs(model, work, args.dtype)}
+    theirs.update({k: [math.log(p) for p in v] for k, v in servers.items()})
+    parts = [
+        f"{name} {max(abs(a - b) for a, b in zip(values, exact, strict=True)):.3f}"
+        for name, values in theirs.items()
+    ]
+    print("log P(first label) on 8 check prompts, largest distance from transformers float32: "
+          + ", ".join(parts), flush=True)  # fmt: skip
 
 
 def main() -> int:
@@ -189,6 +224,7 @@ def main() -> int:
     if args.vllm and peer_url is None:
         peer, peer_url = start_vllm(args, model, logs / "vllm.log")
     if peer_url is None:
+        distances(model, work, args, tokenmill=our_values)
         return 0
     try:
         theirs = report("peer", measure(peer_url, "/generative_scoring", work, args.rounds))
@@ -199,9 +235,7 @@ def main() -> int:
     print(f"tokenmill /v1/score vs peer /generative_scoring: "
           f"{ours['/v1/score'] / theirs['/generative_scoring']:.2f}x; completions: "
           f"{ours['/v1/completions'] / theirs['/v1/completions']:.2f}x", flush=True)  # fmt: skip
-    gap = max(abs(math.log(a) - math.log(b)) for a, b in zip(our_values, their_values, strict=True))
-    print(f"the same 8 scores from both servers: log P(first label) differs by at most "
-          f"{gap:.4f} ({args.dtype})", flush=True)  # fmt: skip
+    distances(model, work, args, tokenmill=our_values, peer=their_values)
     return 0
 
 
