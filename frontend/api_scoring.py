@@ -126,7 +126,7 @@ def parse_rerank(raw: bytes, ctx: RequestContext) -> ScoringJob:
     _check_count(len(documents), ctx, "documents")
     built = [ctx.rerank.ids(body.query, d, ctx.tokenizer) for d in documents]
     prompts, shared = [ids for ids, _ in built], [n for _, n in built]
-    parsed = _parsed(model, prompts, shared, ctx.rerank.label_ids, ctx, "documents")
+    parsed = _parsed(model, prompts, shared, ctx.rerank.label_ids, ctx, "documents", "rerank")
     return ScoringJob(
         parsed,
         ctx.rerank.label_ids,
@@ -179,9 +179,10 @@ def _parsed(
     label_ids: tuple[int, ...],
     ctx: RequestContext,
     param: str,
+    id_prefix: str = "score",
 ) -> ParsedRequest:
     """One greedy one-token request per prompt, reading the labels' logprobs."""
-    response_id = new_id("score")
+    response_id = new_id(id_prefix)
     sampling = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     logprobs = LogprobParams(token_ids=label_ids)
     detokenize = DetokenizeParams(text_in_logprobs=False)
