@@ -404,7 +404,8 @@ void score_block_pairs(const uint32_t* q_pairs, const uint16_t* keys, const int3
 #endif
 }
 
-// scores[j][l] for every key j and lane l (w.q_t holds the lanes' queries, transposed).
+// scores[j][l] for every key j and lane l: bfloat16 (w.q_pairs holds the lanes' queries as
+// pairs, transposed) and float32 (w.q_t, transposed).
 void score_all(const uint16_t* keys, const int32_t* slots, int64_t num_keys, int64_t stride,
                int64_t dim, float scale, int64_t lanes, Scratch& w) {
 #if defined(__AVX512F__)
@@ -557,12 +558,13 @@ void attend_item(const T* q, const T* k_cache, const T* v_cache, const int32_t* 
   w.acc.resize(LANES * dim);
   w.value.resize(dim);
   std::vector<float>& qrow = w.value;
-  for (int64_t i = 0; i < it.num_tokens; ++i)
-    for (int64_t h = 0; h < hs; ++h) {
-      to_float(q + ((it.token0 + i) * s.num_heads + it.head0 + h) * dim, qrow.data(), dim);
-      for (int64_t d = 0; d < dim; ++d) w.q_t[d * LANES + i * hs + h] = qrow[d];
-    }
-  if constexpr (std::is_same<T, uint16_t>::value) {
+  if constexpr (std::is_same<T, float>::value) {
+    for (int64_t i = 0; i < it.num_tokens; ++i)
+      for (int64_t h = 0; h < hs; ++h) {
+        to_float(q + ((it.token0 + i) * s.num_heads + it.head0 + h) * dim, qrow.data(), dim);
+        for (int64_t d = 0; d < dim; ++d) w.q_t[d * LANES + i * hs + h] = qrow[d];
+      }
+  } else {
     w.q_pairs.assign((dim + 1) / 2 * LANES, 0u);  // [dim / 2][LANES] pairs of bfloat16
     for (int64_t i = 0; i < it.num_tokens; ++i)
       for (int64_t h = 0; h < hs; ++h) {
