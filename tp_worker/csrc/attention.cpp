@@ -26,7 +26,6 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -238,11 +237,14 @@ inline void transpose16(__m512 r[16]) {
   }
 }
 
+// The head sizes the keys-in-lanes path takes: whole 16-lane blocks of 32-bit words.
+inline bool sixteen_fits(const float*, int64_t dim) { return dim % 16 == 0; }
+inline bool sixteen_fits(const uint16_t*, int64_t dim) { return dim % 32 == 0; }
+
 // Up to 16 keys (rows keys + slots[kk] * stride) as float32 columns: kt[d][kk]; missing keys
-// are zeros. False when the head size does not fit the blocks (the caller scores otherwise).
-inline bool transpose_keys(const float* keys, const int32_t* slots, int nk, int64_t stride,
+// are zeros.
+inline void transpose_keys(const float* keys, const int32_t* slots, int nk, int64_t stride,
                            int64_t dim, float* kt) {
-  if (dim % 16) return false;
   for (int64_t c = 0; c < dim; c += 16) {
     __m512 r[16];
     for (int kk = 0; kk < 16; ++kk)
@@ -250,14 +252,12 @@ inline bool transpose_keys(const float* keys, const int32_t* slots, int nk, int6
     transpose16(r);
     for (int i = 0; i < 16; ++i) _mm512_storeu_ps(kt + (c + i) * 16, r[i]);
   }
-  return true;
 }
 
 // bfloat16: up to 16 keys' pairs (d, d + 1) as 32-bit words, transposed: kt[p][kk] is pair p
-// of key kk; zeros for missing keys. False when the head size does not fit the blocks.
-inline bool transpose_key_pairs(const uint16_t* keys, const int32_t* slots, int nk,
+// of key kk; zeros for missing keys.
+inline void transpose_key_pairs(const uint16_t* keys, const int32_t* slots, int nk,
                                 int64_t stride, int64_t dim, uint32_t* kt) {
-  if (dim % 32) return false;
   for (int64_t c = 0; c < dim; c += 32) {
     __m512 r[16];
     for (int kk = 0; kk < 16; ++kk)
@@ -267,7 +267,23 @@ inline bool transpose_key_pairs(const uint16_t* keys, const int32_t* slots, int 
     for (int p = 0; p < 16; ++p)
       _mm512_storeu_si512(kt + (c / 2 + p) * 16, _mm512_castps_si512(r[p]));
   }
-  return true;
+}
+
+// The NH accumulators of a keys-in-lanes block, scaled: lane kk of acc[h] is the score of key
+// kk for head h, stored at scores[kk * key_step + h * lane_step].
+template <int NH>
+void store_scores(const __m512* acc, float scale, int nk, float* scores, int64_t key_step,
+                  int64_t lane_step) {
+  alignas(64) float lane[16];
+  for (int h = 0; h < NH; ++h) {
+    const __m512 scaled = _mm512_mul_ps(acc[h], _mm512_set1_ps(scale));
+    if (key_step == 1) {  // NOTE: writes all 16; the caller's rows are padded to 16 keys
+      _mm512_storeu_ps(scores + h * lane_step, scaled);
+      continue;
+    }
+    _mm512_store_ps(lane, scaled);
+    for (int kk = 0; kk < nk; ++kk) scores[kk * key_step + h * lane_step] = lane[kk];
+  }
 }
 
 // One query token's NH heads against 16 transposed bfloat16 keys: dot_pair over the pairs
@@ -283,16 +299,7 @@ void score_key_pairs(const uint32_t* q_pairs, const uint32_t* kt, int64_t dim, f
       acc[h] = tokenmill::dot_pair16(
           acc[h], k, _mm512_set1_epi32(static_cast<int>(q_pairs[p * LANES + h])));
   }
-  alignas(64) float lane[16];
-  for (int h = 0; h < NH; ++h) {
-    const __m512 scaled = _mm512_mul_ps(acc[h], _mm512_set1_ps(scale));
-    if (key_step == 1) {  // NOTE: writes all 16; the caller's rows are padded to 16 keys
-      _mm512_storeu_ps(scores + h * lane_step, scaled);
-      continue;
-    }
-    _mm512_store_ps(lane, scaled);
-    for (int kk = 0; kk < nk; ++kk) scores[kk * key_step + h * lane_step] = lane[kk];
-  }
+  store_scores<NH>(acc, scale, nk, scores, key_step, lane_step);
 }
 
 using ScorePairs = void (*)(const uint32_t*, const uint32_t*, int64_t, float, int, float*,
@@ -317,26 +324,15 @@ void score_keys(const float* q_t, const float* kt, int64_t dim, float scale, int
     const __m512 k = _mm512_loadu_ps(kt + d * 16);
     for (int h = 0; h < NH; ++h) acc[h] = _mm512_fmadd_ps(_mm512_set1_ps(q_t[d * LANES + h]), k, acc[h]);
   }
-  alignas(64) float lane[16];
-  for (int h = 0; h < NH; ++h) {
-    const __m512 scaled = _mm512_mul_ps(acc[h], _mm512_set1_ps(scale));
-    if (key_step == 1) {  // NOTE: writes all 16; the caller's rows are padded to 16 keys
-      _mm512_storeu_ps(scores + h * lane_step, scaled);
-      continue;
-    }
-    _mm512_store_ps(lane, scaled);
-    for (int kk = 0; kk < nk; ++kk) scores[kk * key_step + h * lane_step] = lane[kk];
-  }
+  store_scores<NH>(acc, scale, nk, scores, key_step, lane_step);
 }
 
 using ScoreKeys = void (*)(const float*, const float*, int64_t, float, int, float*, int64_t,
                            int64_t);
 
 inline ScoreKeys score_keys_for(int64_t heads) {
-  static const ScoreKeys table[LANES] = {
-      score_keys<1>,  score_keys<2>,  score_keys<3>,  score_keys<4>,  score_keys<5>,  score_keys<6>,
-      score_keys<7>,  score_keys<8>,  score_keys<9>,  score_keys<10>, score_keys<11>, score_keys<12>,
-      score_keys<13>, score_keys<14>, score_keys<15>, score_keys<16>};
+  static const ScoreKeys table[8] = {score_keys<1>, score_keys<2>, score_keys<3>, score_keys<4>,
+                                     score_keys<5>, score_keys<6>, score_keys<7>, score_keys<8>};
   return table[heads - 1];
 }
 #endif
@@ -354,18 +350,10 @@ struct Item {
 };
 
 struct Scratch {
-  std::vector<float> q_t, scores, acc, keys, value;
+  std::vector<float> q_t, scores, acc, keys;  // float32: q_t [dim][LANES] queries, transposed
   std::vector<uint32_t> q_pairs, key_pairs;  // bfloat16: [dim / 2][LANES], [dim / 2][16]
   std::vector<uint16_t> masks;  // [num_keys] lanes that see each key
 };
-
-// Elements 2p and 2p + 1 of a bfloat16 row as one 32-bit word (low, high); a zero high half
-// past an odd dim.
-inline uint32_t pair_word(const uint16_t* row, int64_t p, int64_t dim) {
-  const uint32_t lo = row[2 * p];
-  const uint32_t hi = 2 * p + 1 < dim ? row[2 * p + 1] : 0u;
-  return lo | (hi << 16);
-}
 
 // bfloat16, queries in the lanes: scores[kk][l] = scale * dot_pair over the pairs ascending
 // of q_pairs[p][l] and key kk's pair p, for the nk (<= KEY_BLOCK) keys of a block starting at
@@ -385,7 +373,7 @@ void score_block_pairs(const uint32_t* q_pairs, const uint16_t* keys, const int3
       if (2 * p + 1 < dim) {
         std::memcpy(&word, rows[kk] + 2 * p, 4);  // NOTE: one broadcast load
       } else {
-        word = pair_word(rows[kk], p, dim);
+        word = tokenmill::pair_word(rows[kk], p, dim);
       }
       acc[kk] = tokenmill::dot_pair16(acc[kk], q, _mm512_set1_epi32(static_cast<int>(word)));
     }
@@ -398,59 +386,68 @@ void score_block_pairs(const uint32_t* q_pairs, const uint16_t* keys, const int3
     for (int l = 0; l < LANES; ++l) {
       float acc = 0.0f;
       for (int64_t p = 0; p < pairs; ++p)
-        acc = tokenmill::dot_pair(acc, q_pairs[p * LANES + l], pair_word(rows[kk], p, dim));
+        acc = tokenmill::dot_pair(acc, q_pairs[p * LANES + l],
+                                     tokenmill::pair_word(rows[kk], p, dim));
       scores[kk * LANES + l] = acc * scale;
     }
 #endif
 }
 
-// scores[j][l] for every key j and lane l: bfloat16 (w.q_pairs holds the lanes' queries as
-// pairs, transposed) and float32 (w.q_t, transposed).
-void score_all(const uint16_t* keys, const int32_t* slots, int64_t num_keys, int64_t stride,
+// One block of up to KEY_BLOCK keys, queries in the lanes: scores[kk][l] (float32: the keys
+// converted into w.keys first; bfloat16: straight from the cache by pairs).
+inline void score_block_of(const float* keys, const int32_t* slots, int nk, int64_t stride,
+                           int64_t dim, float scale, Scratch& w, float* scores) {
+  w.keys.resize(KEY_BLOCK * dim);
+  for (int kk = 0; kk < nk; ++kk)
+    to_float(keys + slots[kk] * stride, w.keys.data() + kk * dim, dim);
+  score_block(w.q_t.data(), w.keys.data(), dim, scale, scores);
+}
+
+inline void score_block_of(const uint16_t* keys, const int32_t* slots, int nk, int64_t stride,
+                           int64_t dim, float scale, Scratch& w, float* scores) {
+  score_block_pairs(w.q_pairs.data(), keys, slots, nk, stride, dim, scale, scores);
+}
+
+#if defined(__AVX512F__)
+// Up to 16 keys scored for `lanes` (<= 8) query lanes, keys in the vector lanes: key kk of
+// lane l at scores[kk * key_step + l * lane_step] (the head size as sixteen_fits takes it).
+inline void score_sixteen(const float* keys, const int32_t* slots, int nk, int64_t stride,
+                          int64_t dim, float scale, int64_t lanes, Scratch& w, float* scores,
+                          int64_t key_step, int64_t lane_step) {
+  w.keys.resize(16 * dim);
+  transpose_keys(keys, slots, nk, stride, dim, w.keys.data());
+  score_keys_for(lanes)(w.q_t.data(), w.keys.data(), dim, scale, nk, scores, key_step,
+                        lane_step);
+}
+
+inline void score_sixteen(const uint16_t* keys, const int32_t* slots, int nk, int64_t stride,
+                          int64_t dim, float scale, int64_t lanes, Scratch& w, float* scores,
+                          int64_t key_step, int64_t lane_step) {
+  w.key_pairs.resize(8 * dim);
+  transpose_key_pairs(keys, slots, nk, stride, dim, w.key_pairs.data());
+  score_key_pairs_for(lanes)(w.q_pairs.data(), w.key_pairs.data(), dim, scale, nk, scores,
+                             key_step, lane_step);
+}
+#endif
+
+// scores[j][l] for every key j and lane l (the lanes' queries transposed in w).
+template <typename T>
+void score_all(const T* keys, const int32_t* slots, int64_t num_keys, int64_t stride,
                int64_t dim, float scale, int64_t lanes, Scratch& w) {
 #if defined(__AVX512F__)
   // NOTE: few lanes (a decode token's heads): keys in the lanes instead, 16 at a time.
-  if (lanes <= 8 && dim % 32 == 0) {
-    w.key_pairs.resize(8 * dim);
+  if (lanes <= 8 && sixteen_fits(keys, dim)) {
     for (int64_t j0 = 0; j0 < num_keys; j0 += 16) {
       const int nk = static_cast<int>(std::min<int64_t>(16, num_keys - j0));
-      transpose_key_pairs(keys, slots + j0, nk, stride, dim, w.key_pairs.data());
-      score_key_pairs_for(lanes)(w.q_pairs.data(), w.key_pairs.data(), dim, scale, nk,
-                                 w.scores.data() + j0 * LANES, LANES, 1);
+      score_sixteen(keys, slots + j0, nk, stride, dim, scale, lanes, w,
+                    w.scores.data() + j0 * LANES, LANES, 1);
     }
     return;
   }
 #endif
   for (int64_t j0 = 0; j0 < num_keys; j0 += KEY_BLOCK) {
     const int nk = static_cast<int>(std::min<int64_t>(KEY_BLOCK, num_keys - j0));
-    score_block_pairs(w.q_pairs.data(), keys, slots + j0, nk, stride, dim, scale,
-                      w.scores.data() + j0 * LANES);
-  }
-}
-
-void score_all(const float* keys, const int32_t* slots, int64_t num_keys, int64_t stride,
-               int64_t dim, float scale, int64_t lanes, Scratch& w) {
-#if defined(__AVX512F__)
-  // NOTE: few lanes (a decode token's heads): keys in the lanes instead, 16 at a time.
-  if (lanes <= 8) {
-    w.keys.resize(16 * dim);
-    bool done = true;
-    for (int64_t j0 = 0; j0 < num_keys && done; j0 += 16) {
-      const int nk = static_cast<int>(std::min<int64_t>(16, num_keys - j0));
-      done = transpose_keys(keys, slots + j0, nk, stride, dim, w.keys.data());
-      if (done)
-        score_keys_for(lanes)(w.q_t.data(), w.keys.data(), dim, scale, nk,
-                              w.scores.data() + j0 * LANES, LANES, 1);
-    }
-    if (done) return;
-  }
-#endif
-  w.keys.resize(KEY_BLOCK * dim);
-  for (int64_t j0 = 0; j0 < num_keys; j0 += KEY_BLOCK) {
-    const int64_t nk = std::min<int64_t>(KEY_BLOCK, num_keys - j0);
-    for (int64_t kk = 0; kk < nk; ++kk)
-      to_float(keys + slots[j0 + kk] * stride, w.keys.data() + kk * dim, dim);
-    score_block(w.q_t.data(), w.keys.data(), dim, scale, w.scores.data() + j0 * LANES);
+    score_block_of(keys, slots + j0, nk, stride, dim, scale, w, w.scores.data() + j0 * LANES);
   }
 }
 
@@ -485,23 +482,6 @@ inline void prefetch_rows(const T* base, const int32_t* slots, int64_t n, int64_
   }
 }
 
-// Up to 16 keys scored for `lanes` heads of one token, keys in the lanes: scores[l][kk] at
-// l * lane_step + kk (dim a multiple of 16, or 32 in bfloat16).
-inline void score_sixteen(const float* keys, const int32_t* slots, int nk, int64_t stride,
-                          int64_t dim, float scale, int64_t lanes, Scratch& w, float* scores,
-                          int64_t lane_step) {
-  transpose_keys(keys, slots, nk, stride, dim, w.keys.data());
-  score_keys_for(lanes)(w.q_t.data(), w.keys.data(), dim, scale, nk, scores, 1, lane_step);
-}
-
-inline void score_sixteen(const uint16_t* keys, const int32_t* slots, int nk, int64_t stride,
-                          int64_t dim, float scale, int64_t lanes, Scratch& w, float* scores,
-                          int64_t lane_step) {
-  transpose_key_pairs(keys, slots, nk, stride, dim, w.key_pairs.data());
-  score_key_pairs_for(lanes)(w.q_pairs.data(), w.key_pairs.data(), dim, scale, nk, scores, 1,
-                             lane_step);
-}
-
 // One query token sees every key from lo to its position, so no lane masks: scores, then
 // numerators e, per lane in a row of `padded` keys ([lane][keys]), and the denominators summed
 // over ascending keys; the same values as the general path. False where it does not apply.
@@ -509,10 +489,8 @@ template <typename T>
 bool one_token_numerators(const T* keys, const T* values, const int32_t* slots,
                           int64_t num_keys, int64_t stride, int64_t dim, float scale,
                           int64_t lanes, Scratch& w, int64_t padded, float* den) {
-  if (lanes > 8 || dim % (sizeof(T) == 2 ? 32 : 16)) return false;
+  if (lanes > 8 || !sixteen_fits(keys, dim)) return false;
   w.scores.resize(std::max<size_t>(w.scores.size(), lanes * padded));
-  w.keys.resize(16 * dim);
-  w.key_pairs.resize(8 * dim);
   float* scores = w.scores.data();
   for (int64_t j0 = 0; j0 < num_keys; j0 += 16) {
     const int nk = static_cast<int>(std::min<int64_t>(16, num_keys - j0));
@@ -521,7 +499,7 @@ bool one_token_numerators(const T* keys, const T* values, const int32_t* slots,
     prefetch_rows(keys, slots + j0 + 16, std::min<int64_t>(16, num_keys - j0 - 16), stride,
                   dim);
     prefetch_rows(values, slots + j0, nk, stride, dim);
-    score_sixteen(keys, slots + j0, nk, stride, dim, scale, lanes, w, scores + j0, padded);
+    score_sixteen(keys, slots + j0, nk, stride, dim, scale, lanes, w, scores + j0, 1, padded);
   }
   for (int64_t l = 0; l < lanes; ++l) {
     float* sc = scores + l * padded;
@@ -545,6 +523,29 @@ bool one_token_numerators(const T* keys, const T* values, const int32_t* slots,
 }
 #endif
 
+// The item's lanes' queries, transposed into w: float32 [dim][LANES], bfloat16 as pairs
+// [dim / 2][LANES]; unused lanes zero.
+void transpose_queries(const float* q, const Shape& s, const Item& it, Scratch& w) {
+  const int64_t dim = s.head_dim, hs = it.num_heads;
+  w.q_t.assign(dim * LANES, 0.0f);
+  for (int64_t i = 0; i < it.num_tokens; ++i)
+    for (int64_t h = 0; h < hs; ++h) {
+      const float* row = q + ((it.token0 + i) * s.num_heads + it.head0 + h) * dim;
+      for (int64_t d = 0; d < dim; ++d) w.q_t[d * LANES + i * hs + h] = row[d];
+    }
+}
+
+void transpose_queries(const uint16_t* q, const Shape& s, const Item& it, Scratch& w) {
+  const int64_t dim = s.head_dim, hs = it.num_heads, pairs = (dim + 1) / 2;
+  w.q_pairs.assign(pairs * LANES, 0u);
+  for (int64_t i = 0; i < it.num_tokens; ++i)
+    for (int64_t h = 0; h < hs; ++h) {
+      const uint16_t* row = q + ((it.token0 + i) * s.num_heads + it.head0 + h) * dim;
+      for (int64_t p = 0; p < pairs; ++p)
+        w.q_pairs[p * LANES + i * hs + h] = tokenmill::pair_word(row, p, dim);
+    }
+}
+
 template <typename T>
 void attend_item(const T* q, const T* k_cache, const T* v_cache, const int32_t* table,
                  T* out, const Shape& s, const Item& it, Scratch& w) {
@@ -553,26 +554,9 @@ void attend_item(const T* q, const T* k_cache, const T* v_cache, const int32_t* 
   const int64_t lo = s.window > 0 ? std::max<int64_t>(0, it.first_pos - s.window + 1) : 0;
   const int64_t num_keys = last_pos - lo + 1;
   const int32_t* slots = table + it.row * s.table_stride + lo;
-  w.q_t.assign(dim * LANES, 0.0f);  // [dim][LANES] queries, transposed
   w.scores.resize((num_keys + KEY_BLOCK) * LANES);  // whole blocks: score_block writes 8 rows
   w.acc.resize(LANES * dim);
-  w.value.resize(dim);
-  std::vector<float>& qrow = w.value;
-  if constexpr (std::is_same<T, float>::value) {
-    for (int64_t i = 0; i < it.num_tokens; ++i)
-      for (int64_t h = 0; h < hs; ++h) {
-        to_float(q + ((it.token0 + i) * s.num_heads + it.head0 + h) * dim, qrow.data(), dim);
-        for (int64_t d = 0; d < dim; ++d) w.q_t[d * LANES + i * hs + h] = qrow[d];
-      }
-  } else {
-    w.q_pairs.assign((dim + 1) / 2 * LANES, 0u);  // [dim / 2][LANES] pairs of bfloat16
-    for (int64_t i = 0; i < it.num_tokens; ++i)
-      for (int64_t h = 0; h < hs; ++h) {
-        const uint16_t* row = q + ((it.token0 + i) * s.num_heads + it.head0 + h) * dim;
-        for (int64_t p = 0; p < (dim + 1) / 2; ++p)
-          w.q_pairs[p * LANES + i * hs + h] = pair_word(row, p, dim);
-      }
-  }
+  transpose_queries(q, s, it, w);
   const int64_t lanes = it.num_tokens * hs;
   float den[LANES];
   const T* keys = k_cache + it.kv_head * s.head_stride;

@@ -70,6 +70,14 @@ inline void store16(uint16_t* p, __m512 v) {
 }
 #endif
 
+// Elements 2p and 2p + 1 of a bfloat16 row as one 32-bit word (low, high), as VDPBF16PS takes
+// a pair; a zero high half past an odd length n.
+inline uint32_t pair_word(const uint16_t* row, int64_t p, int64_t n) {
+  const uint32_t lo = row[2 * p];
+  const uint32_t hi = 2 * p + 1 < n ? row[2 * p + 1] : 0u;
+  return lo | (hi << 16);
+}
+
 // One step of a bfloat16 dot product over pairs, as one VDPBF16PS lane takes it: acc plus the
 // high (odd) halves' product, rounded, plus the low (even) halves' product, rounded (each
 // product of two bfloat16 values is exact in float32). a and b hold a pair in 32 bits.

@@ -29,8 +29,6 @@ namespace {
 constexpr int NR = 32;
 constexpr int MR = 12;
 
-using tokenmill::bf16_to_float;
-using tokenmill::float_to_bf16;
 using tokenmill::store;
 
 // --- microkernels: acc[R][NR] = A[R rows, K] . panel[K][NR] -------------------------------
@@ -65,14 +63,6 @@ void kernel_f32(const float* a, int64_t lda, const float* panel, int64_t k_len, 
 }
 #endif
 
-// The bfloat16 pair (a[k], a[k + 1]) of row r as one 32-bit word; a zero high half past K.
-inline uint32_t pair_at(const uint16_t* row, int64_t kp, int64_t k_len) {
-  const int64_t k = 2 * kp;
-  const uint32_t lo = row[k];
-  const uint32_t hi = k + 1 < k_len ? row[k + 1] : 0;
-  return lo | (hi << 16);
-}
-
 #if defined(__AVX512BF16__)
 template <int R>
 void kernel_bf16(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t k_len,
@@ -88,7 +78,7 @@ void kernel_bf16(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t 
       if (kp < full_pairs) {
         std::memcpy(&word, a + r * lda + 2 * kp, 4);
       } else {
-        word = pair_at(a + r * lda, kp, k_len);
+        word = tokenmill::pair_word(a + r * lda, kp, k_len);
       }
       const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(word));
       c[r][0] = _mm512_dpbf16_ps(c[r][0], x, b0);
@@ -101,8 +91,7 @@ void kernel_bf16(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t 
   }
 }
 #else
-// VDPBF16PS, lane by lane: the odd element's product first, then the even one's (each
-// product of two bfloat16 values is exact in float32, so each step rounds once).
+// VDPBF16PS, lane by lane (bf16.h's dot_pair).
 template <int R>
 void kernel_bf16(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t k_len,
                  float* acc) {
@@ -110,15 +99,11 @@ void kernel_bf16(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t 
   const int64_t pairs = (k_len + 1) / 2;
   for (int64_t kp = 0; kp < pairs; ++kp)
     for (int r = 0; r < R; ++r) {
-      const uint32_t word = pair_at(a + r * lda, kp, k_len);
-      const float x0 = bf16_to_float(static_cast<uint16_t>(word & 0xffffu));
-      const float x1 = bf16_to_float(static_cast<uint16_t>(word >> 16));
+      const uint32_t word = tokenmill::pair_word(a + r * lda, kp, k_len);
       for (int j = 0; j < NR; ++j) {
-        const uint16_t* w = panel + (kp * NR + j) * 2;
-        float c = acc[r * NR + j];
-        c = std::fma(x1, bf16_to_float(w[1]), c);
-        c = std::fma(x0, bf16_to_float(w[0]), c);
-        acc[r * NR + j] = c;
+        uint32_t w;
+        std::memcpy(&w, panel + (kp * NR + j) * 2, 4);
+        acc[r * NR + j] = tokenmill::dot_pair(acc[r * NR + j], word, w);
       }
     }
 }

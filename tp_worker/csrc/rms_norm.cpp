@@ -20,8 +20,6 @@ namespace {
 
 constexpr int LANES = 16;
 
-using tokenmill::bf16_to_float;
-using tokenmill::float_to_bf16;
 using tokenmill::load;
 using tokenmill::round_to;
 using tokenmill::store;
