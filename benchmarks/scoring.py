@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import math
 import os
 import random
-import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -35,7 +36,8 @@ from pathlib import Path
 import aiohttp
 from serving import add_model_args, resolve_model, start_server, stop_server
 
-from tokenmill.frontend.server_subprocess import free_port, healthy
+from tokenmill.frontend.server_subprocess import free_port
+from tokenmill.tp_worker.model_config import load_model_config
 
 PEERS = Path(__file__).resolve().parents[2] / "shared" / "peers"
 LABELS = [100, 200]
@@ -119,33 +121,28 @@ def measure(url: str, path: str, work: Workload, rounds: int) -> dict[str, list[
 
 
 def start_vllm(args: argparse.Namespace, model: Path, log: Path) -> tuple[subprocess.Popen, str]:
-    python = Path(os.environ.get("VLLM_PY", Path.home() / ".cache/tokenmill-peers/vllm/bin/python"))
-    if not python.exists():
-        raise SystemExit(f"no vLLM venv at {python}: run {args.peers}/install_vllm_cpu.sh")
+    """vLLM CPU as side_by_side.py starts it (its own `start` and `wait_health`)."""
+    spec = importlib.util.spec_from_file_location("side_by_side", args.peers / "side_by_side.py")
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"no side_by_side.py in {args.peers}")
+    peers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peers)
+    if not peers.VLLM_PY.exists():
+        raise SystemExit(f"no vLLM venv at {peers.VLLM_PY}: run {args.peers}/install_vllm_cpu.sh")
     port = free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
-               VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND="0-1")  # fmt: skip
-    cmd = [str(python), str(args.peers / "vllm_cli.py"), "serve", str(model), "--host",
-           "127.0.0.1", "--port", str(port), "--dtype", args.dtype, "--max-model-len", "2048",
-           "--served-model-name", "m"]  # fmt: skip
-    print("starting:", shlex.join(cmd), flush=True)
-    out = open(log, "wb")  # noqa: SIM115 (vLLM writes it until it stops)
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 900
-    while not healthy(url):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop_server(proc)
-            raise SystemExit(f"vLLM did not start: see {log}")
-        time.sleep(1)
-    return proc, url
+    settings = argparse.Namespace(dtype=args.dtype, vllm_bind="0-1", vllm_extra="")
+    proc = peers.start("vllm", settings, model, port, log)
+    peers.wait_health(port, proc, timeout=900)
+    return proc, f"http://127.0.0.1:{port}"
 
 
-def vocab_size(model: Path) -> int:
-    import json
-
-    return int(json.loads((model / "config.json").read_text())["vocab_size"])
+def stop_vllm(proc: subprocess.Popen) -> None:
+    """Its whole process group, as side_by_side.py stops it (vLLM runs child processes)."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def report(name: str, figures: dict[str, list[float]]) -> dict[str, float]:
@@ -204,7 +201,7 @@ def distances(
 def main() -> int:
     args = parse_args()
     model = resolve_model(args)
-    work = Workload(args, vocab_size(model))
+    work = Workload(args, load_model_config(model).vocab_size)
     logs = Path(tempfile.mkdtemp(prefix="tokenmill-scoring-"))
     print(f"{args.items} items x {args.item_len} tokens after a {args.query_len}-token query; "
           f"{model} ({args.dtype}); logs in {logs}", flush=True)  # fmt: skip
@@ -231,7 +228,7 @@ def main() -> int:
         their_values = first_label_probabilities(peer_url, "/generative_scoring", work)
     finally:
         if peer is not None:
-            stop_server(peer)
+            stop_vllm(peer)
     print(f"tokenmill /v1/score vs peer /generative_scoring: "
           f"{ours['/v1/score'] / theirs['/generative_scoring']:.2f}x; completions: "
           f"{ours['/v1/completions'] / theirs['/v1/completions']:.2f}x", flush=True)  # fmt: skip

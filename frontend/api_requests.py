@@ -174,6 +174,13 @@ def check_model(model: str | None, ctx: RequestContext) -> str:
     return ctx.served_model_name
 
 
+def is_token_ids(value: Any) -> bool:
+    """A list of ints (JSON booleans are not token ids)."""
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    )
+
+
 def check_token_ids(ids: list[int], ctx: RequestContext, param: str) -> None:
     vocab = ctx.tokenizer.vocab_size
     for i in ids:

@@ -32,6 +32,7 @@ from tokenmill.frontend.api_requests import (
     check_token_ids,
     check_unsupported,
     decode_body,
+    is_token_ids,
     new_id,
     stop_strings,
 )
@@ -84,12 +85,6 @@ class GenerateBody(msgspec.Struct, kw_only=True):
     rid: str | None = None
 
 
-def _is_ids(value: Any) -> bool:
-    return isinstance(value, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value
-    )
-
-
 def _prompts(body: GenerateBody, ctx: RequestContext) -> tuple[list[list[int]], bool]:
     """Token ids of each prompt, and whether the body was a batch."""
     if (body.text is None) == (body.input_ids is None):
@@ -103,7 +98,7 @@ def _prompts(body: GenerateBody, ctx: RequestContext) -> tuple[list[list[int]], 
     batched = isinstance(ids, list) and bool(ids) and all(isinstance(i, list) for i in ids)
     prompts = ids if batched else [ids]
     for prompt in prompts:
-        if not _is_ids(prompt):
+        if not is_token_ids(prompt):
             raise ApiError("input_ids must be a list of token ids or a list of them", "input_ids")
         if not prompt:
             raise ApiError("input_ids must not be empty", "input_ids")

@@ -36,6 +36,7 @@ from tokenmill.frontend.api_requests import (
     check_model,
     check_token_ids,
     decode_body,
+    is_token_ids,
     new_id,
 )
 from tokenmill.protocol.arrays import pack
@@ -152,9 +153,7 @@ def _ids(value: Any, ctx: RequestContext, param: str, special: bool) -> list[int
     """Text (tokenized, special tokens when `special`) or token ids, checked."""
     if isinstance(value, str):
         return ctx.tokenizer.encode(value, add_special_tokens=special)
-    if not isinstance(value, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value
-    ):
+    if not is_token_ids(value):
         raise ApiError(f"`{param}` must be text or a list of token ids", param)
     check_token_ids(value, ctx, param)
     return value

@@ -195,13 +195,6 @@ class HttpApi:
             async for index, out in outputs:
                 if out.logprobs:
                     logprobs[index] = out.logprobs[0].token_ids_logprobs
-        missing = [i for i, values in enumerate(logprobs) if len(values) != len(job.label_ids)]
-        if missing:
-            raise ApiError(
-                f"the engine returned no label logprobs for item {missing[0]}",
-                status=500,
-                type="server_error",
-            )
         return json_response(respond(job, logprobs))
 
     async def _serve(

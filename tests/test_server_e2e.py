@@ -218,55 +218,53 @@ def test_cancelled_streams_free_their_kv_slots(server) -> None:
     assert status == 200
 
 
-def test_native_generate_token_ids_logprob_and_start_len(server, reference) -> None:
+def _generate_scoring_ids(server, reference, new_tokens: int, **extra: object) -> tuple:
+    """/generate greedy with `token_ids_logprob` [7, 9]: every output position's values
+    checked against transformers; the meta_info and the oracle returned for more checks."""
     prompt = reference["prompt_ids"]
     status, body = server.post(
         "/generate",
         {
             "input_ids": prompt,
-            "sampling_params": {"max_new_tokens": 4, "temperature": 0},
-            "return_logprob": True,
-            "logprob_start_len": 5,
-            "top_logprobs_num": 2,
+            "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0},
             "token_ids_logprob": [7, 9],
-            "return_text_in_logprobs": True,
+            **extra,
         },
     )
     assert status == 200, body
     meta = body["meta_info"]
+    ref = oracle(reference["hf"], prompt + body["output_ids"])
+    scored = meta["output_token_ids_logprobs"]
+    assert len(scored) == new_tokens
+    for i, entries in enumerate(scored):
+        expected = ref.logprobs[len(prompt) - 1 + i, [7, 9]]
+        np.testing.assert_allclose([e[0] for e in entries], expected, atol=1e-4, rtol=0)
+    return meta, ref
+
+
+def test_native_generate_token_ids_logprob_and_start_len(server, reference) -> None:
+    prompt = reference["prompt_ids"]
+    meta, ref = _generate_scoring_ids(
+        server,
+        reference,
+        4,
+        return_logprob=True,
+        logprob_start_len=5,
+        top_logprobs_num=2,
+        return_text_in_logprobs=True,
+    )
     assert len(meta["output_token_logprobs"]) == 4
     assert len(meta["input_token_logprobs"]) == len(prompt) - 5
-    ref = oracle(reference["hf"], prompt + body["output_ids"])
     expected = ref.of(np.arange(4, len(prompt) - 1), prompt[5:])
     np.testing.assert_allclose(
         [e[0] for e in meta["input_token_logprobs"]], expected, atol=1e-4, rtol=0
     )
-    positions = np.arange(len(prompt) - 1, len(prompt) + 3)
-    scored = meta["output_token_ids_logprobs"]
-    for i, pos in enumerate(positions):
-        np.testing.assert_allclose(
-            [e[0] for e in scored[i]], ref.logprobs[pos, [7, 9]], atol=1e-4, rtol=0
-        )
 
 
 def test_token_ids_logprob_without_return_logprob(server, reference) -> None:
     """Label logprobs alone (no return_logprob): once took the detokenizer down."""
-    prompt = reference["prompt_ids"]
-    status, body = server.post(
-        "/generate",
-        {
-            "input_ids": prompt,
-            "sampling_params": {"max_new_tokens": 2, "temperature": 0},
-            "token_ids_logprob": [7, 9],
-        },
-    )
-    assert status == 200, body
-    meta = body["meta_info"]
+    meta, _ = _generate_scoring_ids(server, reference, 2)
     assert "output_token_logprobs" not in meta
-    ref = oracle(reference["hf"], prompt + body["output_ids"])
-    for i, entries in enumerate(meta["output_token_ids_logprobs"]):
-        expected = ref.logprobs[len(prompt) - 1 + i, [7, 9]]
-        np.testing.assert_allclose([e[0] for e in entries], expected, atol=1e-4, rtol=0)
 
 
 def test_bad_requests_get_400_and_the_engine_keeps_serving(server) -> None:
