@@ -110,7 +110,7 @@ def _parse_items(raw: bytes, ctx: RequestContext, default_softmax: bool) -> Scor
     else:
         prompts, shared = [query + item for item in items], len(query)
     apply_softmax = default_softmax if body.apply_softmax is None else body.apply_softmax
-    parsed = _parsed(model, prompts, [shared] * len(prompts), labels, ctx, "items")
+    parsed = _parsed(model, prompts, shared, labels, ctx, "items")
     return ScoringJob(parsed, labels, apply_softmax)
 
 
@@ -125,8 +125,7 @@ def parse_rerank(raw: bytes, ctx: RequestContext) -> ScoringJob:
         )
     documents = [body.documents] if isinstance(body.documents, str) else body.documents
     _check_count(len(documents), ctx, "documents")
-    built = [ctx.rerank.ids(body.query, d, ctx.tokenizer) for d in documents]
-    prompts, shared = [ids for ids, _ in built], [n for _, n in built]
+    prompts, shared = ctx.rerank.prompts(body.query, documents, ctx.tokenizer)
     parsed = _parsed(model, prompts, shared, ctx.rerank.label_ids, ctx, "documents", "rerank")
     return ScoringJob(
         parsed,
@@ -174,7 +173,7 @@ def _item_ids(body: ScoreBody, ctx: RequestContext) -> list[list[int]]:
 def _parsed(
     model: str,
     prompts: list[list[int]],
-    shared: list[int],
+    shared: int,
     label_ids: tuple[int, ...],
     ctx: RequestContext,
     param: str,
@@ -194,7 +193,7 @@ def _parsed(
             sampling=sampling,
             logprobs=logprobs,
             detokenize=detokenize,
-            shared_prefix_len=shared[i],
+            shared_prefix_len=shared,
         )
         choices.append(Choice(i, request, i, ids, None))
     return ParsedRequest(api="score", response_id=response_id, model=model, choices=choices)
@@ -266,7 +265,8 @@ def rerank_response(job: ScoringJob, logprobs: list[list[float]]) -> dict[str, A
         if job.return_documents:
             result["document"] = {"text": job.documents[i]}
         results.append(result)
-    usage = {"prompt_tokens": job.prompt_tokens, "total_tokens": job.prompt_tokens}
+    tokens = job.prompt_tokens
+    usage = {"prompt_tokens": tokens, "total_tokens": tokens}
     return {
         "id": job.parsed.response_id,
         "model": job.parsed.model,

@@ -49,12 +49,15 @@ class RerankPrompt:
         head, tail = text.split(DOCUMENT)
         return RerankPrompt(head, tail, _label_ids(labels, tokenizer))
 
-    def ids(self, query: str, document: str, tokenizer: Tokenizer) -> tuple[list[int], int]:
-        """The prompt's token ids, and how many of them every document of the query shares."""
+    def prompts(
+        self, query: str, documents: list[str], tokenizer: Tokenizer
+    ) -> tuple[list[list[int]], int]:
+        """Each document's prompt ids, and how many leading ids they all share (the head,
+        tokenized once, as the tail is)."""
         head = tokenizer.encode(self.head.replace(QUERY, query))
-        rest = tokenizer.encode(document, add_special_tokens=False)
-        rest += tokenizer.encode(self.tail.replace(QUERY, query), add_special_tokens=False)
-        return head + rest, len(head)
+        tail = tokenizer.encode(self.tail.replace(QUERY, query), add_special_tokens=False)
+        prompts = [head + tokenizer.encode(d, add_special_tokens=False) + tail for d in documents]
+        return prompts, len(head)
 
 
 def rerank_prompt(args: ScoringArgs, tokenizer: Tokenizer) -> RerankPrompt | None:

@@ -116,6 +116,16 @@ def test_rope_store_gives_the_torch_paths_bits(dtype: torch.dtype) -> None:
     assert not k_cache[:, untouched].any() and not v_cache[:, untouched].any()
 
 
+def _one_row_two_ways(table: torch.Tensor) -> tuple[attention_cpu.PagedAttention, ...]:
+    """Table row 0's first 20 positions as one prompt chunk, and as 20 decode rows (the
+    kernel's other path)."""
+    one, steps = torch.ones(1, dtype=torch.int64), torch.arange(20)
+    no_slots = torch.zeros(0, dtype=torch.int64)
+    chunk = attention_cpu.PagedAttention(table, 0 * one, 0 * one, 20 * one, 0 * one, no_slots, 0)
+    rows = attention_cpu.PagedAttention(table, 0 * steps, steps, steps**0, steps, no_slots, 0)
+    return chunk, rows
+
+
 def test_a_build_without_avx_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
     """The portable loops do what the AVX-512 (and AVX512_BF16) microkernels do, in the same
     order: an x86 CPU of any generation computes the same numbers."""
@@ -128,15 +138,7 @@ def test_a_build_without_avx_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch
     ropes = [_rope_store(*_rope_case(dtype)) for dtype in cpu_ops.DTYPE_CODES]
     q = torch.randn(20, 8, 64)
     caches = (torch.randn(2, 64, 64), torch.randn(2, 64, 64))  # [Hkv, slots, D]
-    table = torch.randperm(64).view(1, 64).int()
-    one = torch.ones(1, dtype=torch.int64)
-    paged = attention_cpu.PagedAttention(
-        table, 0 * one, 0 * one, 20 * one, 0 * one, torch.zeros(0, dtype=torch.int64), 0
-    )
-    steps = torch.arange(20)  # the same 20 tokens as 20 decode rows: the other kernel path
-    decode = attention_cpu.PagedAttention(
-        table, 0 * steps, steps, steps**0, steps, torch.zeros(0, dtype=torch.int64), 0
-    )
+    paged, decode = _one_row_two_ways(torch.randperm(64).view(1, 64).int())
     native_attention = paged.attend(q, *caches, 64**-0.5)
     assert torch.equal(decode.attend(q, *caches, 64**-0.5), native_attention)
 
@@ -161,12 +163,7 @@ def _attention_both_paths(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tenso
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(20, 8, 64, generator=gen).to(dtype)
     caches = tuple(torch.randn(2, 64, 64, generator=gen).to(dtype) for _ in range(2))
-    table = torch.randperm(64, generator=gen).view(1, 64).int()
-    one, steps, no_slots = torch.ones(1, dtype=torch.int64), torch.arange(20), torch.zeros(0)
-    chunk = attention_cpu.PagedAttention(table, 0 * one, 0 * one, 20 * one, 0 * one,
-                                         no_slots.long(), 0)  # fmt: skip
-    rows = attention_cpu.PagedAttention(table, 0 * steps, steps, steps**0, steps,
-                                        no_slots.long(), 0)  # fmt: skip
+    chunk, rows = _one_row_two_ways(torch.randperm(64, generator=gen).view(1, 64).int())
     return chunk.attend(q, *caches, 64**-0.5), rows.attend(q, *caches, 64**-0.5)
 
 
@@ -211,14 +208,9 @@ def test_bfloat16_scores_add_a_pairs_odd_product_first(
     lib = cpu_kernels.load(cpu_kernels.build(arch))
     monkeypatch.setattr(attention_cpu, "library", lambda: lib)
     q, k, v = _order_probe()
-    table = torch.arange(64).view(1, 64).int()
-    one, steps, no_slots = torch.ones(1, dtype=torch.int64), torch.arange(20), torch.zeros(0)
-    chunk = attention_cpu.PagedAttention(table, 0 * one, 0 * one, 20 * one, 0 * one,
-                                         no_slots.long(), 0)  # fmt: skip
-    rows = attention_cpu.PagedAttention(table, 0 * steps, steps, steps**0, steps,
-                                        no_slots.long(), 0)  # fmt: skip
+    chunk, rows = _one_row_two_ways(torch.arange(64).view(1, 64).int())
     # every score 0: each token averages its keys' values, +1 and -1 alternating
-    seen = steps + 1
+    seen = torch.arange(20) + 1
     expected = ((seen + 1) // 2 - seen // 2) / seen
     for attention in (chunk, rows):
         out = attention.attend(q, k, v, 1.0).float().view(20, 8, 64)
