@@ -86,6 +86,18 @@ class ScoringJob:
         return sum(len(c.prompt_ids) for c in self.parsed.choices)
 
 
+@dataclass
+class ScoredItems:
+    """What the engine sent back for each item, in the items' order."""
+
+    logprobs: list[list[float]]  # one per label id
+    cached_tokens: list[int]  # prompt tokens found in the prefix cache
+
+    @classmethod
+    def empty(cls, n: int) -> ScoredItems:
+        return cls([[] for _ in range(n)], [0] * n)
+
+
 def parse_score(raw: bytes, ctx: RequestContext) -> ScoringJob:
     return _parse_items(raw, ctx, default_softmax=False)
 
@@ -223,18 +235,24 @@ def probabilities(
     return [math.exp(by_id[t]) for t in label_ids]
 
 
-def _usage(job: ScoringJob) -> dict[str, int]:
+def _usage(job: ScoringJob, scored: ScoredItems) -> dict[str, Any]:
     tokens = job.prompt_tokens
-    return {"prompt_tokens": tokens, "completion_tokens": 0, "total_tokens": tokens}
+    return {
+        "prompt_tokens": tokens,
+        "completion_tokens": 0,
+        "total_tokens": tokens,
+        "prompt_tokens_details": {"cached_tokens": sum(scored.cached_tokens)},
+    }
 
 
-def score_response(job: ScoringJob, logprobs: list[list[float]]) -> dict[str, Any]:
+def score_response(job: ScoringJob, scored: ScoredItems) -> dict[str, Any]:
     """SGLang's /v1/score body."""
-    scores = [probabilities(job.label_ids, lp, job.apply_softmax) for lp in logprobs]
-    return {"scores": scores, "model": job.parsed.model, "usage": _usage(job), "object": "scoring"}
+    scores = [probabilities(job.label_ids, lp, job.apply_softmax) for lp in scored.logprobs]
+    usage = _usage(job, scored)
+    return {"scores": scores, "model": job.parsed.model, "usage": usage, "object": "scoring"}
 
 
-def generative_scoring_response(job: ScoringJob, logprobs: list[list[float]]) -> dict[str, Any]:
+def generative_scoring_response(job: ScoringJob, scored: ScoredItems) -> dict[str, Any]:
     """vLLM's /generative_scoring body."""
     data = [
         {
@@ -242,7 +260,7 @@ def generative_scoring_response(job: ScoringJob, logprobs: list[list[float]]) ->
             "object": "score",
             "score": probabilities(job.label_ids, lp, job.apply_softmax)[0],
         }
-        for i, lp in enumerate(logprobs)
+        for i, lp in enumerate(scored.logprobs)
     ]
     return {
         "id": job.parsed.response_id,
@@ -250,14 +268,14 @@ def generative_scoring_response(job: ScoringJob, logprobs: list[list[float]]) ->
         "created": int(time.time()),
         "model": job.parsed.model,
         "data": data,
-        "usage": _usage(job),
+        "usage": _usage(job, scored),
     }
 
 
-def rerank_response(job: ScoringJob, logprobs: list[list[float]]) -> dict[str, Any]:
+def rerank_response(job: ScoringJob, scored: ScoredItems) -> dict[str, Any]:
     """The Cohere / Jina / vLLM rerank body: the top_n documents, most relevant first."""
     assert job.documents is not None
-    relevance = [probabilities(job.label_ids, lp, True)[0] for lp in logprobs]
+    relevance = [probabilities(job.label_ids, lp, True)[0] for lp in scored.logprobs]
     order = sorted(range(len(relevance)), key=lambda i: -relevance[i])[: job.top_n]
     results = []
     for i in order:
@@ -265,8 +283,8 @@ def rerank_response(job: ScoringJob, logprobs: list[list[float]]) -> dict[str, A
         if job.return_documents:
             result["document"] = {"text": job.documents[i]}
         results.append(result)
-    tokens = job.prompt_tokens
-    usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+    usage = _usage(job, scored)
+    del usage["completion_tokens"]  # NOTE: the rerank usage (Cohere, vLLM) has none
     return {
         "id": job.parsed.response_id,
         "model": job.parsed.model,

@@ -30,6 +30,7 @@ from tokenmill.frontend.api_responses import (
 )
 from tokenmill.frontend.api_responses_native import NativeResponder
 from tokenmill.frontend.api_scoring import (
+    ScoredItems,
     ScoringJob,
     generative_scoring_response,
     parse_generative_scoring,
@@ -56,7 +57,7 @@ _INTERNAL = ApiError("internal server error", status=500, type="server_error")
 
 Parser = Callable[[bytes, RequestContext], ParsedRequest]
 ScoringParser = Callable[[bytes, RequestContext], ScoringJob]
-ScoringResponder = Callable[[ScoringJob, list[list[float]]], Any]
+ScoringResponder = Callable[[ScoringJob, ScoredItems], Any]
 
 
 def json_response(obj: Any, status: int = 200) -> web.Response:
@@ -190,12 +191,15 @@ class HttpApi:
         """Runs every item of a scoring request at once; answers with their label logprobs."""
         job: ScoringJob = await self._parse(request, parse)
         self.metrics.on_start(len(job.parsed.choices), True)
-        logprobs: list[list[float]] = [[] for _ in job.parsed.choices]
+        scored = ScoredItems.empty(len(job.parsed.choices))
         async with aclosing(self._outputs(job.parsed)) as outputs:
             async for index, out in outputs:
                 if out.logprobs:
-                    logprobs[index] = out.logprobs[0].token_ids_logprobs
-        return json_response(respond(job, logprobs))
+                    scored.logprobs[index] = out.logprobs[0].token_ids_logprobs
+                scored.cached_tokens[index] = max(
+                    scored.cached_tokens[index], out.num_cached_tokens
+                )
+        return json_response(respond(job, scored))
 
     async def _serve(
         self, request: web.Request, parse: Parser, responder_cls: type[Responder]
