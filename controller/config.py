@@ -27,3 +27,5 @@ class ControllerConfig:
     """Reuse the KV of cached prompt prefixes (the radix cache)."""
     parent_pid: int | None = None
     report_interval_s: float = 0.25
+    cluster_key_file: str = ""
+    """With ranks on other nodes: the CURVE keys that secure their tcp:// worker_addrs."""

@@ -22,6 +22,7 @@ from tokenmill.controller.scheduler import ScheduledRow, Scheduler
 from tokenmill.controller.slot_pool import IndexPool
 from tokenmill.controller.step_timing import StepTiming
 from tokenmill.protocol.arrays import empty
+from tokenmill.protocol.cluster import Authenticator, ClusterKey
 from tokenmill.protocol.outputs import BatchOutput, RequestOutput
 from tokenmill.protocol.process import exit_with_parent, setup_process
 from tokenmill.protocol.requests import AbortRequest, FrontendMessage, GenerateRequest
@@ -170,8 +171,9 @@ class ControllerSockets:
 
     def __init__(self, config: ControllerConfig) -> None:
         self.context = zmq.Context()
+        self.authenticator: Authenticator | None = None
         self.requests = self._socket(zmq.PULL, config.request_addr, bind=True)
-        self.workers = [self._socket(zmq.PUSH, a, bind=True) for a in config.worker_addrs]
+        self.workers = [self._worker_socket(a, config) for a in config.worker_addrs]
         self.results = self._socket(zmq.PULL, config.result_addr, bind=True)
         self.detokenizer = self._socket(zmq.PUSH, config.detokenizer_addr, bind=False)
         self.reports = self._socket(zmq.PUSH, config.report_addr, bind=False)
@@ -185,6 +187,19 @@ class ControllerSockets:
         sock = self.context.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         (sock.bind if bind else sock.connect)(addr)
+        return sock
+
+    def _worker_socket(self, addr: str, config: ControllerConfig) -> zmq.Socket:
+        """A rank's step input; over TCP (a rank on another node) only for the key's holders."""
+        if not addr.startswith("tcp://"):
+            return self._socket(zmq.PUSH, addr, bind=True)
+        key = ClusterKey.load(config.cluster_key_file)
+        if self.authenticator is None:
+            self.authenticator = key.start_authenticator(self.context)
+        sock = self.context.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        key.serve_on(sock)
+        sock.bind(addr)
         return sock
 
     def receive_requests(self, timeout_ms: int) -> list[FrontendMessage]:

@@ -11,7 +11,13 @@ import logging
 import sys
 from collections.abc import Callable
 
-from tokenmill.frontend import VERSION, generate_command, make_model_command, serve_command
+from tokenmill.frontend import (
+    VERSION,
+    cluster_key_command,
+    generate_command,
+    make_model_command,
+    serve_command,
+)
 from tokenmill.frontend.bench import command as bench_command
 
 Subcommand = tuple[
@@ -23,6 +29,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "generate": (generate_command.add_parser, generate_command.run),
     "make-model": (make_model_command.add_parser, make_model_command.run),
     "bench": (bench_command.add_parser, bench_command.run),
+    "cluster-key": (cluster_key_command.add_parser, cluster_key_command.run),
 }
 
 

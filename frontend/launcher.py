@@ -23,8 +23,8 @@ import msgspec
 
 from tokenmill.controller.config import ControllerConfig
 from tokenmill.detokenizer.config import DetokenizerConfig
+from tokenmill.frontend.cluster_layout import ClusterLayout
 from tokenmill.frontend.server_config import ServerConfig
-from tokenmill.frontend.server_subprocess import free_port
 from tokenmill.tp_worker.config import RunnerConfig, WorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -40,7 +40,9 @@ class Addresses:
     workers: tuple[str, ...]  # controller -> each rank
 
     @staticmethod
-    def under(runtime_dir: Path, world_size: int) -> Addresses:
+    def under(runtime_dir: Path, layout: ClusterLayout) -> Addresses:
+        """`ipc://` under runtime_dir, but TCP for the steps of ranks on other nodes."""
+
         def ipc(name: str) -> str:
             return f"ipc://{runtime_dir / name}"
 
@@ -50,7 +52,10 @@ class Addresses:
             ipc("outputs"),
             ipc("detokenized"),
             ipc("reports"),
-            tuple(ipc(f"worker{r}") for r in range(world_size)),
+            tuple(
+                ipc(f"worker{r}") if layout.on_node0(r) else layout.step_addr(r)
+                for r in range(layout.world_size)
+            ),
         )
 
 
@@ -94,13 +99,14 @@ def make_runtime_dir() -> Path:
 
 
 def launch_engine(
-    config: ServerConfig, model_dir: Path, max_model_len: int, world_size: int = 1
+    config: ServerConfig, model_dir: Path, max_model_len: int, layout: ClusterLayout
 ) -> EngineProcesses:
+    """Node 0: the detokenizer, the controller and this node's ranks."""
     runtime_dir = make_runtime_dir()
-    addrs = Addresses.under(runtime_dir, world_size)
+    addrs = Addresses.under(runtime_dir, layout)
     engine = EngineProcesses(runtime_dir, addrs)
     parent = os.getpid()
-    s, m = config.scheduler, config.model
+    s = config.scheduler
     engine.start(
         "detokenizer",
         "tokenmill.detokenizer",
@@ -127,9 +133,26 @@ def launch_engine(
             enable_prefix_cache=not s.disable_prefix_cache,
             step_timing=s.step_timing,
             parent_pid=parent,
+            cluster_key_file=layout.key_file,
         ),
     )
-    runner = RunnerConfig(
+    start_ranks(engine, config, runner_config(config, model_dir, max_model_len), layout)
+    return engine
+
+
+def launch_node_ranks(
+    config: ServerConfig, model_dir: Path, max_model_len: int, layout: ClusterLayout
+) -> EngineProcesses:
+    """Node k > 0: this node's ranks only; their steps come from node 0's controller."""
+    runtime_dir = make_runtime_dir()
+    engine = EngineProcesses(runtime_dir, Addresses.under(runtime_dir, layout))
+    start_ranks(engine, config, runner_config(config, model_dir, max_model_len), layout)
+    return engine
+
+
+def runner_config(config: ServerConfig, model_dir: Path, max_model_len: int) -> RunnerConfig:
+    s, m = config.scheduler, config.model
+    return RunnerConfig(
         model=str(model_dir),
         kv_cache_tokens=s.kv_cache_tokens,
         max_running_requests=s.max_running_requests,
@@ -138,23 +161,30 @@ def launch_engine(
         device=m.device,
         logprobs_mode=s.logprobs_mode,
     )
-    dist_addr = f"tcp://127.0.0.1:{free_port()}"
-    for rank in range(world_size):
+
+
+def start_ranks(
+    engine: EngineProcesses, config: ServerConfig, runner: RunnerConfig, layout: ClusterLayout
+) -> None:
+    dist_addr = layout.torch_addr()
+    for rank in layout.local_ranks:
         engine.start(
             f"tp_worker{rank}",
             "tokenmill.tp_worker",
             WorkerConfig(
                 runner=runner,
                 rank=rank,
-                world_size=world_size,
+                world_size=layout.world_size,
                 dist_init_addr=dist_addr,
-                batch_addr=addrs.workers[rank],
-                result_addr=addrs.results,
-                parent_pid=parent,
-                step_timing=s.step_timing,
+                batch_addr=engine.addresses.workers[rank],
+                result_addr=engine.addresses.results,
+                parent_pid=os.getpid(),
+                step_timing=config.scheduler.step_timing,
+                local_world_size=layout.local_size,
+                cluster_key_file=layout.key_file,
+                dist_timeout_s=layout.timeout_s,
             ),
         )
-    return engine
 
 
 # NOTE: glibc otherwise keeps freed [chunk, vocab] logit buffers (64 MiB, logprobs.py) in its

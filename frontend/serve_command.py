@@ -48,7 +48,8 @@ def resolve(config: ServerConfig) -> tuple[ServerConfig, Path]:
         max_len = min(
             int(raw.get("max_position_embeddings", DEFAULT_MAX_MODEL_LEN)), DEFAULT_MAX_MODEL_LEN
         )
-    check_rerank_prompt(config, model_dir)
+    if config.parallel.node_rank == 0:  # NOTE: the other nodes serve no HTTP
+        check_rerank_prompt(config, model_dir)
     name = config.model.served_model_name or config.model.model or "tokenmill-demo"
     model = replace(config.model, max_model_len=max_len, served_model_name=name)
     return replace(config, model=model), model_dir
@@ -93,9 +94,15 @@ def run(args: argparse.Namespace) -> int:
         config = from_namespace(args)
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    multiprocessing.current_process().name = "frontend"
+    worker_node = config.parallel.node_rank > 0
+    multiprocessing.current_process().name = "node" if worker_node else "frontend"
     setup_logging(config.http.log_level)
     config, model_dir = resolve(config)
+    check_cluster_key(config)
+    if worker_node:
+        from tokenmill.frontend.worker_node import serve_worker_node
+
+        return serve_worker_node(config, model_dir)
     try:
         import uvloop
 
@@ -103,3 +110,13 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         pass
     return asyncio.run(serve(config, model_dir))
+
+
+def check_cluster_key(config: ServerConfig) -> None:
+    if config.parallel.nnodes > 1:
+        from tokenmill.protocol.cluster import ClusterKey
+
+        try:
+            ClusterKey.load(config.parallel.cluster_key_file)
+        except ValueError as e:
+            raise SystemExit(f"--cluster-key-file: {e}") from None

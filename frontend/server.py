@@ -14,12 +14,15 @@ from pathlib import Path
 
 from aiohttp import web
 
+from tokenmill.frontend.cluster_layout import ClusterLayout, node_settings
 from tokenmill.frontend.engine_zmq import ZmqEngineClient
 from tokenmill.frontend.http_server import build_app
-from tokenmill.frontend.launcher import EngineProcesses, launch_engine
+from tokenmill.frontend.launcher import EngineProcesses, launch_engine, runner_config
+from tokenmill.frontend.node_link import RemoteNodes
 from tokenmill.frontend.server_config import ServerConfig
 from tokenmill.frontend.systemd_notify import SystemdNotifier
 from tokenmill.frontend.tokenizer import Tokenizer
+from tokenmill.protocol.cluster import ClusterKey
 
 logger = logging.getLogger(__name__)
 
@@ -27,9 +30,9 @@ DRAIN_TIMEOUT_S = 30.0
 
 
 async def serve(config: ServerConfig, model_dir: Path) -> int:
-    engine = launch_engine(
-        config, model_dir, config.model.max_model_len, config.parallel.tensor_parallel_size
-    )
+    layout = ClusterLayout.of(config.parallel)
+    nodes = _remote_nodes(config, model_dir, layout)
+    engine = launch_engine(config, model_dir, config.model.max_model_len, layout)
     client = ZmqEngineClient(
         engine.addresses.requests, engine.addresses.detokenized, engine.addresses.reports
     )
@@ -37,8 +40,10 @@ async def serve(config: ServerConfig, model_dir: Path) -> int:
     state = {"exit_code": 0, "drain": False}
     _install_signals(stop, state)
     client.start()
+    if nodes is not None:
+        nodes.start()
     notifier = SystemdNotifier()
-    watcher = asyncio.create_task(_supervise(engine, client, stop, state))
+    watcher = asyncio.create_task(_supervise(engine, nodes, client, stop, state))
     tasks = [watcher]
     runner = None
     try:
@@ -59,8 +64,21 @@ async def serve(config: ServerConfig, model_dir: Path) -> int:
         if runner is not None:
             await runner.cleanup()
         client.close()
+        if nodes is not None:
+            failed = state["exit_code"] != 0
+            await nodes.close("its server failed" if failed else "its server stopped", failed)
         engine.shutdown()
     return int(state["exit_code"])
+
+
+def _remote_nodes(
+    config: ServerConfig, model_dir: Path, layout: ClusterLayout
+) -> RemoteNodes | None:
+    """Node 0's end of the node link, with the settings every node must share."""
+    if layout.nnodes == 1:
+        return None
+    runner = runner_config(config, model_dir, config.model.max_model_len)
+    return RemoteNodes(layout, ClusterKey.load(layout.key_file), node_settings(runner, layout))
 
 
 async def _start_http(
@@ -92,13 +110,18 @@ async def _wait_ready(client: ZmqEngineClient, stop: asyncio.Event) -> bool:
 
 
 async def _supervise(
-    engine: EngineProcesses, client: ZmqEngineClient, stop: asyncio.Event, state: dict
+    engine: EngineProcesses,
+    nodes: RemoteNodes | None,
+    client: ZmqEngineClient,
+    stop: asyncio.Event,
+    state: dict,
 ) -> None:
     while True:
         exited = engine.exited()
         if exited is not None:
             name, code = exited
             logger.error("process %s exited with status %s: shutting the server down", name, code)
+        if exited is not None or (nodes is not None and nodes.failure is not None):
             client.mark_dead()
             state["exit_code"] = 1
             stop.set()

@@ -61,7 +61,23 @@ class SchedulerArgs:
 @dataclass(frozen=True)
 class ParallelArgs:
     tensor_parallel_size: int = 1
-    """Worker processes that shard the model (one per GPU; gloo on the CPU)."""
+    """Worker processes that shard the model, on all nodes together (one per GPU; gloo on
+    the CPU); each node runs tensor_parallel_size / nnodes of them."""
+    nnodes: int = 1
+    """Machines the tensor-parallel ranks span. Start `tokenmill serve` with the same flags
+    on each, adding --node-rank; node 0 serves HTTP, the others only run their ranks."""
+    node_rank: int = 0
+    """This machine's place in 0..nnodes-1 (ranks node_rank * tp/nnodes onward run here)."""
+    dist_init_addr: str = ""
+    """HOST:PORT of node 0, on the interface the nodes reach each other by (needed with
+    --nnodes > 1). Node 0 listens there for the rendezvous (PORT), the node link (PORT+1)
+    and each remote rank's steps (PORT+2+rank), on HOST only."""
+    cluster_key_file: str = ""
+    """The key file every node needs with --nnodes > 1 (`tokenmill cluster-key FILE` makes
+    one): the sockets between nodes use ZeroMQ CURVE and refuse peers without it."""
+    dist_timeout: float = 300.0
+    """Seconds a node waits at start for the others (rendezvous, first contact) before it
+    fails naming the address it could not reach."""
 
 
 @dataclass(frozen=True)
@@ -206,6 +222,42 @@ def validate(config: ServerConfig) -> None:
             "use debug, info, warning or error",
         ),
     ]
+    for ok, flag, value, fix in checks:
+        if not ok:
+            raise ValueError(f"{flag}={value!r} is invalid: {fix}")
+    validate_parallel(config.parallel)
+
+
+def validate_parallel(p: ParallelArgs) -> None:
+    checks: list[tuple[bool, str, object, str]] = [
+        (p.nnodes >= 1, "--nnodes", p.nnodes, "use 1 or more"),
+        (0 <= p.node_rank < p.nnodes, "--node-rank", p.node_rank, f"use 0..{p.nnodes - 1}"),
+        (
+            p.tensor_parallel_size % max(1, p.nnodes) == 0,
+            "--tensor-parallel-size",
+            p.tensor_parallel_size,
+            f"use a multiple of --nnodes={p.nnodes} (every node runs the same number of ranks)",
+        ),
+        (p.dist_timeout > 0, "--dist-timeout", p.dist_timeout, "use a positive number"),
+    ]
+    if p.nnodes > 1:
+        host, _, port = p.dist_init_addr.rpartition(":")
+        checks += [
+            (
+                bool(host)
+                and port.isdigit()
+                and 0 < int(port) < 65536 - 2 - p.tensor_parallel_size,
+                "--dist-init-addr",
+                p.dist_init_addr,
+                "use HOST:PORT of node 0 (PORT..PORT+2+tensor-parallel-size must be free)",
+            ),
+            (
+                bool(p.cluster_key_file),
+                "--cluster-key-file",
+                p.cluster_key_file,
+                "name the key file every node shares (`tokenmill cluster-key FILE` makes one)",
+            ),
+        ]
     for ok, flag, value, fix in checks:
         if not ok:
             raise ValueError(f"{flag}={value!r} is invalid: {fix}")

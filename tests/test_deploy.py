@@ -89,6 +89,33 @@ def test_unit_and_launch_script_agree() -> None:
         assert out[out.index(flag) + 1] == value
 
 
+def test_launch_script_passes_the_multi_node_settings() -> None:
+    env = {
+        **os.environ,
+        "TOKENMILL_NNODES": "2",
+        "TOKENMILL_NODE_RANK": "1",
+        "TOKENMILL_DIST_INIT_ADDR": "10.0.0.1:29500",
+        "TOKENMILL_CLUSTER_KEY_FILE": "/etc/tokenmill/cluster.key",
+        "CUDA_VISIBLE_DEVICES": "0,1,2,3",
+    }
+    env.pop("TOKENMILL_TP", None)
+    script = str(DEPLOY / "tokenmill-launch")
+    out = subprocess.run(
+        [script, "--dry-run"], env=env, check=True, capture_output=True, text=True
+    ).stdout.split()
+    for flag, value in (
+        ("--tensor-parallel-size", "8"),  # four GPUs here, times two nodes
+        ("--nnodes", "2"),
+        ("--node-rank", "1"),
+        ("--dist-init-addr", "10.0.0.1:29500"),
+        ("--cluster-key-file", "/etc/tokenmill/cluster.key"),
+    ):
+        assert out[out.index(flag) + 1] == value
+    del env["TOKENMILL_DIST_INIT_ADDR"]
+    missing = subprocess.run([script, "--dry-run"], env=env, capture_output=True, text=True)
+    assert missing.returncode != 0 and "HOST:PORT of node 0" in missing.stderr
+
+
 def test_health_means_alive_and_stepping() -> None:
     from tokenmill.frontend.engine_client import EngineStats
 

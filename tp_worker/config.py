@@ -47,3 +47,9 @@ class WorkerConfig:
     parent_pid: int | None = None
     step_timing: bool = False
     """Time each step and its model forward, and send the figures with the result."""
+    local_world_size: int = 0
+    """Ranks on this node (0: world_size): they share its CPU threads and index its GPUs."""
+    cluster_key_file: str = ""
+    """The CURVE keys for a tcp:// batch_addr (a rank on another node than the controller)."""
+    dist_timeout_s: float = 300.0
+    """How long the rendezvous waits for every rank."""

@@ -9,14 +9,17 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import sys
 import time
 from dataclasses import replace
+from datetime import timedelta
 
 import msgspec
 import torch
 import torch.distributed as dist
 import zmq
 
+from tokenmill.protocol.cluster import ClusterKey
 from tokenmill.protocol.process import exit_with_parent, setup_process
 from tokenmill.protocol.step import ForwardBatch, WorkerFailed, WorkerReady
 from tokenmill.tp_worker.config import RunnerConfig, WorkerConfig
@@ -30,19 +33,41 @@ def init_distributed(config: WorkerConfig) -> RunnerConfig:
     """Joins the tensor-parallel group; returns the runner config with this rank's device."""
     runner = config.runner
     device = resolve_device(runner.device)
+    local = config.local_world_size or config.world_size
     if device.type == "cuda":
-        runner = replace(runner, device=f"cuda:{config.rank % torch.cuda.device_count()}")
+        runner = replace(runner, device=f"cuda:{config.rank % local % torch.cuda.device_count()}")
         torch.cuda.set_device(torch.device(runner.device))
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.world_size))
+    elif "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     if config.world_size > 1:
-        dist.init_process_group(
-            "nccl" if device.type == "cuda" else "gloo",
-            init_method=config.dist_init_addr,
-            rank=config.rank,
-            world_size=config.world_size,
-        )
+        try:
+            dist.init_process_group(
+                "nccl" if device.type == "cuda" else "gloo",
+                init_method=config.dist_init_addr,
+                rank=config.rank,
+                world_size=config.world_size,
+                timeout=timedelta(seconds=config.dist_timeout_s),
+            )
+        except (RuntimeError, TimeoutError, ValueError) as e:
+            logger.error(
+                "rank %d could not join the other %d ranks at %s within %.0f s: %s",
+                config.rank,
+                config.world_size - 1,
+                config.dist_init_addr,
+                config.dist_timeout_s,
+                str(e).splitlines()[0] if str(e) else type(e).__name__,
+            )
+            sys.exit(1)
     return runner
+
+
+def connect_batches(context: zmq.Context, config: WorkerConfig) -> zmq.Socket:
+    """The step input; from another node over TCP, proving we hold the cluster key."""
+    batches = context.socket(zmq.PULL)
+    if config.batch_addr.startswith("tcp://"):
+        ClusterKey.load(config.cluster_key_file).connect_with(batches)
+    batches.connect(config.batch_addr)
+    return batches
 
 
 def run_tp_worker(config: WorkerConfig) -> None:
@@ -51,8 +76,7 @@ def run_tp_worker(config: WorkerConfig) -> None:
     exit_with_parent(config.parent_pid)
     runner = ModelRunner(init_distributed(config))
     context = zmq.Context()
-    batches = context.socket(zmq.PULL)
-    batches.connect(config.batch_addr)
+    batches = connect_batches(context, config)
     results = None
     if config.rank == 0:
         results = context.socket(zmq.PUSH)
