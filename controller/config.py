@@ -29,3 +29,5 @@ class ControllerConfig:
     report_interval_s: float = 0.25
     cluster_key_file: str = ""
     """With ranks on other nodes: the CURVE keys that secure their tcp:// worker_addrs."""
+    replica: int = 0
+    """This engine's index among --data-parallel-size replicas (in its reports)."""

@@ -159,6 +159,7 @@ class Controller:
                 prefix_hit_tokens=self.kv.hit_tokens,
                 prefix_cached_tokens=self.kv.cache.num_cached if self.kv.cache else 0,
                 step_timing=self.timing.totals(),
+                replica=self.config.replica,
             )
         )
 

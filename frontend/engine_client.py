@@ -33,11 +33,19 @@ class EngineStats:
     # time.monotonic() of the controller's last report (it reports between steps)
     last_report: float = field(default_factory=time.monotonic)
     extra: dict[str, float] = field(default_factory=dict)
+    # --data-parallel-size > 1: each replica's own; the fields above then hold only `alive`
+    replicas: list[EngineStats] = field(default_factory=list)
 
     def healthy(self, stale_after_s: float = 120.0) -> bool:
-        """Alive and stepping: a report came within `stale_after_s`. NOTE: a CPU prefill step
-        can take tens of seconds, so only a much longer silence counts as stuck."""
-        return self.alive and time.monotonic() - self.last_report < stale_after_s
+        """Alive and stepping: a report came within `stale_after_s` (from every replica).
+        NOTE: a CPU prefill step can take tens of seconds, so only a much longer silence
+        counts as stuck."""
+        now = time.monotonic()
+        reports = [r.last_report for r in self.replicas] or [self.last_report]
+        return self.alive and all(now - t < stale_after_s for t in reports)
+
+    def per_replica(self) -> list[EngineStats]:
+        return self.replicas or [self]
 
 
 class EngineClient(Protocol):

@@ -1,8 +1,11 @@
 """The real EngineClient: requests go to the controller, outputs come from the detokenizer,
 engine reports from the controller, all over ZeroMQ with msgspec frames (main process).
 
-One receive task per input socket dispatches to per-request queues. When the engine dies
-every open request gets EngineDeadError; a request whose consumer goes away is aborted.
+With --data-parallel-size D there are D engines (controller, ranks, detokenizer each): a
+request goes to the one replica_router.py picks, and its abort follows it there; every
+detokenizer and controller sends to the same two inputs here. One receive task per input
+socket dispatches to per-request queues. When the engine dies every open request gets
+EngineDeadError; a request whose consumer goes away is aborted.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import zmq
 import zmq.asyncio
 
 from tokenmill.frontend.engine_client import EngineDeadError, EngineStats
+from tokenmill.frontend.replica_router import ReplicaRouter
 from tokenmill.protocol.outputs import DetokenizedBatch, DetokenizedOutput
 from tokenmill.protocol.requests import AbortRequest, GenerateRequest
 from tokenmill.protocol.stats import EngineReport
@@ -27,17 +31,23 @@ _DEAD = object()
 
 
 class ZmqEngineClient:
-    def __init__(self, request_addr: str, output_addr: str, report_addr: str) -> None:
+    def __init__(self, request_addrs: list[str], output_addr: str, report_addr: str) -> None:
         self.context = zmq.asyncio.Context()
-        self.requests = self._socket(zmq.PUSH, request_addr, bind=False)
+        self.requests = [self._socket(zmq.PUSH, a, bind=False) for a in request_addrs]
         self.outputs = self._socket(zmq.PULL, output_addr, bind=True)
         self.reports = self._socket(zmq.PULL, report_addr, bind=True)
         self.encoder = msgspec.msgpack.Encoder()
+        replicas = len(request_addrs)
         self.stats = EngineStats(alive=True)
+        if replicas > 1:
+            self.stats.replicas = [EngineStats() for _ in range(replicas)]
+        self.router = ReplicaRouter(replicas)
         self.ready = asyncio.Event()
+        self._ready_replicas: set[int] = set()
         self.max_model_len = 0
         self.draining = False  # set on SIGTERM: the app refuses new requests with 503
         self._queues: dict[str, asyncio.Queue] = {}
+        self._replica_of: dict[str, int] = {}
         self._tasks: list[asyncio.Task] = []
 
     def _socket(self, kind: int, addr: str, bind: bool) -> zmq.asyncio.Socket:
@@ -61,9 +71,10 @@ class ZmqEngineClient:
             raise EngineDeadError("the engine is not running")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request.req_id] = queue
+        replica = self._route(request)
         finished = False
         try:
-            await self.requests.send(self.encoder.encode(request))
+            await self.requests[replica].send(self.encoder.encode(request))
             while not finished:
                 item = await queue.get()
                 if item is _DEAD:
@@ -74,9 +85,17 @@ class ZmqEngineClient:
             self._queues.pop(request.req_id, None)
             if not finished and self.stats.alive:
                 await self.abort(request.req_id)
+            self._replica_of.pop(request.req_id, None)
+            self.router.finished(replica)
+
+    def _route(self, request: GenerateRequest) -> int:
+        replica = self.router.pick(request.input_ids.data)
+        self._replica_of[request.req_id] = replica
+        return replica
 
     async def abort(self, req_id: str) -> None:
-        await self.requests.send(self.encoder.encode(AbortRequest(req_id)))
+        replica = self._replica_of.get(req_id, 0)
+        await self.requests[replica].send(self.encoder.encode(AbortRequest(req_id)))
 
     def mark_dead(self) -> None:
         self.stats.alive = False
@@ -109,7 +128,10 @@ class ZmqEngineClient:
             self._update_stats(report)
 
     def _update_stats(self, report: EngineReport) -> None:
-        s = self.stats
+        if not 0 <= report.replica < len(self.requests):
+            logger.error("dropped a report from replica %d", report.replica)
+            return
+        s = self.stats.per_replica()[report.replica]
         s.num_running, s.num_waiting = report.num_running, report.num_waiting
         s.kv_slots_total, s.kv_slots_free = report.kv_slots_total, report.kv_slots_free
         s.prefix_queried_tokens = report.prefix_queried_tokens
@@ -121,7 +143,9 @@ class ZmqEngineClient:
         s.extra["num_preemptions"] = report.num_preemptions
         self.max_model_len = report.max_model_len
         if report.ready:
-            self.ready.set()
+            self._ready_replicas.add(report.replica)
+            if len(self._ready_replicas) == len(self.requests):
+                self.ready.set()
 
     def close(self) -> None:
         for task in self._tasks:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from tokenmill.frontend.engine_client import EngineStats
@@ -89,7 +89,6 @@ class ApiMetrics:
     def render(self, stats: EngineStats) -> str:
         finished = {f'{{finish_reason="{k}"}}': v for k, v in sorted(self.finished.items())}
         errors = {f'{{status="{k}"}}': v for k, v in sorted(self.http_errors.items())}
-        used = stats.kv_slots_total - stats.kv_slots_free
         table: list[tuple[str, str, str, Mapping[str, float]]] = [
             ("requests_started_total", "counter", "Requests submitted to the engine.",
              {"": self.requests_started}),
@@ -102,23 +101,9 @@ class ApiMetrics:
              {"": self.prompt_tokens}),
             ("generation_tokens_total", "counter", "Generated tokens.",
              {"": self.generation_tokens}),
-            ("num_requests_running", "gauge", "Requests being decoded.",
-             {"": stats.num_running}),
-            ("num_requests_waiting", "gauge", "Requests in the waiting queue.",
-             {"": stats.num_waiting}),
-            ("kv_slots_used", "gauge",
-             "KV cache slots held by requests (cached prefixes that can be evicted are free).",
-             {"": used}),
-            ("kv_slots_total", "gauge", "KV cache slots.", {"": stats.kv_slots_total}),
-            ("prefix_cache_queried_tokens_total", "counter",
-             "Prompt tokens looked up in the prefix cache.", {"": stats.prefix_queried_tokens}),
-            ("prefix_cache_hit_tokens_total", "counter",
-             "Prompt tokens found in the prefix cache.", {"": stats.prefix_hit_tokens}),
             ("engine_alive", "gauge", "1 while the engine runs.", {"": int(stats.alive)}),
         ]  # fmt: skip
-        for key, value in sorted(stats.extra.items()):
-            name = re.sub(r"[^a-zA-Z0-9_]", "_", key)
-            table.append((name, "gauge", f"Engine report field {key}.", {"": value}))
+        table += _engine_rows(stats)
         lines = [line for row in table for line in _metric(*row)]
         lines += self.ttft.lines(PREFIX + "time_to_first_token_seconds", "Time to first token.")
         lines += self.tpot.lines(
@@ -127,3 +112,34 @@ class ApiMetrics:
         )
         lines += self.e2e.lines(PREFIX + "e2e_request_latency_seconds", "Request latency.")
         return "\n".join(lines) + "\n"
+
+
+def _engine_rows(stats: EngineStats) -> list[tuple[str, str, str, Mapping[str, float]]]:
+    """The engine's reported gauges and counters; with replicas (--data-parallel-size > 1)
+    one sample per replica, labelled replica="d"."""
+    replicas = stats.per_replica()
+
+    def each(value: Callable[[EngineStats], float]) -> dict[str, float]:
+        if not stats.replicas:
+            return {"": value(stats)}
+        return {f'{{replica="{d}"}}': value(r) for d, r in enumerate(replicas)}
+
+    rows: list[tuple[str, str, str, Mapping[str, float]]] = [
+        ("num_requests_running", "gauge", "Requests being decoded.", each(lambda s: s.num_running)),
+        ("num_requests_waiting", "gauge", "Requests in the waiting queue.",
+         each(lambda s: s.num_waiting)),
+        ("kv_slots_used", "gauge",
+         "KV cache slots held by requests (cached prefixes that can be evicted are free).",
+         each(lambda s: s.kv_slots_total - s.kv_slots_free)),
+        ("kv_slots_total", "gauge", "KV cache slots.", each(lambda s: s.kv_slots_total)),
+        ("prefix_cache_queried_tokens_total", "counter",
+         "Prompt tokens looked up in the prefix cache.", each(lambda s: s.prefix_queried_tokens)),
+        ("prefix_cache_hit_tokens_total", "counter",
+         "Prompt tokens found in the prefix cache.", each(lambda s: s.prefix_hit_tokens)),
+    ]  # fmt: skip
+    keys = sorted({key for r in replicas for key in r.extra})
+    for key in keys:
+        name = re.sub(r"[^a-zA-Z0-9_]", "_", key)
+        samples = each(lambda s, key=key: s.extra.get(key, 0.0))  # type: ignore[misc]
+        rows.append((name, "gauge", f"Engine report field {key}.", samples))
+    return rows

@@ -31,32 +31,41 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Addresses:
+class ReplicaAddresses:
+    """One engine's own sockets (--data-parallel-size D: D of them)."""
+
     requests: str  # frontend -> controller
     results: str  # rank 0 -> controller
     outputs: str  # controller -> detokenizer
-    detokenized: str  # detokenizer -> frontend
-    reports: str  # controller -> frontend
     workers: tuple[str, ...]  # controller -> each rank
 
+
+@dataclass(frozen=True)
+class Addresses:
+    detokenized: str  # every detokenizer -> frontend
+    reports: str  # every controller -> frontend
+    replicas: tuple[ReplicaAddresses, ...]
+
     @staticmethod
-    def under(runtime_dir: Path, layout: ClusterLayout) -> Addresses:
+    def under(runtime_dir: Path, layout: ClusterLayout, num_replicas: int = 1) -> Addresses:
         """`ipc://` under runtime_dir, but TCP for the steps of ranks on other nodes."""
 
         def ipc(name: str) -> str:
             return f"ipc://{runtime_dir / name}"
 
-        return Addresses(
-            ipc("requests"),
-            ipc("results"),
-            ipc("outputs"),
-            ipc("detokenized"),
-            ipc("reports"),
-            tuple(
-                ipc(f"worker{r}") if layout.on_node0(r) else layout.step_addr(r)
-                for r in range(layout.world_size)
-            ),
-        )
+        def replica(d: int) -> ReplicaAddresses:
+            return ReplicaAddresses(
+                ipc(f"requests{d}"),
+                ipc(f"results{d}"),
+                ipc(f"outputs{d}"),
+                tuple(
+                    ipc(f"worker{d}.{r}") if layout.on_node0(r) else layout.step_addr(r)
+                    for r in range(layout.world_size)
+                ),
+            )
+
+        replicas = tuple(replica(d) for d in range(num_replicas))
+        return Addresses(ipc("detokenized"), ipc("reports"), replicas)
 
 
 @dataclass
@@ -101,43 +110,53 @@ def make_runtime_dir() -> Path:
 def launch_engine(
     config: ServerConfig, model_dir: Path, max_model_len: int, layout: ClusterLayout
 ) -> EngineProcesses:
-    """Node 0: the detokenizer, the controller and this node's ranks."""
+    """Node 0: per engine replica a detokenizer, a controller and this node's ranks."""
     runtime_dir = make_runtime_dir()
-    addrs = Addresses.under(runtime_dir, layout)
+    num_replicas = config.parallel.data_parallel_size
+    addrs = Addresses.under(runtime_dir, layout, num_replicas)
     engine = EngineProcesses(runtime_dir, addrs)
-    parent = os.getpid()
-    s = config.scheduler
-    engine.start(
-        "detokenizer",
-        "tokenmill.detokenizer",
-        DetokenizerConfig(
-            tokenizer_path=str(model_dir),
-            input_addr=addrs.outputs,
-            output_addr=addrs.detokenized,
-            abort_addr=addrs.requests,
-            parent_pid=parent,
-        ),
-    )
-    engine.start(
-        "controller",
-        "tokenmill.controller",
-        ControllerConfig(
-            request_addr=addrs.requests,
-            worker_addrs=addrs.workers,
-            result_addr=addrs.results,
-            detokenizer_addr=addrs.outputs,
-            report_addr=addrs.reports,
-            max_running_requests=s.max_running_requests,
-            max_prefill_tokens=s.max_prefill_tokens,
-            decode_steps=s.decode_steps,
-            enable_prefix_cache=not s.disable_prefix_cache,
-            step_timing=s.step_timing,
-            parent_pid=parent,
-            cluster_key_file=layout.key_file,
-        ),
-    )
-    start_ranks(engine, config, runner_config(config, model_dir, max_model_len), layout)
+    runner = runner_config(config, model_dir, max_model_len, layout.local_size * num_replicas)
+    for d, replica in enumerate(addrs.replicas):
+        suffix = "" if num_replicas == 1 else f".dp{d}"
+        engine.start(
+            "detokenizer" + suffix,
+            "tokenmill.detokenizer",
+            DetokenizerConfig(
+                tokenizer_path=str(model_dir),
+                input_addr=replica.outputs,
+                output_addr=addrs.detokenized,
+                abort_addr=replica.requests,
+                parent_pid=os.getpid(),
+            ),
+        )
+        engine.start(
+            "controller" + suffix,
+            "tokenmill.controller",
+            controller_config(config, addrs, d, layout),
+        )
+        start_ranks(engine, config, runner, layout, d)
     return engine
+
+
+def controller_config(
+    config: ServerConfig, addrs: Addresses, replica: int, layout: ClusterLayout
+) -> ControllerConfig:
+    s, mine = config.scheduler, addrs.replicas[replica]
+    return ControllerConfig(
+        request_addr=mine.requests,
+        worker_addrs=mine.workers,
+        result_addr=mine.results,
+        detokenizer_addr=mine.outputs,
+        report_addr=addrs.reports,
+        max_running_requests=s.max_running_requests,
+        max_prefill_tokens=s.max_prefill_tokens,
+        decode_steps=s.decode_steps,
+        enable_prefix_cache=not s.disable_prefix_cache,
+        step_timing=s.step_timing,
+        parent_pid=os.getpid(),
+        cluster_key_file=layout.key_file,
+        replica=replica,
+    )
 
 
 def launch_node_ranks(
@@ -146,13 +165,17 @@ def launch_node_ranks(
     """Node k > 0: this node's ranks only; their steps come from node 0's controller."""
     runtime_dir = make_runtime_dir()
     engine = EngineProcesses(runtime_dir, Addresses.under(runtime_dir, layout))
-    start_ranks(engine, config, runner_config(config, model_dir, max_model_len), layout)
+    runner = runner_config(config, model_dir, max_model_len, layout.local_size)
+    start_ranks(engine, config, runner, layout, 0)
     return engine
 
 
-def runner_config(config: ServerConfig, model_dir: Path, max_model_len: int) -> RunnerConfig:
+def runner_config(
+    config: ServerConfig, model_dir: Path, max_model_len: int, cpu_sharers: int
+) -> RunnerConfig:
     s, m = config.scheduler, config.model
     return RunnerConfig(
+        cpu_sharers=cpu_sharers,
         model=str(model_dir),
         kv_cache_tokens=s.kv_cache_tokens,
         max_running_requests=s.max_running_requests,
@@ -164,23 +187,34 @@ def runner_config(config: ServerConfig, model_dir: Path, max_model_len: int) -> 
 
 
 def start_ranks(
-    engine: EngineProcesses, config: ServerConfig, runner: RunnerConfig, layout: ClusterLayout
+    engine: EngineProcesses,
+    config: ServerConfig,
+    runner: RunnerConfig,
+    layout: ClusterLayout,
+    replica: int,
 ) -> None:
+    """This node's ranks of one replica; the node's cores (or GPUs) are shared out among
+    the ranks of every replica it runs."""
     dist_addr = layout.torch_addr()
+    addrs = engine.addresses.replicas[replica]
+    num_replicas = len(engine.addresses.replicas)
     for rank in layout.local_ranks:
+        local_rank = replica * layout.local_size + rank % layout.local_size
+        suffix = "" if num_replicas == 1 else f".dp{replica}"
         engine.start(
-            f"tp_worker{rank}",
+            f"tp_worker{rank}{suffix}",
             "tokenmill.tp_worker",
             WorkerConfig(
                 runner=runner,
                 rank=rank,
                 world_size=layout.world_size,
                 dist_init_addr=dist_addr,
-                batch_addr=engine.addresses.workers[rank],
-                result_addr=engine.addresses.results,
+                batch_addr=addrs.workers[rank],
+                result_addr=addrs.results,
                 parent_pid=os.getpid(),
                 step_timing=config.scheduler.step_timing,
-                local_world_size=layout.local_size,
+                local_rank=local_rank,
+                local_world_size=layout.local_size * num_replicas,
                 cluster_key_file=layout.key_file,
                 dist_timeout_s=layout.timeout_s,
             ),

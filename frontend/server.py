@@ -34,7 +34,9 @@ async def serve(config: ServerConfig, model_dir: Path) -> int:
     nodes = _remote_nodes(config, model_dir, layout)
     engine = launch_engine(config, model_dir, config.model.max_model_len, layout)
     client = ZmqEngineClient(
-        engine.addresses.requests, engine.addresses.detokenized, engine.addresses.reports
+        [r.requests for r in engine.addresses.replicas],
+        engine.addresses.detokenized,
+        engine.addresses.reports,
     )
     stop = asyncio.Event()
     state = {"exit_code": 0, "drain": False}
@@ -77,7 +79,7 @@ def _remote_nodes(
     """Node 0's end of the node link, with the settings every node must share."""
     if layout.nnodes == 1:
         return None
-    runner = runner_config(config, model_dir, config.model.max_model_len)
+    runner = runner_config(config, model_dir, config.model.max_model_len, layout.local_size)
     return RemoteNodes(layout, ClusterKey.load(layout.key_file), node_settings(runner, layout))
 
 

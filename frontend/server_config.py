@@ -78,6 +78,10 @@ class ParallelArgs:
     dist_timeout: float = 300.0
     """Seconds a node waits at start for the others (rendezvous, first contact) before it
     fails naming the address it could not reach."""
+    data_parallel_size: int = 1
+    """Engine replicas behind the one HTTP frontend, each with its own controller, KV cache
+    and tensor_parallel_size ranks; a request goes to the replica most likely to hold its
+    prompt's prefix, else to the least loaded (one node only, for now)."""
 
 
 @dataclass(frozen=True)
@@ -239,6 +243,13 @@ def validate_parallel(p: ParallelArgs) -> None:
             f"use a multiple of --nnodes={p.nnodes} (every node runs the same number of ranks)",
         ),
         (p.dist_timeout > 0, "--dist-timeout", p.dist_timeout, "use a positive number"),
+        (p.data_parallel_size >= 1, "--data-parallel-size", p.data_parallel_size, "use 1 or more"),
+        (
+            p.data_parallel_size == 1 or p.nnodes == 1,
+            "--data-parallel-size",
+            p.data_parallel_size,
+            "use 1 with --nnodes > 1 (replicas across nodes are not supported yet)",
+        ),
     ]
     if p.nnodes > 1:
         host, _, port = p.dist_init_addr.rpartition(":")

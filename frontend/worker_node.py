@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 def serve_worker_node(config: ServerConfig, model_dir: Path) -> int:
     layout = ClusterLayout.of(config.parallel)
     key = ClusterKey.load(layout.key_file)
-    runner = runner_config(config, model_dir, config.model.max_model_len)
+    runner = runner_config(config, model_dir, config.model.max_model_len, layout.local_size)
     signals: list[int] = []
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:

@@ -19,3 +19,4 @@ class EngineReport(msgspec.Struct, frozen=True, tag="engine_report"):
     # --step-timing: means over decode-only steps (seconds, rows), keyed by name
     step_timing: dict[str, float] = {}
     max_model_len: int = 0
+    replica: int = 0  # which engine replica (--data-parallel-size) reports

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from tokenmill.protocol.arrays import Array, empty, pack, unpack
+from tokenmill.protocol.cluster import NodeBeat, NodeDown, NodeHello, NodeMessage
 from tokenmill.protocol.step import (
     ForwardBatch,
     LogprobAsks,
@@ -269,3 +270,19 @@ def test_pickle_pattern_catches(line: str) -> None:
 @pytest.mark.parametrize("line", ["# unpickled", "safetensors.torch.load_file(p)", "x.loads(b)"])
 def test_pickle_pattern_spares(line: str) -> None:
     assert not FORBIDDEN.search(line)
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        NodeHello(1, {"dtype": "bfloat16", "max_model_len": "4096"}),
+        NodeBeat(0),
+        NodeDown(2, "process tp_worker5 exited with status 1", failed=True),
+    ],
+    ids=["hello", "beat", "down"],
+)
+def test_node_link_messages_round_trip(message: msgspec.Struct) -> None:
+    decoder = msgspec.msgpack.Decoder(NodeMessage)
+    assert decoder.decode(msgspec.msgpack.encode(message)) == message
+    with pytest.raises(msgspec.ValidationError):
+        decoder.decode(msgspec.msgpack.encode(WorkerFailed(9, "not a node message")))

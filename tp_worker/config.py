@@ -28,6 +28,9 @@ class RunnerConfig:
     """On the CPU, run the dense layers and attention through csrc/ (in float32 and
     bfloat16); False takes the torch path (torch ops, SDPA) that devices without kernels of
     ours take, so that tests can check it on the CPU."""
+    cpu_sharers: int = 1
+    """Processes on this machine whose KV caches share its memory (every rank of every
+    replica here): with kv_cache_tokens 0 on the CPU, each takes its part of the share."""
     logprobs_mode: str = "raw"
     """raw: generated tokens' logprobs are the log-softmax of the model's logits; processed:
     of the distribution sampled from (after stop ban, bias, penalties, temperature, filters)."""
@@ -47,8 +50,11 @@ class WorkerConfig:
     parent_pid: int | None = None
     step_timing: bool = False
     """Time each step and its model forward, and send the figures with the result."""
+    local_rank: int = -1
+    """This process's index among the ranks on its node, of every engine replica there
+    (-1: rank): which GPU it takes."""
     local_world_size: int = 0
-    """Ranks on this node (0: world_size): they share its CPU threads and index its GPUs."""
+    """Ranks on this node, of every replica (0: world_size): they share its CPU cores."""
     cluster_key_file: str = ""
     """The CURVE keys for a tcp:// batch_addr (a rank on another node than the controller)."""
     dist_timeout_s: float = 300.0

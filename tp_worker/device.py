@@ -36,12 +36,15 @@ def cpu_has_native_bf16() -> bool:
 KV_MEMORY_FRACTION = {"cuda": 0.85, "cpu": 0.25}
 
 
-def auto_kv_cache_tokens(bytes_per_token: int, device: torch.device, cap: int) -> int:
-    """KV slots that fit in the free memory of `device`, at most `cap`."""
+def auto_kv_cache_tokens(
+    bytes_per_token: int, device: torch.device, cap: int, cpu_sharers: int = 1
+) -> int:
+    """KV slots that fit in the free memory of `device`, at most `cap`; on the CPU,
+    `cpu_sharers` processes size theirs from the same memory at once."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
     else:
-        free = _mem_available()
+        free = _mem_available() // max(1, cpu_sharers)
     fraction = KV_MEMORY_FRACTION.get(device.type, 0.25)
     return max(1, min(cap, int(free * fraction) // bytes_per_token))
 

@@ -60,6 +60,7 @@ class ModelRunner:
                 self._kv_bytes_per_token(),
                 self.device,
                 config.max_running_requests * config.max_model_len,
+                config.cpu_sharers,
             ),
             self.device,
         )
