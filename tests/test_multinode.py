@@ -306,3 +306,21 @@ def test_the_cluster_key_file(tmp_path: Path) -> None:
         ClusterKey.load(path)
     with pytest.raises(ValueError, match="No such file"):
         ClusterKey.load(tmp_path / "missing")
+
+
+def test_node0_alone_fails_naming_the_rendezvous(tiny_checkpoint, tmp_path: Path) -> None:
+    model = tiny_checkpoint("llama")
+    port = free_port_run(4)
+    key = tmp_path / "key"
+    ClusterKey.generate().write(key)
+    args = cluster_args(model, port, key)
+    args[args.index("--dist-timeout") + 1] = "3"
+    node0 = start_node(model, args, 0, tmp_path / "node0.log")
+    try:
+        assert node0.wait(timeout=60) == 1
+    finally:
+        if node0.poll() is None:
+            os.killpg(node0.pid, signal.SIGKILL)
+    log = (tmp_path / "node0.log").read_text()
+    expected = f"rank 0 could not join the other 1 ranks at tcp://127.0.0.1:{port} within 3 s"
+    assert expected in log, log[-2000:]
