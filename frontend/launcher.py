@@ -160,12 +160,11 @@ def controller_config(
 
 
 def launch_node_ranks(
-    config: ServerConfig, model_dir: Path, max_model_len: int, layout: ClusterLayout
+    config: ServerConfig, runner: RunnerConfig, layout: ClusterLayout
 ) -> EngineProcesses:
     """Node k > 0: this node's ranks only; their steps come from node 0's controller."""
     runtime_dir = make_runtime_dir()
     engine = EngineProcesses(runtime_dir, Addresses.under(runtime_dir, layout))
-    runner = runner_config(config, model_dir, max_model_len, layout.local_size)
     start_ranks(engine, config, runner, layout, 0)
     return engine
 

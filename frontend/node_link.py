@@ -44,7 +44,12 @@ class RemoteNodes:
         self.sock = self.context.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)
         key.serve_on(self.sock)
-        self.sock.bind(layout.link_addr)
+        try:
+            self.sock.bind(layout.link_addr)
+        except zmq.ZMQError as e:
+            self.auth.stop()
+            where = layout.link_addr
+            raise SystemExit(f"--dist-init-addr: cannot listen on {where}: {e}") from None
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(NodeMessage)
         self.peers: dict[int, bytes] = {}  # node rank -> ROUTER identity

@@ -31,7 +31,7 @@ def serve_worker_node(config: ServerConfig, model_dir: Path) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, on_signal)
     link = NodeZeroLink(layout, key)
-    engine = launch_node_ranks(config, model_dir, config.model.max_model_len, layout)
+    engine = launch_node_ranks(config, runner, layout)
     logger.info(
         "node %d of %d: ranks %d..%d, joining node 0 at %s",
         layout.node_rank,
