@@ -14,7 +14,7 @@ install:
 	$(PYTHON) -m tokenmill.tp_worker.cpu_kernels
 
 serve: install
-	$(PYTHON) -m tokenmill.frontend.cli serve --port $(PORT)
+	$(PYTHON) -m tokenmill.cli.main serve --port $(PORT)
 
 lint:
 	$(PYTHON) -m ruff check .

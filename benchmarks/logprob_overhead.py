@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 from serving import add_model_args, resolve_model, start_server, stop_server
 
-from tokenmill.frontend.bench.client import BenchOptions, fetch_model_id, run_requests
-from tokenmill.frontend.bench.datasets import random_requests
-from tokenmill.frontend.bench.metrics import BenchMetrics, compute_metrics
+from tokenmill.cli.bench.client import BenchOptions, fetch_model_id, run_requests
+from tokenmill.cli.bench.datasets import random_requests
+from tokenmill.cli.bench.metrics import BenchMetrics, compute_metrics
 
 VARIANTS = {"off": 0, "top 5": 5, "top 20": 20}
 TARGET_TOP5 = 0.95

@@ -44,7 +44,7 @@ def resolve_model(model: Path | None) -> Path:
         return model
     if (DEFAULT_CACHE / "config.json").exists():
         return DEFAULT_CACHE
-    from tokenmill.frontend.make_model import build_checkpoint
+    from tokenmill.cli.make_model import build_checkpoint
 
     print(f"building llama/small with vocab {VOCAB_SIZE} into {DEFAULT_CACHE} ...", flush=True)
     return build_checkpoint(DEFAULT_CACHE, "llama", "small", vocab_size=VOCAB_SIZE)

@@ -10,7 +10,7 @@ import subprocess
 import urllib.request
 from pathlib import Path
 
-from tokenmill.frontend.server_subprocess import launch, stop
+from tokenmill.cli.server_subprocess import launch, stop
 
 
 def add_model_args(parser: argparse.ArgumentParser, default_preset: str) -> None:
@@ -30,7 +30,7 @@ def resolve_model(args: argparse.Namespace) -> Path:
 
 def demo_model(preset: str) -> Path:
     """The llama demo checkpoint of `preset`, built once into ~/.cache/tokenmill."""
-    from tokenmill.frontend.demo_checkpoint import demo_checkpoint
+    from tokenmill.cli.demo_checkpoint import demo_checkpoint
 
     return demo_checkpoint("llama", preset)
 

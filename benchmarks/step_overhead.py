@@ -24,8 +24,8 @@ from pathlib import Path
 
 from serving import add_model_args, read_metrics, resolve_model, start_server, stop_server
 
-from tokenmill.frontend.bench.client import BenchOptions, fetch_model_id, run_requests
-from tokenmill.frontend.bench.datasets import random_requests
+from tokenmill.cli.bench.client import BenchOptions, fetch_model_id, run_requests
+from tokenmill.cli.bench.datasets import random_requests
 
 TARGET = 0.10
 KEYS = ("decode_steps", "period_seconds", "worker_busy_seconds", "forward_seconds", "rows")

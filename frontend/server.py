@@ -14,11 +14,11 @@ from pathlib import Path
 
 from aiohttp import web
 
-from tokenmill.frontend.cluster_layout import ClusterLayout, node_settings
-from tokenmill.frontend.engine_zmq import ZmqEngineClient
-from tokenmill.frontend.http_server import build_app
-from tokenmill.frontend.launcher import EngineProcesses, launch_engine, runner_config
-from tokenmill.frontend.node_link import RemoteNodes
+from tokenmill.frontend.app.routes import build_app
+from tokenmill.frontend.engine.cluster_layout import ClusterLayout, node_settings
+from tokenmill.frontend.engine.launcher import EngineProcesses, launch_engine, runner_config
+from tokenmill.frontend.engine.node_link import RemoteNodes
+from tokenmill.frontend.engine.zmq_client import ZmqEngineClient
 from tokenmill.frontend.server_config import ServerConfig
 from tokenmill.frontend.systemd_notify import SystemdNotifier
 from tokenmill.frontend.tokenizer import Tokenizer

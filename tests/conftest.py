@@ -21,7 +21,7 @@ def checkpoint_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_checkpoint(checkpoint_root: Path):
     """tiny_checkpoint(arch) -> the directory of a tiny checkpoint of that family."""
-    from tokenmill.frontend.make_model import build_checkpoint
+    from tokenmill.cli.make_model import build_checkpoint
 
     built: dict[str, Path] = {}
 

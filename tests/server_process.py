@@ -8,7 +8,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenmill.frontend.server_subprocess import launch, stop
+from tokenmill.cli.server_subprocess import launch, stop
 
 
 @dataclass

@@ -18,16 +18,16 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from tokenmill.frontend.bench.client import (
+from tokenmill.cli.bench.client import (
     BenchOptions,
     RequestResult,
     chat_body,
     completions_body,
     run_requests,
 )
-from tokenmill.frontend.bench.datasets import BenchRequest, load_dataset
-from tokenmill.frontend.bench.metrics import compute_metrics, tpot
-from tokenmill.frontend.cli import main as cli_main
+from tokenmill.cli.bench.datasets import BenchRequest, load_dataset
+from tokenmill.cli.bench.metrics import compute_metrics, tpot
+from tokenmill.cli.main import main as cli_main
 
 FIRST_DELAY = 0.2  # seconds before the first content chunk ("slow" scenario)
 GAP = 0.1  # seconds between content chunks ("slow" scenario)

@@ -13,7 +13,7 @@ import numpy as np
 from server_process import start_server
 from test_server_faults import alive, children_of
 
-from tokenmill.frontend.replica_router import BALANCE_SLACK, BLOCK_TOKENS, ReplicaRouter
+from tokenmill.frontend.engine.replica_router import BALANCE_SLACK, BLOCK_TOKENS, ReplicaRouter
 
 
 def ids(tokens: list[int]) -> bytes:

@@ -117,7 +117,7 @@ def test_launch_script_passes_the_multi_node_settings() -> None:
 
 
 def test_health_means_alive_and_stepping() -> None:
-    from tokenmill.frontend.engine_client import EngineStats
+    from tokenmill.frontend.engine.client import EngineStats
 
     stats = EngineStats()
     assert stats.healthy()

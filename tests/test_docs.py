@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from tokenmill.frontend.cli import build_parser
+from tokenmill.cli.main import build_parser
 
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
 

@@ -19,9 +19,9 @@ import numpy as np
 import openai
 import pytest
 
-from tokenmill.frontend.chat_template import ChatTemplate, ChatTemplateError
-from tokenmill.frontend.engine_client import EngineDeadError, EngineStats
-from tokenmill.frontend.http_server import bound_port, build_app, start_http
+from tokenmill.frontend.api.chat_template import ChatTemplate, ChatTemplateError
+from tokenmill.frontend.app.routes import bound_port, build_app, start_http
+from tokenmill.frontend.engine.client import EngineDeadError, EngineStats
 from tokenmill.frontend.server_config import ModelArgs, SchedulerArgs, ScoringArgs, ServerConfig
 from tokenmill.frontend.tokenizer import Tokenizer
 from tokenmill.protocol.arrays import unpack
@@ -594,7 +594,7 @@ def test_chat_template_and_tokenizer(tiny_checkpoint) -> None:
 
 def test_a_long_body_is_parsed_off_the_event_loop(fake_server: Server) -> None:
     """Bodies over PARSE_INLINE_BYTES are tokenized in a thread; the answers are the same."""
-    from tokenmill.frontend.http_server import PARSE_INLINE_BYTES
+    from tokenmill.frontend.app.routes import PARSE_INLINE_BYTES
 
     text = "word " * (PARSE_INLINE_BYTES // 4)
     status, r = fake_server.post(CMPL, _cmpl(prompt=text))

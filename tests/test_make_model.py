@@ -21,8 +21,8 @@ from safetensors import safe_open  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from tokenmill.frontend.make_model import ARCHS, build_checkpoint  # noqa: E402
-from tokenmill.frontend.make_model.weights import (  # noqa: E402
+from tokenmill.cli.make_model import ARCHS, build_checkpoint  # noqa: E402
+from tokenmill.cli.make_model.weights import (  # noqa: E402
     PRESET_SHAPES,
     make_config,
     write_weights,

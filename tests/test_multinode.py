@@ -86,7 +86,7 @@ def cluster_args(model: Path, port: int, key: Path, *extra: str) -> list[str]:
 
 def start_node(model: Path, args: list[str], rank: int, log: Path) -> subprocess.Popen:
     """A node without waiting for it (node 1 has no HTTP listener to wait on)."""
-    argv = [sys.executable, "-m", "tokenmill.frontend.cli", "serve", "--model", str(model)]
+    argv = [sys.executable, "-m", "tokenmill.cli.main", "serve", "--model", str(model)]
     return subprocess.Popen(
         [*argv, *args, "--node-rank", str(rank), "--port", "0"],
         stdout=open(log, "wb"),  # noqa: SIM115 (the node writes it until it ends)

@@ -89,7 +89,7 @@ def test_small_preset_matches_transformers(arch: str, checkpoint_root) -> None:
     """The ~25M-parameter preset (6 layers, 8 heads over 2 KV heads, head_dim 64). NOTE:
     float32 itself is off by up to ~2.5e-4 from a float64 run here (transformers' float32
     as much as ours), so this compares with a float64 oracle at 5e-4."""
-    from tokenmill.frontend.make_model import build_checkpoint
+    from tokenmill.cli.make_model import build_checkpoint
 
     model_dir = build_checkpoint(checkpoint_root / f"small-{arch}", arch, "small")
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))

@@ -10,10 +10,15 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SUBPACKAGES = [
+    "cli",
+    "cli.bench",
+    "cli.make_model",
     "controller",
     "detokenizer",
     "frontend",
-    "frontend.make_model",
+    "frontend.api",
+    "frontend.app",
+    "frontend.engine",
     "protocol",
     "tp_worker",
 ]
@@ -44,7 +49,7 @@ def test_plain_install_imports_from_outside_the_repo(tmp_path: Path) -> None:
         + [
             "import tokenmill.tp_worker.cpu_kernels as k",
             "assert all(s.exists() for s in k.SOURCES + k.HEADERS), k.SOURCES",
-            "import tokenmill.frontend.cli as c",
+            "import tokenmill.cli.main as c",
             "print(c.__file__)",
         ]
     )
@@ -76,7 +81,7 @@ def test_make_model_and_generate_commands(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "tokenmill.frontend.cli",
+            "tokenmill.cli.main",
             "make-model",
             str(model),
             "--arch",
@@ -92,7 +97,7 @@ def test_make_model_and_generate_commands(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "tokenmill.frontend.cli",
+            "tokenmill.cli.main",
             "generate",
             "--model",
             str(model),

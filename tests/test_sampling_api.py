@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from tokenmill.frontend.api_requests import ApiError, RequestContext
-from tokenmill.frontend.api_requests_native import parse_generate
-from tokenmill.frontend.api_requests_openai import parse_chat, parse_completion
-from tokenmill.frontend.chat_template import ChatTemplate
+from tokenmill.frontend.api.chat_template import ChatTemplate
+from tokenmill.frontend.api.common import ApiError, RequestContext
+from tokenmill.frontend.api.native_requests import parse_generate
+from tokenmill.frontend.api.openai_requests import parse_chat, parse_completion
 from tokenmill.frontend.server_config import SchedulerArgs, ServerConfig, validate
 from tokenmill.frontend.tokenizer import Tokenizer
 from tokenmill.protocol.requests import SamplingParams

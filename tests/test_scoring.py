@@ -12,7 +12,7 @@ import torch
 import transformers
 from test_server_e2e import wait_idle
 
-from tokenmill.frontend.rerank_prompt import DEFAULT_TEMPLATE
+from tokenmill.frontend.api.rerank_prompt import DEFAULT_TEMPLATE
 
 LABELS = [7, 93, 82]
 QUERY = "Is this a question about the capital of France? Say y or n."

@@ -26,7 +26,7 @@ import msgspec
 import numpy as np
 from msgspec import Meta
 
-from tokenmill.frontend.api_requests import (
+from tokenmill.frontend.api.common import (
     MAX_TOKEN_IDS_LOGPROB,
     ApiError,
     Choice,

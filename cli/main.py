@@ -11,14 +11,14 @@ import logging
 import sys
 from collections.abc import Callable
 
-from tokenmill.frontend import (
-    VERSION,
+from tokenmill.cli import (
     cluster_key_command,
     generate_command,
     make_model_command,
     serve_command,
 )
-from tokenmill.frontend.bench import command as bench_command
+from tokenmill.cli.bench import command as bench_command
+from tokenmill.frontend import VERSION
 
 Subcommand = tuple[
     Callable[[argparse._SubParsersAction], None], Callable[[argparse.Namespace], int]

@@ -41,7 +41,7 @@ def launch(
     argv = [
         sys.executable,
         "-m",
-        "tokenmill.frontend.cli",
+        "tokenmill.cli.main",
         "serve",
         "--model",
         str(model),

@@ -18,12 +18,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tokenmill.frontend.make_model.tokenizer import (
+from tokenmill.cli.make_model.tokenizer import (
     special_token_ids,
     tokenizer_config,
     train_tokenizer,
 )
-from tokenmill.frontend.make_model.weights import (
+from tokenmill.cli.make_model.weights import (
     ARCHS,
     MAX_POSITION_EMBEDDINGS,
     PRESET_SHAPES,

@@ -12,7 +12,8 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-from tokenmill.frontend.api_requests import (
+from tokenmill.frontend.api.chat_template import ChatTemplateError
+from tokenmill.frontend.api.common import (
     MAX_STOP_OPENAI,
     ApiError,
     NonNegative,
@@ -34,12 +35,11 @@ from tokenmill.frontend.api_requests import (
     new_id,
     stop_strings,
 )
-from tokenmill.frontend.api_requests_sampling import (
+from tokenmill.frontend.api.sampling import (
     RepetitionPenalty,
     SamplingInput,
     sampling_fields,
 )
-from tokenmill.frontend.chat_template import ChatTemplateError
 from tokenmill.protocol.requests import DetokenizeParams, LogprobParams
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})

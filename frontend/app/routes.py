@@ -18,18 +18,20 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from tokenmill.frontend.api_requests import ApiError, Choice, ParsedRequest, RequestContext
-from tokenmill.frontend.api_requests_native import parse_generate
-from tokenmill.frontend.api_requests_openai import parse_chat, parse_completion
-from tokenmill.frontend.api_responses import (
+from tokenmill.frontend.api.chat_template import ChatTemplate
+from tokenmill.frontend.api.common import ApiError, Choice, ParsedRequest, RequestContext
+from tokenmill.frontend.api.native_requests import parse_generate
+from tokenmill.frontend.api.native_responses import NativeResponder
+from tokenmill.frontend.api.openai_requests import parse_chat, parse_completion
+from tokenmill.frontend.api.openai_responses import (
     SSE_DONE,
     ChatResponder,
     CompletionResponder,
     Responder,
     sse,
 )
-from tokenmill.frontend.api_responses_native import NativeResponder
-from tokenmill.frontend.api_scoring import (
+from tokenmill.frontend.api.rerank_prompt import rerank_prompt
+from tokenmill.frontend.api.scoring import (
     ScoredItems,
     ScoringJob,
     generative_scoring_response,
@@ -39,10 +41,8 @@ from tokenmill.frontend.api_scoring import (
     rerank_response,
     score_response,
 )
-from tokenmill.frontend.chat_template import ChatTemplate
-from tokenmill.frontend.engine_client import EngineClient, EngineDeadError
-from tokenmill.frontend.http_metrics import ApiMetrics
-from tokenmill.frontend.rerank_prompt import rerank_prompt
+from tokenmill.frontend.app.metrics import ApiMetrics
+from tokenmill.frontend.engine.client import EngineClient, EngineDeadError
 from tokenmill.frontend.server_config import ServerConfig
 from tokenmill.frontend.tokenizer import Tokenizer
 from tokenmill.protocol.outputs import DetokenizedOutput

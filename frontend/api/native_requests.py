@@ -13,7 +13,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-from tokenmill.frontend.api_requests import (
+from tokenmill.frontend.api.common import (
     MAX_STOP_NATIVE,
     MAX_TOKEN_IDS_LOGPROB,
     ApiError,
@@ -36,7 +36,7 @@ from tokenmill.frontend.api_requests import (
     new_id,
     stop_strings,
 )
-from tokenmill.frontend.api_requests_sampling import (
+from tokenmill.frontend.api.sampling import (
     RepetitionPenalty,
     SamplingInput,
     sampling_fields,

@@ -26,7 +26,7 @@ def cache_dir() -> Path:
 
 def demo_checkpoint(arch: str = DEMO_ARCH, preset: str = DEMO_PRESET) -> Path:
     """The cached demo checkpoint's directory, built on first use."""
-    from tokenmill.frontend.make_model import build_checkpoint
+    from tokenmill.cli.make_model import build_checkpoint
 
     path = cache_dir() / f"demo-{arch}-{preset}-v{_BUILDER_VERSION}"
     if not (path / "config.json").exists():

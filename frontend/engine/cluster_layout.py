@@ -15,8 +15,8 @@ import hashlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from tokenmill.cli.server_subprocess import free_port
 from tokenmill.frontend.server_config import ParallelArgs
-from tokenmill.frontend.server_subprocess import free_port
 from tokenmill.tp_worker.config import RunnerConfig
 
 

@@ -37,7 +37,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from tokenizers import Tokenizer
 
-    from tokenmill.frontend.demo_checkpoint import demo_checkpoint
+    from tokenmill.cli.demo_checkpoint import demo_checkpoint
     from tokenmill.tp_worker.config import RunnerConfig
     from tokenmill.tp_worker.model_runner import ModelRunner
     from tokenmill.tp_worker.offline import OfflineEngine, OfflineRequest

@@ -19,8 +19,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from tokenmill.frontend.engine_client import EngineDeadError, EngineStats
-from tokenmill.frontend.replica_router import ReplicaRouter
+from tokenmill.frontend.engine.client import EngineDeadError, EngineStats
+from tokenmill.frontend.engine.replica_router import ReplicaRouter
 from tokenmill.protocol.outputs import DetokenizedBatch, DetokenizedOutput
 from tokenmill.protocol.requests import AbortRequest, GenerateRequest
 from tokenmill.protocol.stats import EngineReport

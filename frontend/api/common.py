@@ -2,8 +2,8 @@
 
 Bodies are decoded by msgspec into typed Structs, so that every wrong type or out-of-range
 value becomes an OpenAI error object naming its param; the endpoint modules
-(`api_requests_openai`, `api_requests_native`; sampling values through
-`api_requests_sampling`) then turn them into `GenerateRequest`s, one per prompt and choice,
+(`openai_requests`, `native_requests`; sampling values through
+`sampling`) then turn them into `GenerateRequest`s, one per prompt and choice,
 through `build_choices`.
 """
 
@@ -19,8 +19,8 @@ import msgspec
 import numpy as np
 from msgspec import Meta
 
-from tokenmill.frontend.chat_template import ChatTemplate
-from tokenmill.frontend.rerank_prompt import RerankPrompt
+from tokenmill.frontend.api.chat_template import ChatTemplate
+from tokenmill.frontend.api.rerank_prompt import RerankPrompt
 from tokenmill.frontend.tokenizer import Tokenizer
 from tokenmill.protocol.arrays import pack
 from tokenmill.protocol.requests import (

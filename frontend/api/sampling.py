@@ -16,7 +16,7 @@ from typing import Annotated, Any
 
 from msgspec import Meta
 
-from tokenmill.frontend.api_requests import ApiError, RequestContext, check_token_ids
+from tokenmill.frontend.api.common import ApiError, RequestContext, check_token_ids
 from tokenmill.frontend.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from tokenmill.frontend.api_requests import Choice, ParsedRequest
+from tokenmill.frontend.api.common import Choice, ParsedRequest
 from tokenmill.frontend.tokenizer import Tokenizer
 from tokenmill.protocol.outputs import DetokenizedOutput, PositionLogprobs, TokenEntry
 

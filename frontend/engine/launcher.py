@@ -23,7 +23,7 @@ import msgspec
 
 from tokenmill.controller.config import ControllerConfig
 from tokenmill.detokenizer.config import DetokenizerConfig
-from tokenmill.frontend.cluster_layout import ClusterLayout
+from tokenmill.frontend.engine.cluster_layout import ClusterLayout
 from tokenmill.frontend.server_config import ServerConfig
 from tokenmill.tp_worker.config import RunnerConfig, WorkerConfig
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from tokenmill.frontend.make_model import ARCHS, PRESETS, build_checkpoint
+from tokenmill.cli.make_model import ARCHS, PRESETS, build_checkpoint
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -36,7 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def resolve(config: ServerConfig) -> tuple[ServerConfig, Path]:
     """The checkpoint directory (building the demo if needed) and the effective limits."""
-    from tokenmill.frontend.demo_checkpoint import demo_checkpoint
+    from tokenmill.cli.demo_checkpoint import demo_checkpoint
 
     model_dir = Path(config.model.model) if config.model.model else demo_checkpoint()
     if not (model_dir / "config.json").exists():
@@ -57,7 +57,7 @@ def resolve(config: ServerConfig) -> tuple[ServerConfig, Path]:
 
 def check_rerank_prompt(config: ServerConfig, model_dir: Path) -> None:
     """--rerank-template and --rerank-labels against the tokenizer, before any process starts."""
-    from tokenmill.frontend.rerank_prompt import rerank_prompt
+    from tokenmill.frontend.api.rerank_prompt import rerank_prompt
     from tokenmill.frontend.tokenizer import Tokenizer
 
     try:
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     config, model_dir = resolve(config)
     check_cluster_key(config)
     if worker_node:
-        from tokenmill.frontend.worker_node import serve_worker_node
+        from tokenmill.frontend.engine.worker_node import serve_worker_node
 
         return serve_worker_node(config, model_dir)
     try:

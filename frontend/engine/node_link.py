@@ -22,8 +22,8 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
-from tokenmill.frontend.cluster_layout import ClusterLayout, settings_mismatch
-from tokenmill.frontend.launcher import EngineProcesses
+from tokenmill.frontend.engine.cluster_layout import ClusterLayout, settings_mismatch
+from tokenmill.frontend.engine.launcher import EngineProcesses
 from tokenmill.frontend.systemd_notify import SystemdNotifier
 from tokenmill.protocol.cluster import ClusterKey, NodeBeat, NodeDown, NodeHello, NodeMessage
 

@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from tokenmill.frontend.bench.datasets import BenchRequest
+from tokenmill.cli.bench.datasets import BenchRequest
 
 logger = logging.getLogger(__name__)
 

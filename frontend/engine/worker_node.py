@@ -9,9 +9,9 @@ import signal
 from pathlib import Path
 from types import FrameType
 
-from tokenmill.frontend.cluster_layout import ClusterLayout, node_settings
-from tokenmill.frontend.launcher import launch_node_ranks, runner_config
-from tokenmill.frontend.node_link import NodeZeroLink, follow_node0
+from tokenmill.frontend.engine.cluster_layout import ClusterLayout, node_settings
+from tokenmill.frontend.engine.launcher import launch_node_ranks, runner_config
+from tokenmill.frontend.engine.node_link import NodeZeroLink, follow_node0
 from tokenmill.frontend.server_config import ServerConfig
 from tokenmill.frontend.systemd_notify import SystemdNotifier
 from tokenmill.protocol.cluster import ClusterKey, NodeHello

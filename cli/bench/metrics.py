@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.frontend.bench.client import RequestResult
+from tokenmill.cli.bench.client import RequestResult
 
 PERCENTILES = (50, 99)
 

@@ -1,6 +1,6 @@
 """The frontend's view of the engine: submit a request, iterate its outputs, abort it.
 
-The HTTP layer talks only to this interface; `ZmqEngineClient` (engine_zmq.py) implements it
+The HTTP layer talks only to this interface; `ZmqEngineClient` (zmq_client.py) implements it
 over the controller and detokenizer sockets, and tests can implement it with a fake.
 """
 

@@ -145,9 +145,9 @@ def _check(args: argparse.Namespace) -> str | None:
 
 
 async def _main(args: argparse.Namespace) -> dict[str, Any]:
-    from tokenmill.frontend.bench.client import BenchOptions, fetch_model_id, run_requests
-    from tokenmill.frontend.bench.datasets import load_dataset
-    from tokenmill.frontend.bench.metrics import compute_metrics, format_table
+    from tokenmill.cli.bench.client import BenchOptions, fetch_model_id, run_requests
+    from tokenmill.cli.bench.datasets import load_dataset
+    from tokenmill.cli.bench.metrics import compute_metrics, format_table
 
     requests = load_dataset(
         args.dataset,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenmill.frontend.api_responses import ChoiceState, Responder
+from tokenmill.frontend.api.openai_responses import ChoiceState, Responder
 from tokenmill.protocol.outputs import DetokenizedOutput, PositionLogprobs, TokenEntry
 
 Entry = list[Any]  # [logprob | None, token_id, text | None]

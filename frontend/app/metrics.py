@@ -10,7 +10,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from tokenmill.frontend.engine_client import EngineStats
+from tokenmill.frontend.engine.client import EngineStats
 from tokenmill.protocol.outputs import DetokenizedOutput
 
 PREFIX = "tokenmill_"

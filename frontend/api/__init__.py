@@ -1,0 +1,1 @@
+"""The API families (main process): request parsing and response shapes."""

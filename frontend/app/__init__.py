@@ -1,0 +1,1 @@
+"""The HTTP application (main process): routes and /metrics."""
