@@ -36,7 +36,7 @@ from pathlib import Path
 import aiohttp
 from serving import add_model_args, resolve_model, start_server, stop_server
 
-from tokenmill.cli.server_subprocess import free_port
+from tokenmill.frontend.engine.cluster_layout import free_port
 from tokenmill.tp_worker.model_config import load_model_config
 
 PEERS = Path(__file__).resolve().parents[2] / "shared" / "peers"

@@ -12,10 +12,10 @@ with several, node 0 listens on HOST of --dist-init-addr HOST:PORT, and only the
 from __future__ import annotations
 
 import hashlib
+import socket
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tokenmill.cli.server_subprocess import free_port
 from tokenmill.frontend.server_config import ParallelArgs
 from tokenmill.tp_worker.config import RunnerConfig
 
@@ -62,6 +62,13 @@ class ClusterLayout:
 
     def step_addr(self, rank: int) -> str:
         return f"tcp://{self.host}:{self.port + 2 + rank}"
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (the rendezvous of ranks on one node)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def node_settings(runner: RunnerConfig, layout: ClusterLayout) -> dict[str, str]:
