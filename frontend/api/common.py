@@ -153,10 +153,16 @@ def decode_body(body: bytes, type_: type[T]) -> T:
         path = _PATH.search(text)
         field = _FIELD.search(text)
         param = path.group(1) if path else field.group(1) if field else None
+        if path and field and text.startswith("Object contains unknown field"):
+            param = f"{path.group(1)}.{field.group(1)}"  # NOTE: the field, not its parent
         message = _PATH.sub("", text)
+        if text.startswith("Object contains unknown field"):
+            message = f"{message}: this server does not support it"
         raise ApiError(f"{message} (param `{param}`)" if param else message, param) from e
     except msgspec.DecodeError as e:
         raise ApiError(f"the request body is not valid JSON: {e}") from e
+    except RecursionError:
+        raise ApiError("the request body nests arrays or objects too deeply") from None
 
 
 def new_id(prefix: str) -> str:

@@ -29,6 +29,7 @@ from tokenmill.frontend.api.common import (
     TopLogprobs,
     TopP,
     build_choices,
+    check_model,
     check_token_ids,
     check_unsupported,
     decode_body,
@@ -47,7 +48,7 @@ from tokenmill.protocol.requests import DetokenizeParams, LogprobParams
 DEFAULT_MAX_NEW_TOKENS = 128
 
 
-class NativeSampling(msgspec.Struct, kw_only=True):
+class NativeSampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_new_tokens: NonNegative | None = None
     min_new_tokens: NonNegative | None = None
     temperature: Temperature | None = None
@@ -70,7 +71,8 @@ class NativeSampling(msgspec.Struct, kw_only=True):
     regex: str | None = None
 
 
-class GenerateBody(msgspec.Struct, kw_only=True):
+class GenerateBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    model: str | None = None  # not in SGLang's body; checked like the OpenAI APIs' when given
     text: str | list[str] | None = None
     input_ids: Any = None  # list[int] | list[list[int]], checked by `_prompts`
     sampling_params: NativeSampling | None = None
@@ -159,6 +161,7 @@ def _options(body: GenerateBody, ctx: RequestContext) -> PromptOptions:
 
 def parse_generate(raw: bytes, ctx: RequestContext) -> ParsedRequest:
     body = decode_body(raw, GenerateBody)
+    check_model(body.model, ctx)
     prompts, batched = _prompts(body, ctx)
     opts = _options(body, ctx)
     for ids in prompts:

@@ -45,11 +45,11 @@ from tokenmill.protocol.requests import DetokenizeParams, LogprobParams
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
-class StreamOptions(msgspec.Struct, kw_only=True):
+class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     include_usage: bool | None = None
 
 
-class _OpenAIFields(msgspec.Struct, kw_only=True):
+class _OpenAIFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Fields chat and completions share (with vLLM's extensions top_k, min_p, ...)."""
 
     model: str | None = None
@@ -79,7 +79,7 @@ class ContentPart(msgspec.Struct, kw_only=True):
     text: str | None = None
 
 
-class ChatMessage(msgspec.Struct, kw_only=True):
+class ChatMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -91,8 +91,13 @@ class ChatCompletionBody(_OpenAIFields, kw_only=True):
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None
-    tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
+    # NOTE: tool calling is not implemented: asking for it is a 400, never ignored.
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    parallel_tool_calls: bool | None = None  # nothing to call in parallel: accepted
 
 
 class CompletionBody(_OpenAIFields, kw_only=True):
@@ -171,10 +176,28 @@ def _message_dict(i: int, message: ChatMessage) -> dict[str, Any]:
     return out
 
 
+def _check_tools(body: ChatCompletionBody) -> None:
+    check_unsupported(
+        {"tools": body.tools, "functions": body.functions, "function_call": body.function_call}
+    )
+    if body.tool_choice not in (None, "none", "auto"):
+        raise ApiError(
+            "`tool_choice` other than none or auto needs `tools`, which this server does not "
+            "support",
+            "tool_choice",
+        )
+
+
+def _check_stream_options(body: _OpenAIFields) -> None:
+    if body.stream_options is not None and not body.stream:
+        raise ApiError("`stream_options` is only allowed with `stream: true`", "stream_options")
+
+
 def parse_chat(raw: bytes, ctx: RequestContext) -> ParsedRequest:
     body = decode_body(raw, ChatCompletionBody)
     model = check_model(body.model, ctx)
-    check_unsupported({"tools": body.tools})
+    _check_tools(body)
+    _check_stream_options(body)
     if body.response_format and body.response_format.get("type") not in (None, "text"):
         raise ApiError("only response_format {'type': 'text'} is supported", "response_format")
     top = body.top_logprobs or 0
@@ -242,6 +265,7 @@ def _prompts(prompt: Any, ctx: RequestContext) -> tuple[list[list[int]], list[st
 def parse_completion(raw: bytes, ctx: RequestContext) -> ParsedRequest:
     body = decode_body(raw, CompletionBody)
     model = check_model(body.model, ctx)
+    _check_stream_options(body)
     check_unsupported({"suffix": body.suffix})
     if body.best_of is not None and body.best_of != (body.n or 1):
         raise ApiError("best_of is not supported (it must equal n)", "best_of")

@@ -50,7 +50,7 @@ from tokenmill.protocol.requests import (
 LabelIds = Annotated[list[NonNegative], Meta(max_length=MAX_TOKEN_IDS_LOGPROB)]
 
 
-class ScoreBody(msgspec.Struct, kw_only=True):
+class ScoreBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """/v1/score (SGLang) and /generative_scoring (vLLM): the same fields."""
 
     model: str | None = None
@@ -62,7 +62,7 @@ class ScoreBody(msgspec.Struct, kw_only=True):
     add_special_tokens: bool = True  # for the text at the prompt's start
 
 
-class RerankBody(msgspec.Struct, kw_only=True):
+class RerankBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
     query: str
     documents: str | list[str]
