@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import multiprocessing
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,6 +21,7 @@ logger = logging.getLogger(__name__)
 # NOTE: without --max-model-len, long-context checkpoints would size every table row for
 # their full context; 8192 keeps the default footprint small.
 DEFAULT_MAX_MODEL_LEN = 8192
+API_KEY_ENV = "TOKENMILL_API_KEY"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -52,7 +54,8 @@ def resolve(config: ServerConfig) -> tuple[ServerConfig, Path]:
         check_rerank_prompt(config, model_dir)
     name = config.model.served_model_name or config.model.model or "tokenmill-demo"
     model = replace(config.model, max_model_len=max_len, served_model_name=name)
-    return replace(config, model=model), model_dir
+    http = replace(config.http, api_key=config.http.api_key or os.environ.get(API_KEY_ENV, ""))
+    return replace(config, model=model, http=http), model_dir
 
 
 def check_rerank_prompt(config: ServerConfig, model_dir: Path) -> None:

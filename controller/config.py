@@ -31,3 +31,7 @@ class ControllerConfig:
     """With ranks on other nodes: the CURVE keys that secure their tcp:// worker_addrs."""
     replica: int = 0
     """This engine's index among --data-parallel-size replicas (in its reports)."""
+    max_queued_requests: int = 8192
+    """Waiting requests at most: one more is turned away at once (finish_reason rejected)."""
+    queue_timeout_s: float = 0.0
+    """A request never started after this long is failed (finish_reason queue_timeout)."""

@@ -57,6 +57,7 @@ class Controller:
         self.num_arrivals = 0
         self.last_report = 0.0
         self.checked_at_step = -1  # num_steps when the pool and tree were last checked
+        self.next_expiry_check = 0.0
         self.handlers = {GenerateRequest: self.handle_generate, AbortRequest: self.handle_abort}
 
     def run(self) -> None:
@@ -65,6 +66,7 @@ class Controller:
 
     def run_once(self) -> None:
         self.receive(block=not self.scheduler.has_work())
+        self.expire_waiting()
         rows = self.scheduler.schedule()
         if rows:
             result = self.step(rows)
@@ -108,28 +110,45 @@ class Controller:
             logger.error("duplicate req_id %s dropped", message.req_id)
             return
         request = Request.from_message(message, self.num_arrivals)
+        if len(self.scheduler.waiting) >= self.config.max_queued_requests:
+            detail = f"{len(self.scheduler.waiting)} requests wait already (--max-queued-requests)"
+            self._end(request, "rejected", detail)  # NOTE: never queued, nothing to free
+            return
         self.num_arrivals += 1
         self.requests[message.req_id] = request
         self.scheduler.waiting.append(request)
 
     def handle_abort(self, message: AbortRequest) -> None:
         request = self.requests.get(message.req_id)
-        if request is None:
+        if request is not None:
+            self._end(request, "abort")
+
+    def expire_waiting(self) -> None:
+        """Fails the requests that have waited past --queue-timeout without ever starting."""
+        timeout = self.config.queue_timeout_s
+        now = time.monotonic()
+        if timeout <= 0 or not self.scheduler.waiting or now < self.next_expiry_check:
             return
-        request.finish_reason = "abort"
-        self._drop(request)
-        self.sockets.send_outputs(
-            BatchOutput(
-                [
-                    RequestOutput(
-                        req_id=request.req_id,
-                        new_ids=_EMPTY_IDS,
-                        finish_reason="abort",
-                        num_prompt_tokens=request.num_prompt_tokens,
-                    )
-                ]
-            )
+        self.next_expiry_check = now + EXPIRY_CHECK_S
+        for request in list(self.scheduler.waiting):
+            if not request.admitted_before and now - request.queued_at > timeout:
+                self._end(request, "queue_timeout", f"not started within {timeout:g} s")
+
+    def _end(self, request: Request, reason: str, detail: str | None = None) -> None:
+        """Ends `request` outside a step: frees what it holds and tells the detokenizer (with
+        its detokenize params, if it never had an output)."""
+        request.finish_reason = reason
+        if request.req_id in self.requests:
+            self._drop(request)
+        output = RequestOutput(
+            req_id=request.req_id,
+            new_ids=_EMPTY_IDS,
+            finish_reason=reason,
+            finish_detail=detail,
+            num_prompt_tokens=request.num_prompt_tokens,
+            detokenize=request.announce(),
         )
+        self.sockets.send_outputs(BatchOutput([output]))
 
     def _drop(self, request: Request) -> None:
         self.scheduler.finish(request)
@@ -165,6 +184,7 @@ class Controller:
 
 
 _EMPTY_IDS = empty("int32", 0)
+EXPIRY_CHECK_S = 0.1  # how often waiting requests are checked against --queue-timeout
 
 
 class ControllerSockets:

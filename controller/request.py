@@ -6,6 +6,7 @@ makes chunked prefill, preemption-and-recompute and (later) prefix hits one mech
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -43,13 +44,18 @@ class Request:
     fill_table: bool = False  # the worker's table row needs slots[:num_computed_tokens]
     prompt_scores: PromptScores | None = None
     prompt_scores_sent: bool = False
+    queued_at: float = 0.0  # time.monotonic() when it arrived
 
     @staticmethod
     def from_message(message: GenerateRequest, arrival: int) -> Request:
         prompt = unpack(message.input_ids).astype(np.int64).tolist()
         wants_prompt = message.logprobs.prompt_start >= 0
         return Request(
-            message, prompt, arrival, prompt_scores=PromptScores() if wants_prompt else None
+            message,
+            prompt,
+            arrival,
+            prompt_scores=PromptScores() if wants_prompt else None,
+            queued_at=time.monotonic(),
         )
 
     @property

@@ -68,11 +68,15 @@ class Detokenizer:
         state = self._states.get(out.req_id)
         if state is not None:
             return state
-        if out.detokenize is None:
-            raise RuntimeError(f"first output of {out.req_id} has no detokenize params")
+        params = out.detokenize
+        if params is None:
+            # NOTE: the controller sends them with every request's first output; a bug there
+            # must cost this request its text, not the server its detokenizer.
+            logger.error("first output of %s has no detokenize params", out.req_id)
+            params = DetokenizeParams()
         state = _RequestState(
-            IncrementalDetokenizer(self.table, out.detokenize),
-            LogprobFormatter(self.table, _num_top(out.detokenize), out.detokenize.text_in_logprobs),
+            IncrementalDetokenizer(self.table, params),
+            LogprobFormatter(self.table, _num_top(params), params.text_in_logprobs),
         )
         self._states[out.req_id] = state
         return state

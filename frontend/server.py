@@ -26,8 +26,6 @@ from tokenmill.protocol.cluster import ClusterKey
 
 logger = logging.getLogger(__name__)
 
-DRAIN_TIMEOUT_S = 30.0
-
 
 async def serve(config: ServerConfig, model_dir: Path) -> int:
     layout = ClusterLayout.of(config.parallel)
@@ -40,7 +38,7 @@ async def serve(config: ServerConfig, model_dir: Path) -> int:
     )
     stop = asyncio.Event()
     state = {"exit_code": 0, "drain": False}
-    _install_signals(stop, state)
+    _install_signals(stop, state, client)
     client.start()
     if nodes is not None:
         nodes.start()
@@ -59,7 +57,7 @@ async def serve(config: ServerConfig, model_dir: Path) -> int:
             await stop.wait()
             notifier.notify("STOPPING=1")
             if state["drain"]:
-                await _drain(client)
+                await _drain(client, config.http.drain_timeout)
     finally:
         for task in tasks:
             task.cancel()
@@ -131,20 +129,31 @@ async def _supervise(
         await asyncio.sleep(0.2)
 
 
-async def _drain(client: ZmqEngineClient) -> None:
-    """Lets requests in flight finish (new ones get 503 from the app) before exiting."""
-    client.draining = True
-    deadline = time.monotonic() + DRAIN_TIMEOUT_S
+async def _drain(client: ZmqEngineClient, timeout_s: float) -> None:
+    """Lets requests in flight finish (new ones get 503 since the signal) for up to
+    `timeout_s`; then fails the rest, whose clients get an error (event), and returns."""
+    deadline = time.monotonic() + timeout_s
     while client.num_in_flight and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
-    logger.info("drained; %d requests still in flight", client.num_in_flight)
+    if client.num_in_flight:
+        logger.warning(
+            "drain timeout (%g s): failing %d requests in flight", timeout_s, client.num_in_flight
+        )
+        client.mark_dead(f"the server is shutting down (--drain-timeout {timeout_s:g} s)")
+        await asyncio.sleep(ERROR_FLUSH_S)
+    logger.info("drained")
 
 
-def _install_signals(stop: asyncio.Event, state: dict) -> None:
+# NOTE: long enough for the handlers to write the error events of requests a drain failed.
+ERROR_FLUSH_S = 0.5
+
+
+def _install_signals(stop: asyncio.Event, state: dict, client: ZmqEngineClient) -> None:
     loop = asyncio.get_running_loop()
 
     def on_signal(signum: int) -> None:
         logger.info("received %s: draining and shutting down", signal.Signals(signum).name)
+        client.draining = True  # NOTE: at once: /health 503 and new requests 503 from now
         state["drain"] = True
         stop.set()
 

@@ -53,6 +53,12 @@ class SchedulerArgs:
     (multi-step decoding: fewer round trips, the same tokens and logprobs)."""
     disable_prefix_cache: bool = False
     """Turn off the radix prefix cache (every prompt is computed in full)."""
+    max_queued_requests: int = 8192
+    """Requests (each choice, each scoring item) an engine keeps waiting at most; more get
+    429 with Retry-After."""
+    queue_timeout: float = 0.0
+    """Seconds a request may wait for the engine to start it before it fails with 503
+    (0: no limit)."""
     step_timing: bool = False
     """Measure where decode steps spend their time (model forward vs the rest) and show the
     totals in /metrics (tokenmill_step_timing_*); off by default."""
@@ -92,6 +98,15 @@ class HttpArgs:
     """Port to listen on."""
     log_level: str = "info"
     """debug, info, warning or error."""
+    api_key: str = ""
+    """Require `Authorization: Bearer KEY` on every API route (/v1/*, /generate, scoring);
+    /health and /metrics stay open. Prefer the TOKENMILL_API_KEY environment variable: a
+    flag shows in the process list."""
+    api_key_protect_metrics: bool = False
+    """Require the API key on /metrics too."""
+    drain_timeout: float = 30.0
+    """On SIGTERM: seconds requests in flight may take to finish (new ones get 503) before
+    they are aborted with an error."""
 
 
 @dataclass(frozen=True)
@@ -213,6 +228,9 @@ def validate(config: ServerConfig) -> None:
             "use auto, float32, bfloat16 or float16",
         ),
         (0 <= h.port < 65536, "--port", h.port, "use 0..65535"),
+        (s.max_queued_requests >= 1, "--max-queued-requests", s.max_queued_requests, "use 1+"),
+        (s.queue_timeout >= 0, "--queue-timeout", s.queue_timeout, "use 0 (off) or seconds"),
+        (h.drain_timeout >= 0, "--drain-timeout", h.drain_timeout, "use 0 or more seconds"),
         (
             config.scoring.max_score_items >= 1,
             "--max-score-items",

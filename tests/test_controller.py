@@ -102,6 +102,7 @@ def make_controller(
     max_prefill: int = 64,
     max_model_len: int = 128,
     decode_steps: int = 1,
+    **limits: float,
 ) -> tuple[Controller, FakeSockets]:
     config = ControllerConfig(
         "",
@@ -113,6 +114,7 @@ def make_controller(
         max_prefill_tokens=max_prefill,
         report_interval_s=0.0,
         decode_steps=decode_steps,
+        **limits,  # type: ignore[arg-type]
     )
     sockets = FakeSockets()
     ready = WorkerReady(
@@ -239,6 +241,44 @@ def test_abort_frees_slots_and_reports_abort() -> None:
     sockets.inbox.append(AbortRequest("unknown"))
     run_until_idle(controller)
     assert sockets.outputs[-1].finish_reason == "abort"
+    assert controller.kv.num_available == 256
+
+
+def test_a_request_ended_before_its_first_step_tells_the_detokenizer_how() -> None:
+    """Aborted while waiting, turned away by a full queue, or timed out in it: the one output
+    such a request gets carries its detokenize params (the detokenizer has not seen it)."""
+    controller, sockets = make_controller(max_running=1, max_queued_requests=3)
+    for name in ("running", "waiting", "aborted", "turned away"):
+        sockets.inbox.append(request(name, [3, 4, 5], max_tokens=50))
+    sockets.inbox.append(AbortRequest("aborted"))
+    controller.run_once()
+    ended = {o.req_id: o for o in sockets.outputs if o.finish_reason is not None}
+    assert ended["aborted"].finish_reason == "abort"
+    assert ended["turned away"].finish_reason == "rejected"
+    assert "--max-queued-requests" in ended["turned away"].finish_detail
+    assert all(o.detokenize is not None for o in ended.values())
+    assert [r.req_id for r in controller.scheduler.waiting] == ["waiting"]
+    run_until_idle(controller)
+    assert controller.kv.num_available == 256
+
+
+def test_a_request_waiting_past_the_queue_timeout_fails(monkeypatch) -> None:
+    import tokenmill.controller.controller as controller_module
+
+    controller, sockets = make_controller(max_running=1, queue_timeout_s=5.0)
+    now = [1000.0]
+    monkeypatch.setattr(controller_module.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr("tokenmill.controller.request.time.monotonic", lambda: now[0])
+    sockets.inbox.append(request("first", [3, 4], max_tokens=30))
+    sockets.inbox.append(request("second", [5, 6], max_tokens=30))
+    controller.run_once()  # "first" runs, "second" waits
+    now[0] += 6.0
+    controller.run_once()
+    second = [o for o in sockets.outputs if o.req_id == "second"]
+    assert [o.finish_reason for o in second] == ["queue_timeout"]
+    assert second[0].detokenize is not None
+    run_until_idle(controller)
+    assert tokens_of(sockets.outputs, "first") == list(range(5, 35))  # it ran on, untouched
     assert controller.kv.num_available == 256
 
 

@@ -22,7 +22,13 @@ import pytest
 from tokenmill.frontend.api.chat_template import ChatTemplate, ChatTemplateError
 from tokenmill.frontend.app.routes import bound_port, build_app, start_http
 from tokenmill.frontend.engine.client import EngineDeadError, EngineStats
-from tokenmill.frontend.server_config import ModelArgs, SchedulerArgs, ScoringArgs, ServerConfig
+from tokenmill.frontend.server_config import (
+    HttpArgs,
+    ModelArgs,
+    SchedulerArgs,
+    ScoringArgs,
+    ServerConfig,
+)
 from tokenmill.frontend.tokenizer import Tokenizer
 from tokenmill.protocol.arrays import unpack
 from tokenmill.protocol.outputs import DetokenizedOutput, PositionLogprobs, TokenEntry
@@ -37,6 +43,7 @@ class FakeEngine:
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.stats = EngineStats(kv_slots_total=1000, kv_slots_free=900)
+        self.draining = False
         self.tokenizer = tokenizer
         self.requests: dict[str, GenerateRequest] = {}
         self.outputs: dict[str, list[int]] = {}
@@ -44,6 +51,8 @@ class FakeEngine:
         self.closed: list[str] = []
         self.delay = 0.0
         self.fail_with: str | None = None  # finish every request with "error" and this detail
+        self.fail_reason = "error"  # or how the engine turns a request away
+        self.fail_after = 0  # tokens sent before the failure
         self.dead = False
 
     def entry(self, token_id: int, logprob: float | None) -> TokenEntry:
@@ -89,11 +98,13 @@ class FakeEngine:
         common = {"num_prompt_tokens": len(ids), "num_cached_tokens": 2}
         prompt_lps = self.prompt_logprobs(request)
         if self.fail_with is not None:
+            for k in range(self.fail_after):
+                yield DetokenizedOutput(request.req_id, "x", [ids[0]], num_output_tokens=k + 1)
             yield DetokenizedOutput(
                 request.req_id,
                 "",
                 [],
-                finish_reason="error",
+                finish_reason=self.fail_reason,
                 finish_detail=self.fail_with,
                 **common,
             )
@@ -131,13 +142,14 @@ class FakeEngine:
 class Server:
     """build_app + start_http on 127.0.0.1:0, in a thread with its own event loop."""
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, http: HttpArgs | None = None) -> None:
         self.tokenizer = Tokenizer(model_dir)
         self.engine = FakeEngine(self.tokenizer)
         config = ServerConfig(
             model=ModelArgs(model=str(model_dir), served_model_name=MODEL),
             scheduler=SchedulerArgs(max_logprobs=5),
             scoring=ScoringArgs(rerank_labels="y,n", max_score_items=8),
+            http=http or HttpArgs(),
         )
         self.app = build_app(config, self.engine, self.tokenizer, max_model_len=MAX_MODEL_LEN)
         self.loop = asyncio.new_event_loop()
@@ -161,15 +173,24 @@ class Server:
         self.thread.join(10)
 
     def request(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        status, _, answer = self.request_with_headers(method, path, body)
+        return status, answer
+
+    def request_with_headers(
+        self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None
+    ) -> tuple[int, Any, Any]:
         data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.url + path, data=data, method=method)
         req.add_header("Content-Type", "application/json")
+        for name, value in (headers or {}).items():
+            req.add_header(name, value)
         try:
             with urllib.request.urlopen(req, timeout=10) as resp:
-                status, raw, kind = resp.status, resp.read(), resp.headers["Content-Type"]
+                status, raw, got = resp.status, resp.read(), resp.headers
         except urllib.error.HTTPError as e:
-            status, raw, kind = e.code, e.read(), e.headers["Content-Type"]
-        return status, json.loads(raw) if "json" in kind else raw.decode()
+            status, raw, got = e.code, e.read(), e.headers
+        kind = got["Content-Type"] or ""
+        return status, got, json.loads(raw) if "json" in kind else raw.decode()
 
     def post(self, path: str, body: Any) -> tuple[int, Any]:
         return self.request("POST", path, body)
@@ -543,17 +564,44 @@ def test_unknown_route_and_method(fake_server: Server) -> None:
 
 
 def test_engine_errors(fake_server: Server, fake_client: openai.OpenAI) -> None:
+    """Before the first token a failure has its status, streamed or not; after it, a stream
+    ends with an error event."""
     fake_server.engine.fail_with = "worker 1 died"
-    status, r = fake_server.post(CMPL, _cmpl(max_tokens=2))
-    assert status == 500 and "worker 1 died" in r["error"]["message"]
-    events = fake_server.sse(CMPL, _cmpl(max_tokens=2, stream=True))
+    for stream in (False, True):
+        status, r = fake_server.post(CMPL, _cmpl(max_tokens=2, stream=stream))
+        assert status == 500 and "worker 1 died" in r["error"]["message"]
+    fake_server.engine.fail_after = 2
+    events = fake_server.sse(CMPL, _cmpl(max_tokens=5, stream=True))
+    assert [e["choices"][0]["text"] for e in events[:-1]] == ["x", "x"]
     assert "worker 1 died" in events[-1]["error"]["message"]
-    fake_server.engine.fail_with = None
+    fake_server.engine.fail_with, fake_server.engine.fail_after = None, 0
     fake_server.engine.dead = True
     status, r = fake_server.post(CHAT, _chat(max_tokens=2))
     assert status == 503 and r["error"]["code"] == "engine_dead"
     with pytest.raises(openai.InternalServerError):
         fake_client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+
+
+@pytest.mark.parametrize(
+    ("reason", "status", "code"),
+    [("rejected", 429, "queue_full"), ("queue_timeout", 503, "queue_timeout")],
+)
+def test_a_request_the_engine_turns_away(
+    fake_server: Server, reason: str, status: int, code: str
+) -> None:
+    engine = fake_server.engine
+    engine.fail_with, engine.fail_reason = "8192 requests wait already", reason
+    try:
+        for stream in (False, True):
+            got, headers, r = fake_server.request_with_headers(
+                "POST", CHAT, _chat(max_tokens=2, stream=stream)
+            )
+            assert got == status and r["error"]["code"] == code, r
+            assert "overloaded" in r["error"]["message"]
+            assert headers.get("Retry-After") == ("1" if status == 429 else None)
+    finally:
+        engine.fail_with, engine.fail_reason = None, "error"
+    assert fake_server.post(CMPL, _cmpl(max_tokens=1))[0] == 200
 
 
 def test_client_disconnect_aborts(fake_server: Server, fake_client: openai.OpenAI) -> None:
@@ -693,3 +741,46 @@ def test_rerank_shape_top_n_and_documents(fake_server: Server) -> None:
     )
     assert status == 200 and len(answer["results"]) == 3
     assert all("document" not in r for r in answer["results"])
+
+
+@pytest.mark.parametrize("protect_metrics", [False, True])
+def test_api_key(tiny_checkpoint, protect_metrics: bool) -> None:
+    server = Server(
+        tiny_checkpoint("llama"),
+        HttpArgs(api_key="s3cret", api_key_protect_metrics=protect_metrics),
+    )
+    try:
+        good = {"Authorization": "Bearer s3cret"}
+        for headers in ({}, {"Authorization": "Bearer s3cre"}, {"Authorization": "s3cret"}):
+            for method, path, body in (
+                ("POST", CMPL, _cmpl(max_tokens=1)),
+                ("POST", GEN, {"text": "a"}),
+                ("POST", SCORE, {"query": "a", "items": ["b"], "label_token_ids": [5]}),
+                ("GET", "/v1/models", None),
+            ):
+                status, got, r = server.request_with_headers(method, path, body, headers)
+                assert status == 401 and r["error"]["code"] == "invalid_api_key", (path, r)
+                assert got["WWW-Authenticate"] == "Bearer"
+        assert server.request_with_headers("POST", CMPL, _cmpl(max_tokens=1), good)[0] == 200
+        assert server.request("GET", "/health")[0] == 200
+        metrics = server.request("GET", "/metrics")[0]
+        assert metrics == (401 if protect_metrics else 200)
+        assert server.request_with_headers("GET", "/metrics", None, good)[0] == 200
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="s3cret", max_retries=0)
+        assert client.completions.create(model=MODEL, prompt="a", max_tokens=1).choices
+        wrong = openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            wrong.completions.create(model=MODEL, prompt="a", max_tokens=1)
+    finally:
+        server.stop()
+
+
+def test_draining_refuses_new_requests_and_turns_health_red(fake_server: Server) -> None:
+    fake_server.engine.draining = True
+    try:
+        assert fake_server.request("GET", "/health")[0] == 503
+        status, r = fake_server.post(CHAT, _chat(max_tokens=1))
+        assert status == 503 and r["error"]["code"] == "shutting_down"
+    finally:
+        fake_server.engine.draining = False
+    assert fake_server.request("GET", "/health")[0] == 200

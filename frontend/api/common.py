@@ -61,6 +61,7 @@ class ApiError(Exception):
         status: int = 400,
         type: str = "invalid_request_error",
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -68,6 +69,7 @@ class ApiError(Exception):
         self.status = status
         self.type = type
         self.code = code
+        self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         return {

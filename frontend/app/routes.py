@@ -41,6 +41,7 @@ from tokenmill.frontend.api.scoring import (
     rerank_response,
     score_response,
 )
+from tokenmill.frontend.app.auth import auth_middleware
 from tokenmill.frontend.app.metrics import ApiMetrics
 from tokenmill.frontend.engine.client import EngineClient, EngineDeadError
 from tokenmill.frontend.server_config import ServerConfig
@@ -50,9 +51,12 @@ from tokenmill.protocol.outputs import DetokenizedOutput
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
+RETRY_AFTER_S = 1  # NOTE: a full queue drains in seconds; a client should not wait longer
 PARSE_INLINE_BYTES = 64 * 1024  # larger bodies are parsed and tokenized in a worker thread
 DEFAULT_MAX_MODEL_LEN_CAP = 8192
-_DEAD = ApiError("the engine is not running", status=503, type="server_error", code="engine_dead")
+_SHUTTING_DOWN = ApiError(
+    "the server is shutting down", status=503, type="server_error", code="shutting_down"
+)
 _INTERNAL = ApiError("internal server error", status=500, type="server_error")
 
 Parser = Callable[[bytes, RequestContext], ParsedRequest]
@@ -67,7 +71,9 @@ def json_response(obj: Any, status: int = 200) -> web.Response:
 
 
 def error_response(error: ApiError) -> web.Response:
-    return json_response(error.body(), status=error.status)
+    response = json_response(error.body(), status=error.status)
+    response.headers.update(error.headers)
+    return response
 
 
 async def _pump(
@@ -163,7 +169,7 @@ class HttpApi:
         return json_response({"object": "list", "data": [model]})
 
     async def health(self, request: web.Request) -> web.Response:
-        if self.engine.stats.healthy():
+        if self.engine.stats.healthy() and not self.engine.draining:
             return json_response({"status": "ok"})
         return json_response({"status": "unavailable"}, status=503)
 
@@ -174,6 +180,8 @@ class HttpApi:
     async def _parse(
         self, request: web.Request, parse: Callable[[bytes, RequestContext], Any]
     ) -> Any:
+        if self.engine.draining:
+            raise _SHUTTING_DOWN
         body = await request.read()
         # NOTE: a long prompt takes a while to tokenize (the tokenizer releases the GIL):
         # parsing off the event loop keeps every other request streaming meanwhile.
@@ -182,7 +190,7 @@ class HttpApi:
         else:
             parsed = parse(body, self.ctx)
         if not self.engine.stats.alive:
-            raise EngineDeadError("engine is not alive")
+            raise EngineDeadError("the engine is not running")
         return parsed
 
     async def _score(
@@ -227,9 +235,8 @@ class HttpApi:
                 if first and out.token_ids:
                     first_token[index] = now
                 self.metrics.on_output(out, now - start, first)
-                if out.finish_reason == "error":
-                    message = f"the engine failed the request: {out.finish_detail}"
-                    raise ApiError(message, status=500, type="server_error")
+                if out.finish_reason in ("error", "rejected", "queue_timeout"):
+                    raise _engine_refusal(out)
                 if out.finish_reason is not None and out.num_output_tokens > 1:
                     tpot = (now - first_token.get(index, now)) / (out.num_output_tokens - 1)
                     self.metrics.on_tpot(tpot)
@@ -238,24 +245,35 @@ class HttpApi:
     async def _stream(
         self, request: web.Request, parsed: ParsedRequest, responder: Responder
     ) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Cache-Control": "no-cache"})
-        response.content_type = "text/event-stream"
-        await response.prepare(request)
-        try:
-            await self._stream_body(response, parsed, responder)
-            await response.write(SSE_DONE)
-            await response.write_eof()
-        except ConnectionResetError:
-            logger.info("client of %s went away; request aborted", parsed.response_id)
+        async with aclosing(self._outputs(parsed)) as outputs:
+            # NOTE: the headers wait for the engine's first answer, so that a request it turns
+            # away (a full queue, a queue timeout) gets its status, not an error event.
+            first = await anext(outputs, None)
+            response = web.StreamResponse(headers={"Cache-Control": "no-cache"})
+            response.content_type = "text/event-stream"
+            await response.prepare(request)
+            try:
+                await self._stream_body(response, first, outputs, responder, parsed.response_id)
+                await response.write(SSE_DONE)
+                await response.write_eof()
+            except ConnectionResetError:
+                logger.info("client of %s went away; request aborted", parsed.response_id)
         return response
 
     async def _stream_body(
-        self, response: web.StreamResponse, parsed: ParsedRequest, responder: Responder
+        self,
+        response: web.StreamResponse,
+        first: tuple[int, DetokenizedOutput] | None,
+        outputs: AsyncGenerator[tuple[int, DetokenizedOutput], None],
+        responder: Responder,
+        response_id: str,
     ) -> None:
         """The chunks; after the headers went out, an error becomes an error event."""
         error: ApiError | None = None
         try:
-            async with aclosing(self._outputs(parsed)) as outputs:
+            if first is not None:
+                for chunk in responder.add(*first):
+                    await response.write(sse(chunk))
                 async for index, out in outputs:
                     for chunk in responder.add(index, out):
                         await response.write(sse(chunk))
@@ -263,16 +281,38 @@ class HttpApi:
                 await response.write(sse(chunk))
         except ApiError as e:
             error = e
-        except EngineDeadError:
-            error = _DEAD
+        except EngineDeadError as e:
+            error = _engine_dead(e)
         except Exception as e:
             if isinstance(e, ConnectionResetError):
                 raise
-            logger.exception("request %s failed while streaming", parsed.response_id)
+            logger.exception("request %s failed while streaming", response_id)
             error = _INTERNAL
         if error is not None:
             self.metrics.http_errors[error.status] += 1
             await response.write(sse(error.body()))
+
+
+def _engine_dead(e: EngineDeadError) -> ApiError:
+    message = str(e) or "the engine is not running"
+    return ApiError(message, status=503, type="server_error", code="engine_dead")
+
+
+def _engine_refusal(out: DetokenizedOutput) -> ApiError:
+    """What a request the engine failed, turned away or timed out in its queue becomes."""
+    if out.finish_reason == "rejected":
+        return ApiError(
+            f"the server is overloaded: {out.finish_detail}; retry later",
+            status=429,
+            type="rate_limit_exceeded",
+            code="queue_full",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
+    if out.finish_reason == "queue_timeout":
+        message = f"the server is overloaded: the request was {out.finish_detail}"
+        return ApiError(message, status=503, type="server_error", code="queue_timeout")
+    message = f"the engine failed the request: {out.finish_detail}"
+    return ApiError(message, status=500, type="server_error")
 
 
 def _error_middleware(metrics: ApiMetrics) -> Any:
@@ -283,8 +323,8 @@ def _error_middleware(metrics: ApiMetrics) -> Any:
             return await handler(request)
         except ApiError as e:
             error = e
-        except EngineDeadError:
-            error = _DEAD
+        except EngineDeadError as e:
+            error = _engine_dead(e)
         except web.HTTPException as e:
             kind = "invalid_request_error" if e.status < 500 else "server_error"
             error = ApiError(e.reason, status=e.status, type=kind)
@@ -326,9 +366,11 @@ def build_app(
         rerank=rerank_prompt(config.scoring, tokenizer),
     )
     api = HttpApi(config, engine, ctx)
-    app = web.Application(
-        middlewares=[_error_middleware(api.metrics)], client_max_size=MAX_BODY_BYTES
-    )
+    middlewares = [_error_middleware(api.metrics)]
+    if config.http.api_key:
+        http = config.http
+        middlewares.append(auth_middleware(http.api_key, http.api_key_protect_metrics))
+    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app.router.add_post("/v1/chat/completions", api.chat)
     app.router.add_post("/v1/completions", api.completions)
     app.router.add_post("/generate", api.generate)

@@ -50,6 +50,7 @@ class EngineStats:
 
 class EngineClient(Protocol):
     stats: EngineStats
+    draining: bool  # SIGTERM came: new requests are refused, those in flight finish
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[DetokenizedOutput]:
         """Submits `request` and yields its outputs until one has a finish_reason.

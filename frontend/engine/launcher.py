@@ -156,6 +156,8 @@ def controller_config(
         parent_pid=os.getpid(),
         cluster_key_file=layout.key_file,
         replica=replica,
+        max_queued_requests=s.max_queued_requests,
+        queue_timeout_s=s.queue_timeout,
     )
 
 

@@ -46,6 +46,7 @@ class ZmqEngineClient:
         self._ready_replicas: set[int] = set()
         self.max_model_len = 0
         self.draining = False  # set on SIGTERM: the app refuses new requests with 503
+        self._dead_why = ""
         self._queues: dict[str, asyncio.Queue] = {}
         self._replica_of: dict[str, int] = {}
         self._tasks: list[asyncio.Task] = []
@@ -78,7 +79,7 @@ class ZmqEngineClient:
             while not finished:
                 item = await queue.get()
                 if item is _DEAD:
-                    raise EngineDeadError("the engine stopped while the request ran")
+                    raise EngineDeadError(self._dead_why)
                 finished = item.finish_reason is not None
                 yield item
         finally:
@@ -97,8 +98,10 @@ class ZmqEngineClient:
         replica = self._replica_of.get(req_id, 0)
         await self.requests[replica].send(self.encoder.encode(AbortRequest(req_id)))
 
-    def mark_dead(self) -> None:
+    def mark_dead(self, why: str = "the engine stopped while the request ran") -> None:
+        """Fails every request in flight with EngineDeadError(why); no new one starts."""
         self.stats.alive = False
+        self._dead_why = why
         for queue in self._queues.values():
             queue.put_nowait(_DEAD)
 
