@@ -43,6 +43,7 @@ from tokenmill.frontend.api.scoring import (
 )
 from tokenmill.frontend.app.auth import auth_middleware
 from tokenmill.frontend.app.metrics import ApiMetrics
+from tokenmill.frontend.app.openapi import openapi_document
 from tokenmill.frontend.engine.client import EngineClient, EngineDeadError
 from tokenmill.frontend.server_config import ServerConfig
 from tokenmill.frontend.tokenizer import Tokenizer
@@ -138,6 +139,7 @@ class HttpApi:
         self.ctx = ctx
         self.metrics = ApiMetrics()
         self.created = int(time.time())
+        self.openapi_json = msgspec.json.encode(openapi_document())
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, parse_chat, ChatResponder)
@@ -172,6 +174,9 @@ class HttpApi:
         if self.engine.stats.healthy() and not self.engine.draining:
             return json_response({"status": "ok"})
         return json_response({"status": "unavailable"}, status=503)
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.openapi_json, content_type="application/json")
 
     async def prometheus(self, request: web.Request) -> web.Response:
         text = self.metrics.render(self.engine.stats)
@@ -381,6 +386,7 @@ def build_app(
     app.router.add_get("/v1/models", api.models)
     app.router.add_get("/health", api.health)
     app.router.add_get("/metrics", api.prometheus)
+    app.router.add_get("/openapi.json", api.openapi)
     return app
 
 

@@ -1,0 +1,255 @@
+"""GET /openapi.json (main process): an OpenAPI 3.1 description of every route.
+
+Request bodies are the very msgspec types the server decodes and validates with, so their
+schema cannot drift from what is accepted. The server builds its responses as plain
+dicts; their shapes are declared here as types, and tests/test_openapi.py holds real
+responses against them, so that a change to either is caught.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from tokenmill.frontend import VERSION
+from tokenmill.frontend.api.native_requests import GenerateBody
+from tokenmill.frontend.api.openai_requests import ChatCompletionBody, CompletionBody
+from tokenmill.frontend.api.scoring import RerankBody, ScoreBody
+
+# --- response shapes -------------------------------------------------------------------
+
+
+class ErrorObject(msgspec.Struct, forbid_unknown_fields=True):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(msgspec.Struct, forbid_unknown_fields=True):
+    error: ErrorObject
+
+
+class PromptTokensDetails(msgspec.Struct, forbid_unknown_fields=True):
+    cached_tokens: int
+
+
+class Usage(msgspec.Struct, forbid_unknown_fields=True):
+    prompt_tokens: int
+    total_tokens: int
+    completion_tokens: int | None = None  # none in rerank
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(msgspec.Struct, forbid_unknown_fields=True):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None
+    text_offset: list[int]
+
+
+class CompletionChoice(msgspec.Struct, forbid_unknown_fields=True):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class CompletionResponse(msgspec.Struct, forbid_unknown_fields=True):
+    """Also each streamed chunk (`text_completion` events, `usage` on the last if asked)."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    system_fingerprint: str | None
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(msgspec.Struct, forbid_unknown_fields=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(msgspec.Struct, forbid_unknown_fields=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct, forbid_unknown_fields=True):
+    content: list[ChatTokenLogprob] | None
+    refusal: None = None
+
+
+class ChatMessageOut(msgspec.Struct, forbid_unknown_fields=True):
+    role: str
+    content: str | None
+    refusal: None = None
+
+
+class ChatChoice(msgspec.Struct, forbid_unknown_fields=True):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(msgspec.Struct, forbid_unknown_fields=True):
+    id: str
+    object: str
+    created: int
+    model: str
+    system_fingerprint: str | None
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class GenerateResponse(msgspec.Struct, forbid_unknown_fields=True):
+    """One per prompt (a list for a batch); `meta_info` as SGLang's: id, finish_reason,
+    token counts, and [logprob, token id, text or null] triples when asked."""
+
+    text: str
+    output_ids: list[int]
+    meta_info: dict[str, Any]
+
+
+class ScoreResponse(msgspec.Struct, forbid_unknown_fields=True):
+    scores: list[list[float]]
+    model: str
+    usage: Usage
+    object: str
+
+
+class ScoreData(msgspec.Struct, forbid_unknown_fields=True):
+    index: int
+    object: str
+    score: float
+
+
+class GenerativeScoringResponse(msgspec.Struct, forbid_unknown_fields=True):
+    id: str
+    object: str
+    created: int
+    model: str
+    data: list[ScoreData]
+    usage: Usage
+
+
+class RerankDocument(msgspec.Struct, forbid_unknown_fields=True):
+    text: str
+
+
+class RerankResult(msgspec.Struct, forbid_unknown_fields=True):
+    index: int
+    relevance_score: float
+    document: RerankDocument | None = None
+
+
+class RerankResponse(msgspec.Struct, forbid_unknown_fields=True):
+    id: str
+    model: str
+    usage: Usage
+    results: list[RerankResult]
+
+
+class ModelCard(msgspec.Struct, forbid_unknown_fields=True):
+    id: str
+    object: str
+    created: int
+    owned_by: str
+    root: str
+    max_model_len: int
+
+
+class ModelList(msgspec.Struct, forbid_unknown_fields=True):
+    object: str
+    data: list[ModelCard]
+
+
+class Health(msgspec.Struct, forbid_unknown_fields=True):
+    status: str
+
+
+# --- the routes ------------------------------------------------------------------------
+
+# path -> (method, summary, request type or None, 200 response type, streams)
+ROUTES: dict[str, tuple[str, str, type | None, Any, bool]] = {
+    "/v1/chat/completions": ("post", "Chat completion (OpenAI)", ChatCompletionBody,
+                             ChatCompletionResponse, True),
+    "/v1/completions": ("post", "Text completion (OpenAI)", CompletionBody,
+                        CompletionResponse, True),
+    "/generate": ("post", "Generation (SGLang's native API)", GenerateBody,
+                  GenerateResponse | list[GenerateResponse], True),
+    "/v1/score": ("post", "Label probabilities per item (SGLang)", ScoreBody, ScoreResponse,
+                  False),
+    "/generative_scoring": ("post", "First label's probability per item (vLLM)", ScoreBody,
+                            GenerativeScoringResponse, False),
+    "/v1/rerank": ("post", "Rerank documents (Cohere, Jina, vLLM)", RerankBody, RerankResponse,
+                   False),
+    "/rerank": ("post", "Rerank documents (alias of /v1/rerank)", RerankBody, RerankResponse,
+                False),
+    "/v1/models": ("get", "The served model", None, ModelList, False),
+    "/health": ("get", "200 while the engine steps; 503 when it does not or on drain", None,
+                Health, False),
+}  # fmt: skip
+ERRORS = {
+    "400": "Invalid request (the error names the param)",
+    "401": "Missing or wrong API key (with --api-key)",
+    "404": "Unknown model",
+    "429": "The queue is full (Retry-After)",
+    "500": "The engine failed the request",
+    "503": "Engine dead, draining, or queue timeout",
+}
+
+
+def openapi_document() -> dict[str, Any]:
+    types: list[Any] = [ErrorResponse]
+    for _, _, body, response, _ in ROUTES.values():
+        types += [t for t in (body, response) if t is not None]
+    schemas, components = msgspec.json.schema_components(
+        types, ref_template="#/components/schemas/{name}"
+    )
+    error_ref, refs = schemas[0], iter(schemas[1:])
+    paths: dict[str, Any] = {}
+    for path, (method, summary, body, _, streams) in ROUTES.items():
+        operation: dict[str, Any] = {"summary": summary}
+        if body is not None:
+            operation["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": next(refs)}},
+            }
+        content: dict[str, Any] = {"application/json": {"schema": next(refs)}}
+        if streams:
+            content["text/event-stream"] = {
+                "schema": {"type": "string"},
+                "description": "with `stream: true`: `data: <chunk JSON>` events, then "
+                "`data: [DONE]`",
+            }
+        responses: dict[str, Any] = {"200": {"description": "OK", "content": content}}
+        for status, text in ERRORS.items():
+            json_error = {"application/json": {"schema": error_ref}}
+            responses[status] = {"description": text, "content": json_error}
+        operation["responses"] = responses
+        if path != "/health":
+            operation["security"] = [{"bearer": []}, {}]  # NOTE: needed with --api-key only
+        paths[path] = {method: operation}
+    paths["/metrics"] = {
+        "get": {
+            "summary": "Prometheus metrics",
+            "responses": {"200": {"description": "OK", "content": {"text/plain": {}}}},
+        }
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "tokenmill", "version": VERSION},
+        "paths": paths,
+        "components": {
+            "schemas": components,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }
