@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tokenmill.frontend.api.chat_template import ChatTemplate, ChatTemplateError
 from tokenmill.frontend.app.routes import bound_port, build_app, start_http
@@ -406,9 +407,16 @@ def test_models_health_metrics(fake_server: Server) -> None:
     assert fake_server.request("GET", "/health") == (200, {"status": "ok"})
     status, text = fake_server.request("GET", "/metrics")
     assert status == 200
-    assert "tokenmill_requests_started_total" in text
-    assert "tokenmill_kv_slots_used 100" in text
-    assert "tokenmill_time_to_first_token_seconds_bucket" in text
+    samples = {
+        s.name + str(sorted(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    assert samples["tokenmill_requests_started_total[]"] >= 0
+    assert samples["tokenmill_kv_slots_used[]"] == 100
+    assert samples["tokenmill_kv_cache_usage_perc[]"] == 0.1  # vLLM's name, a fraction
+    assert "tokenmill_time_to_first_token_seconds_bucket[('le', '+Inf')]" in samples
+    assert samples["tokenmill_engine_alive[]"] == 1
     fake_server.engine.stats.alive = False
     assert fake_server.request("GET", "/health")[0] == 503
 

@@ -42,6 +42,7 @@ from tokenmill.frontend.api.scoring import (
     score_response,
 )
 from tokenmill.frontend.app.auth import auth_middleware
+from tokenmill.frontend.app.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from tokenmill.frontend.app.metrics import ApiMetrics
 from tokenmill.frontend.app.openapi import openapi_document
 from tokenmill.frontend.engine.client import EngineClient, EngineDeadError
@@ -114,7 +115,7 @@ async def merge_outputs(
             yield index, item
     finally:
         # NOTE: counted before any await: a second cancellation may cut the rest short.
-        metrics.finished["abort"] += len(running)
+        metrics.on_aborted(len(running))
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -137,7 +138,7 @@ class HttpApi:
         self.config = config
         self.engine = engine
         self.ctx = ctx
-        self.metrics = ApiMetrics()
+        self.metrics = ApiMetrics(lambda: engine.stats)
         self.created = int(time.time())
         self.openapi_json = msgspec.json.encode(openapi_document())
 
@@ -179,8 +180,9 @@ class HttpApi:
         return web.Response(body=self.openapi_json, content_type="application/json")
 
     async def prometheus(self, request: web.Request) -> web.Response:
-        text = self.metrics.render(self.engine.stats)
-        return web.Response(text=text, content_type="text/plain", charset="utf-8")
+        response = web.Response(body=self.metrics.render())
+        response.headers["Content-Type"] = METRICS_CONTENT_TYPE
+        return response
 
     async def _parse(
         self, request: web.Request, parse: Callable[[bytes, RequestContext], Any]
@@ -294,7 +296,7 @@ class HttpApi:
             logger.exception("request %s failed while streaming", response_id)
             error = _INTERNAL
         if error is not None:
-            self.metrics.http_errors[error.status] += 1
+            self.metrics.on_error(error.status)
             await response.write(sse(error.body()))
 
 
@@ -336,7 +338,7 @@ def _error_middleware(metrics: ApiMetrics) -> Any:
         except Exception:
             logger.exception("unexpected error in %s %s", request.method, request.path)
             error = _INTERNAL
-        metrics.http_errors[error.status] += 1
+        metrics.on_error(error.status)
         return error_response(error)
 
     return middleware
