@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from tokenmill.cli.make_model import ARCHS, PRESETS, build_checkpoint
+from tokenmill.cli.make_model import ARCHS, PRESETS, TOKENIZER_KINDS, build_checkpoint
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -13,8 +13,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="build a small Hugging Face checkpoint with random weights and a trained tokenizer",
         description="Writes config.json, *.safetensors, tokenizer.json, tokenizer_config.json "
         "and generation_config.json into DIR. Weights are random but give peaked next-token "
-        "distributions; the tokenizer is a byte-level BPE trained on the standard library's "
-        "documentation.",
+        "distributions; the tokenizer is a BPE trained on the standard library's documentation "
+        "and sources.",
     )
     p.add_argument("dir", help="output directory (created; must not exist or be empty)")
     p.add_argument("--arch", choices=ARCHS, default="llama", help="model family (default llama)")
@@ -28,9 +28,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--vocab-size", type=int, default=None, help="model vocabulary rows (default: the preset's)"
     )
     p.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    p.add_argument(
+        "--tokenizer",
+        choices=TOKENIZER_KINDS,
+        default="auto",
+        help="auto: byte-level BPE (with Qwen2's own split for qwen2); byte-level: plain "
+        "byte-level for every arch (for qwen2, transformers' Qwen2Tokenizer then overrides "
+        "it); sentencepiece: Llama 2 / Mistral v0.1 style (a '▁' dummy prefix, <0xNN> byte "
+        "fallback, loaded by transformers as LlamaTokenizer)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    path = build_checkpoint(args.dir, args.arch, args.preset, args.vocab_size, args.seed)
+    path = build_checkpoint(
+        args.dir, args.arch, args.preset, args.vocab_size, args.seed, tokenizer=args.tokenizer
+    )
     print(path)
     return 0

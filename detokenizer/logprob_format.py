@@ -104,7 +104,31 @@ class LogprobFormatter:
             top_ids if has_top else None,
             top_logprobs if has_top else None,
         )
-        return head + entries
+        positions = head + entries
+        if prompt.start == 0 and self._table.strips_first_space:
+            self._drop_dummy_prefix(positions)
+        return positions
+
+    def _drop_dummy_prefix(self, positions: list[PositionLogprobs]) -> None:
+        """At the prompt's first word, "▁The" reads "The": the text (and so text_offset)
+        has no space there, and the entries (the chosen one and its alternatives) say so."""
+        for i, position in enumerate(positions):
+            if self._table.is_special(position.chosen.token_id):
+                continue
+            positions[i] = replace(
+                position,
+                chosen=_without_leading_space(position.chosen),
+                top=[_without_leading_space(e) for e in position.top],
+            )
+            return
+
+
+def _without_leading_space(entry: TokenEntry) -> TokenEntry:
+    if entry.bytes is None or not entry.bytes.startswith(b" "):
+        return entry
+    data = entry.bytes[1:]
+    token = entry.token[1:] if entry.token.startswith(" ") else entry.token
+    return replace(entry, token=token, bytes=data)
 
 
 def _maybe_unpack(array: Array | None) -> np.ndarray | None:

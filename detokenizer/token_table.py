@@ -79,6 +79,22 @@ def _has_type(node: Any, name: str) -> bool:
     return False
 
 
+def _strips_first_space(decoder: Any) -> bool:
+    """Whether decoding drops the space a "▁" dummy prefix put before the first word: Llama
+    2's Strip(" ", 1, 0) step, or a Metaspace decoder that prepends."""
+    if not isinstance(decoder, dict):
+        return False
+    if decoder.get("type") == "Sequence":
+        return any(_strips_first_space(d) for d in decoder.get("decoders", []))
+    if decoder.get("type") == "Strip":
+        return decoder.get("content") == " " and int(decoder.get("start", 0)) > 0
+    if decoder.get("type") == "Metaspace":
+        return decoder.get("prepend_scheme", "always") != "never" and decoder.get(
+            "add_prefix_space", True
+        )
+    return False
+
+
 def _tokenizer_file(path: str | Path) -> Path:
     path = Path(path)
     return path / "tokenizer.json" if path.is_dir() else path
@@ -92,11 +108,17 @@ class TokenTable:
     """
 
     def __init__(
-        self, piece_bytes: list[bytes | None], strings: list[str], special: list[bool]
+        self,
+        piece_bytes: list[bytes | None],
+        strings: list[str],
+        special: list[bool],
+        strips_first_space: bool = False,
     ) -> None:
         self._bytes = piece_bytes
         self._strings = strings
         self._special = special
+        # SentencePiece-style: the first word's "▁" is a dummy prefix the decoder drops
+        self.strips_first_space = strips_first_space
 
     @classmethod
     def from_file(cls, path: str | Path) -> TokenTable:
@@ -126,8 +148,9 @@ class TokenTable:
             special[token_id] = token.special
             piece_bytes[token_id] = None if token.special else token.content.encode()
             strings[token_id] = token.content
-        logger.info("token table: %s ids, byte-level=%s", size, byte_level)
-        return cls(piece_bytes, strings, special)
+        strips = not byte_level and _strips_first_space(spec.get("decoder"))
+        logger.info("token table: %s ids, byte-level=%s, dummy prefix=%s", size, byte_level, strips)
+        return cls(piece_bytes, strings, special, strips)
 
     def __len__(self) -> int:
         return len(self._bytes)

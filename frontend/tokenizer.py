@@ -1,8 +1,13 @@
 """The checkpoint's tokenizer as the frontend (main process) uses it.
 
-Wraps `tokenizer.json` (Hugging Face `tokenizers`) with what the checkpoint's other files say
-about it: bos/eos tokens and the chat template (`tokenizer_config.json`), the eos ids that end
-generation (`generation_config.json`), and the model's vocab and context size (`config.json`).
+Text becomes ids exactly as `transformers.AutoTokenizer.from_pretrained(dir)` makes them:
+the source of truth is transformers, not tokenizer.json, because transformers' tokenizer
+class for a model type may rebuild the pipeline its own way (Qwen2Tokenizer splits with
+Qwen2's regex whatever tokenizer.json says; LlamaTokenizer sets up SentencePiece-style
+prefixing), and users compare ids against transformers. It runs on the same Rust backend,
+so it costs no speed. Around it: bos/eos tokens and the chat template
+(`tokenizer_config.json`), the eos ids that end generation (`generation_config.json`), the
+model's vocab and context size (`config.json`).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +63,10 @@ class Tokenizer:
 
     def __init__(self, model_dir: str | Path) -> None:
         model_dir = Path(model_dir)
-        self._tok = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self._hf: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(model_dir))
+        # NOTE: our own limits refuse over-long prompts; transformers need not warn of them.
+        self._hf.model_max_length = 1 << 62
+        self._tok: tokenizers.Tokenizer = self._hf.backend_tokenizer
         config = _read_json(model_dir / "tokenizer_config.json")
         generation = _read_json(model_dir / "generation_config.json")
         model = _read_json(model_dir / "config.json")
@@ -77,10 +86,10 @@ class Tokenizer:
         self.max_position_embeddings: int | None = model.get("max_position_embeddings")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._hf.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        return str(self._hf.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def token_text(self, token_id: int) -> str:
         """One token shown as text (special tokens included), for logprob entries the engine

@@ -20,15 +20,19 @@ def checkpoint_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(checkpoint_root: Path):
-    """tiny_checkpoint(arch) -> the directory of a tiny checkpoint of that family."""
+    """tiny_checkpoint(arch, tokenizer="auto") -> the directory of a tiny checkpoint of that
+    family (tokenizer: auto, byte-level or sentencepiece, as `tokenmill make-model`)."""
     from tokenmill.cli.make_model import build_checkpoint
 
-    built: dict[str, Path] = {}
+    built: dict[tuple[str, str], Path] = {}
 
-    def get(arch: str = "llama") -> Path:
-        if arch not in built:
-            built[arch] = build_checkpoint(checkpoint_root / f"tiny-{arch}", arch, "tiny")
-        return built[arch]
+    def get(arch: str = "llama", tokenizer: str = "auto") -> Path:
+        if (arch, tokenizer) not in built:
+            name = f"tiny-{arch}" if tokenizer == "auto" else f"tiny-{arch}-{tokenizer}"
+            built[arch, tokenizer] = build_checkpoint(
+                checkpoint_root / name, arch, "tiny", tokenizer=tokenizer
+            )
+        return built[arch, tokenizer]
 
     return get
 

@@ -210,3 +210,30 @@ def test_rejects_bad_arguments(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="preset"):
         build_checkpoint(tmp_path / "x", "llama", "huge")
     assert not (tmp_path / "x").exists()
+
+
+def test_the_sentencepiece_style_tokenizer(tmp_path: Path) -> None:
+    """`--tokenizer sentencepiece`: Metaspace with a dummy prefix on the first word, BPE with
+    byte fallback over <0x00>..<0xFF>, Llama 2's decoder; transformers loads it as
+    LlamaTokenizer and decodes what it encodes."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "sp"
+    subprocess.run(
+        [sys.executable, "-m", "tokenmill.cli.main", "make-model", str(out), "--tokenizer",
+         "sentencepiece"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    spec = json.loads((out / "tokenizer.json").read_text())
+    assert spec["pre_tokenizer"]["type"] == "Metaspace"
+    assert spec["model"]["byte_fallback"] is True
+    assert all(f"<0x{b:02X}>" in spec["model"]["vocab"] for b in range(256))
+    hf = AutoTokenizer.from_pretrained(out)
+    assert type(hf).__name__ == "LlamaTokenizer"
+    for text in SAMPLES[:3]:
+        ids = hf.encode(text)
+        assert ids[0] == hf.bos_token_id
+        assert hf.decode(ids, skip_special_tokens=True) == text
+    pieces = hf.convert_ids_to_tokens(hf.encode("东京 🙂", add_special_tokens=False))
+    assert pieces[0].startswith("▁") and any(p.startswith("<0x") for p in pieces)

@@ -9,8 +9,8 @@ import torch
 import transformers
 from conftest import ARCHS
 from helpers import assert_top_close, make_engine, oracle
-from tokenizers import Tokenizer
 
+from tokenmill.frontend.tokenizer import Tokenizer as FrontendTokenizer
 from tokenmill.tp_worker.offline import OfflineRequest
 
 TEXTS = [
@@ -23,14 +23,20 @@ ATOL = 1e-4
 
 
 @pytest.mark.parametrize(
-    ("arch", "cpu_kernels"), [(arch, True) for arch in ARCHS] + [("llama", False)]
+    ("arch", "kind", "cpu_kernels"),
+    [(arch, "auto", True) for arch in ARCHS]
+    + [("llama", "auto", False), ("mistral", "sentencepiece", True), ("qwen2", "byte-level", True)],
 )
-def test_matches_transformers(arch: str, cpu_kernels: bool, tiny_checkpoint) -> None:
-    """cpu_kernels=False: the torch path (SDPA over gathered keys) that CUDA takes."""
-    model_dir = tiny_checkpoint(arch)
-    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+def test_matches_transformers(arch: str, kind: str, cpu_kernels: bool, tiny_checkpoint) -> None:
+    """cpu_kernels=False: the torch path (SDPA over gathered keys) that CUDA takes. The
+    prompts are tokenized by the frontend's Tokenizer and by transformers' AutoTokenizer:
+    the same ids (the qwen2 byte-level tokenizer.json is one transformers overrides)."""
+    model_dir = tiny_checkpoint(arch, kind)
+    tokenizer = FrontendTokenizer(model_dir)
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    prompts = [tokenizer.encode(t).ids for t in TEXTS]
+    prompts = [tokenizer.encode(t) for t in TEXTS]
+    assert prompts == [hf_tokenizer.encode(t) for t in TEXTS]
     requests = [
         OfflineRequest(p, max_tokens=32, num_top=20, prompt_logprob_start=0) for p in prompts
     ]
@@ -92,9 +98,8 @@ def test_small_preset_matches_transformers(arch: str, checkpoint_root) -> None:
     from tokenmill.cli.make_model import build_checkpoint
 
     model_dir = build_checkpoint(checkpoint_root / f"small-{arch}", arch, "small")
-    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
-    prompt = tokenizer.encode(TEXTS[2]).ids
+    prompt = FrontendTokenizer(model_dir).encode(TEXTS[2])
     request = OfflineRequest(prompt, max_tokens=32, num_top=20, prompt_logprob_start=0)
     out = make_engine(model_dir).generate([request])[0]
     ref = oracle(hf.eval(), prompt + out.output_ids)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.cli.make_model.tokenizer import (
+    TOKENIZER_KINDS,
     special_token_ids,
     tokenizer_config,
     train_tokenizer,
@@ -33,7 +34,7 @@ from tokenmill.cli.make_model.weights import (
     write_weights,
 )
 
-__all__ = ["ARCHS", "PRESETS", "build_checkpoint"]
+__all__ = ["ARCHS", "PRESETS", "TOKENIZER_KINDS", "build_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,20 +44,26 @@ def _write_json(path: Path, obj: dict[str, Any]) -> None:
 
 
 def _build_into(
-    out_dir: Path, arch: str, preset: str, vocab_size: int | None, seed: int, shard_bytes: int
+    out_dir: Path,
+    arch: str,
+    preset: str,
+    vocab_size: int | None,
+    seed: int,
+    shard_bytes: int,
+    kind: str,
 ) -> None:
     """Write every checkpoint file into the (empty, existing) `out_dir`."""
     shape = PRESET_SHAPES[preset]
     if vocab_size is not None:
         shape = dataclasses.replace(shape, vocab_size=vocab_size)
-    tokenizer = train_tokenizer(shape.vocab_size, arch)
+    tokenizer = train_tokenizer(shape.vocab_size, arch, kind)
     num_tokens = tokenizer.get_vocab_size(with_added_tokens=True)
     if num_tokens > shape.vocab_size:
         raise RuntimeError(f"tokenizer has {num_tokens} tokens > vocab_size {shape.vocab_size}")
     tokenizer.save(str(out_dir / "tokenizer.json"))
     _write_json(
         out_dir / "tokenizer_config.json",
-        tokenizer_config(tokenizer, arch, MAX_POSITION_EMBEDDINGS),
+        tokenizer_config(tokenizer, arch, MAX_POSITION_EMBEDDINGS, kind),
     )
     token_ids = special_token_ids(tokenizer)
     config = make_config(arch, shape, token_ids)
@@ -84,6 +91,7 @@ def build_checkpoint(
     seed: int = 0,
     *,
     shard_bytes: int = SHARD_BYTES,
+    tokenizer: str = "auto",
 ) -> Path:
     """Build a random-weight `arch` checkpoint of size `preset` into `out_dir`; return it.
 
@@ -95,6 +103,8 @@ def build_checkpoint(
         raise ValueError(f"arch={arch!r}: expected one of {ARCHS}")
     if preset not in PRESETS:
         raise ValueError(f"preset={preset!r}: expected one of {PRESETS}")
+    if tokenizer not in TOKENIZER_KINDS:
+        raise ValueError(f"tokenizer={tokenizer!r}: expected one of {TOKENIZER_KINDS}")
     if vocab_size is not None and vocab_size < 512:
         raise ValueError(f"vocab_size={vocab_size}: must be >= 512 (bytes plus specials)")
     out_dir = Path(out_dir).resolve()
@@ -102,7 +112,7 @@ def build_checkpoint(
     start = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        _build_into(tmp, arch, preset, vocab_size, seed, shard_bytes)
+        _build_into(tmp, arch, preset, vocab_size, seed, shard_bytes, tokenizer)
         # NOTE: mkdtemp makes the directory 0700 and safetensors writes files 0600.
         os.chmod(tmp, 0o755)
         for path in tmp.iterdir():

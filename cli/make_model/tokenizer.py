@@ -1,4 +1,6 @@
-"""Byte-level BPE tokenizer for the locally built demo and test checkpoints.
+"""BPE tokenizers for the locally built demo and test checkpoints: byte-level (GPT-2 style,
+as Llama 3 and Qwen2 ship) or SentencePiece-style (Llama 2, Mistral 7B v0.1: "▁" for a space,
+a dummy prefix on the first word, <0x00>..<0xFF> byte-fallback pieces).
 
 Run by the frontend (once, when a checkpoint is built). It trains on text every Python
 installation has, the stdlib's `pydoc_data.topics` and stdlib sources, so a fresh machine
@@ -7,6 +9,7 @@ with nothing downloaded gets a real tokenizer; same Python and inputs give the s
 
 from __future__ import annotations
 
+import json
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +27,7 @@ from tokenizers import (
     trainers,
 )
 
+UNK = "<unk>"
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"
 PAD = "<|pad|>"
@@ -31,6 +35,9 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 # NOTE: trained first, so they take ids 0..4 whatever the vocab size.
 SPECIAL_TOKENS = (BOS, EOS, PAD, IM_START, IM_END)
+TOKENIZER_KINDS = ("auto", "byte-level", "sentencepiece")
+_SP_SPACE = "\u2581"  # "▁"
+_BYTE_PIECES = tuple(f"<0x{b:02X}>" for b in range(256))
 
 # Stdlib source characters used per vocab entry asked for (beyond pydoc topics):
 # enough text for the merges, capped so that medium (32768) trains in a few seconds.
@@ -83,6 +90,8 @@ _QWEN2_SPLIT = (
 
 
 def _set_pre_tokenization(tokenizer: Tokenizer, qwen2_style: bool) -> None:
+    """auto's Qwen2 pipeline, or plain byte-level (which transformers' Qwen2Tokenizer
+    overrides when loading a qwen2 checkpoint: the case tokenmill must follow it in)."""
     if not qwen2_style:
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         return
@@ -107,13 +116,17 @@ def _post_processor(add_bos: bool) -> processors.PostProcessor:
     return processors.Sequence([byte_level, template])
 
 
-def train_tokenizer(vocab_target: int, arch: str) -> Tokenizer:
-    """Train a byte-level BPE of at most `vocab_target` tokens (fewer if the text runs out).
+def train_tokenizer(vocab_target: int, arch: str, kind: str = "auto") -> Tokenizer:
+    """Train a BPE of at most `vocab_target` tokens (fewer if the text runs out).
 
     Llama and Mistral add bos in the post-processor; Qwen2 adds nothing, as upstream.
+    `kind`: auto (byte-level, with Qwen2's own split for qwen2), byte-level (plain, every
+    arch), sentencepiece.
     """
+    if kind == "sentencepiece":
+        return _train_sentencepiece_style(vocab_target, add_bos=arch != "qwen2")
     tokenizer = Tokenizer(models.BPE())
-    _set_pre_tokenization(tokenizer, qwen2_style=arch == "qwen2")
+    _set_pre_tokenization(tokenizer, qwen2_style=arch == "qwen2" and kind == "auto")
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_target,
@@ -123,6 +136,47 @@ def train_tokenizer(vocab_target: int, arch: str) -> Tokenizer:
     )
     tokenizer.train_from_iterator(training_texts(vocab_target), trainer)
     tokenizer.post_processor = _post_processor(add_bos=arch != "qwen2")
+    return tokenizer
+
+
+def _train_sentencepiece_style(vocab_target: int, add_bos: bool) -> Tokenizer:
+    """Metaspace ("▁", prefix on the first word, no split), BPE with byte fallback, and
+    Llama 2's decoder sequence. Trained on words, then rebuilt with the 256 byte pieces
+    after the special tokens (ids 0..5, then 6..261), as SentencePiece models lay them out."""
+    specials = (UNK, *SPECIAL_TOKENS)
+    trainer_tok = Tokenizer(models.BPE(unk_token=UNK))
+    trainer_tok.pre_tokenizer = pre_tokenizers.Metaspace(_SP_SPACE, "first", split=True)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_target - len(_BYTE_PIECES),
+        special_tokens=list(specials),
+        limit_alphabet=200,  # NOTE: rarer characters go through byte fallback
+        show_progress=False,
+    )
+    trainer_tok.train_from_iterator(training_texts(vocab_target), trainer)
+    trained = json.loads(trainer_tok.to_str())["model"]
+    learned = sorted(trained["vocab"].items(), key=lambda item: item[1])
+    order = [*specials, *_BYTE_PIECES] + [t for t, _ in learned if t not in specials]
+    vocab = {token: i for i, token in enumerate(order)}
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in trained["merges"]]
+    tokenizer = Tokenizer(
+        models.BPE(vocab=vocab, merges=merges, unk_token=UNK, byte_fallback=True, fuse_unk=True)
+    )
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(_SP_SPACE, "first", split=False)
+    tokenizer.decoder = decoders.Sequence(
+        [
+            decoders.Replace(_SP_SPACE, " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    if add_bos:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{BOS} $A",
+            pair=f"{BOS} $A {BOS}:1 $B:1",
+            special_tokens=[(BOS, vocab[BOS])],
+        )
     return tokenizer
 
 
@@ -137,19 +191,28 @@ def special_token_ids(tokenizer: Tokenizer) -> dict[str, int]:
     return ids
 
 
-def tokenizer_config(tokenizer: Tokenizer, arch: str, max_len: int) -> dict[str, Any]:
-    """tokenizer_config.json contents for `PreTrainedTokenizerFast`."""
-    added = {
-        str(tokenizer.token_to_id(tok)): {
-            "content": tok,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": True,
+def tokenizer_config(
+    tokenizer: Tokenizer, arch: str, max_len: int, kind: str = "auto"
+) -> dict[str, Any]:
+    """tokenizer_config.json contents: `PreTrainedTokenizerFast` (byte-level) or
+    `LlamaTokenizer` (SentencePiece-style, as Llama 2 and Mistral 7B v0.1 name it)."""
+    if kind == "sentencepiece":
+        names = (UNK, *SPECIAL_TOKENS)
+        return {
+            "tokenizer_class": "LlamaTokenizer",
+            "bos_token": BOS,
+            "eos_token": EOS,
+            "pad_token": PAD,
+            "unk_token": UNK,
+            "add_bos_token": arch != "qwen2",
+            "add_eos_token": False,
+            "legacy": False,
+            "model_max_length": max_len,
+            "clean_up_tokenization_spaces": False,
+            "added_tokens_decoder": _added_tokens(tokenizer, names),
+            "chat_template": ("" if arch == "qwen2" else "{{- bos_token }}") + CHAT_TEMPLATE,
         }
-        for tok in SPECIAL_TOKENS
-    }
+    added = _added_tokens(tokenizer, SPECIAL_TOKENS)
     template = ("" if arch == "qwen2" else "{{- bos_token }}") + CHAT_TEMPLATE
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -162,4 +225,18 @@ def tokenizer_config(tokenizer: Tokenizer, arch: str, max_len: int) -> dict[str,
         "clean_up_tokenization_spaces": False,
         "added_tokens_decoder": added,
         "chat_template": template,
+    }
+
+
+def _added_tokens(tokenizer: Tokenizer, names: tuple[str, ...]) -> dict[str, Any]:
+    return {
+        str(tokenizer.token_to_id(tok)): {
+            "content": tok,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for tok in names
     }
