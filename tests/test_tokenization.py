@@ -83,6 +83,25 @@ def sentencepiece_server(tiny_checkpoint, tmp_path_factory: pytest.TempPathFacto
     assert server.stop() == 0
 
 
+def test_the_server_counts_and_scores_the_ids_transformers_makes(tiny_checkpoint, tmp_path) -> None:
+    """The issue's case through the API: a qwen2 checkpoint whose tokenizer.json
+    transformers' Qwen2Tokenizer overrides; echo scores one logprob per transformers id."""
+    model_dir = tiny_checkpoint("qwen2", "byte-level")
+    theirs = transformers.AutoTokenizer.from_pretrained(model_dir)
+    server = start_server(model_dir, tmp_path / "log", "--kv-cache-tokens", "4096")
+    try:
+        prompt = PROMPTS[0]
+        body = {"model": server.model, "prompt": prompt, "max_tokens": 1, "echo": True}
+        status, reply = server.post("/v1/completions", {**body, "logprobs": 0})
+        assert status == 200, reply
+        expected = theirs.encode(prompt)
+        assert reply["usage"]["prompt_tokens"] == len(expected)
+        assert len(reply["choices"][0]["logprobs"]["tokens"]) == len(expected) + 1
+        check_echo_offsets(server, prompt)
+    finally:
+        assert server.stop() == 0
+
+
 ECHOED = ["The quick naïve 😀 fox", "Ünïcödé 東京\n\tend", "x=12345; y = x ** 2"]
 
 
