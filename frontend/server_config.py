@@ -32,6 +32,9 @@ class ModelArgs:
     max_model_len: int = 0
     """Longest prompt + output in tokens (0 = the checkpoint's max_position_embeddings,
     capped at 8192)."""
+    load_format: str = "auto"
+    """auto (the checkpoint's safetensors) or dummy (random weights from config.json alone,
+    to benchmark a model's shape with no weights on disk: its tokens mean nothing)."""
 
 
 @dataclass(frozen=True)
@@ -221,6 +224,7 @@ def validate(config: ServerConfig) -> None:
             "use 0 (auto) or a positive size",
         ),
         (m.max_model_len >= 0, "--max-model-len", m.max_model_len, "use 0 (auto) or positive"),
+        (m.load_format in ("auto", "dummy"), "--load-format", m.load_format, "use auto or dummy"),
         (
             m.dtype in ("auto", "float32", "bfloat16", "float16"),
             "--dtype",

@@ -25,7 +25,7 @@ from tokenmill.tp_worker.parallel import TpGroup
 from tokenmill.tp_worker.penalties import LogitAdjuster
 from tokenmill.tp_worker.step_inputs import StepInputs
 from tokenmill.tp_worker.step_outputs import StepOutputs, score_sampled
-from tokenmill.tp_worker.weight_loader import load_weights
+from tokenmill.tp_worker.weight_loader import dummy_weights, load_weights
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,10 @@ class ModelRunner:
         self.group = TpGroup.current()
         self.model_config: ModelConfig = load_model_config(config.model)
         self.model = CausalLM(self.model_config, self.group, self.dtype, self.device)
-        load_weights(self.model, Path(config.model))
+        if config.load_format == "dummy":
+            dummy_weights(self.model)
+        else:
+            load_weights(self.model, Path(config.model))
         self.model.eval()
         # NOTE: decided once: the dense layers and attention run in csrc/ together or not at all.
         self.cpu_kernels = (

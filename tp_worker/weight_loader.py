@@ -56,6 +56,22 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
         )
 
 
+def dummy_weights(model: CausalLM, seed: int = 0) -> None:
+    """`--load-format dummy`: random weights from config.json alone (no checkpoint read), to
+    benchmark a model's shape. Norms are 1; every matrix is uniform in +-1/sqrt(fan-in), so
+    activations stay in range through the layers; drawn on the parameter's own device."""
+    started = time.monotonic()
+    for number, (_, param) in enumerate(sorted(model.named_parameters())):
+        if param.dim() == 1:
+            param.data.fill_(1.0)
+            continue
+        generator = torch.Generator(device=param.device).manual_seed(seed * 100_003 + number)
+        bound = param.shape[-1] ** -0.5
+        values = torch.rand(param.shape, generator=generator, device=param.device)
+        param.data.copy_(values.mul_(2 * bound).sub_(bound))
+    logger.info("dummy weights in %.1fs", time.monotonic() - started)
+
+
 def _expected_names(model: CausalLM) -> set[str]:
     names = {"model.embed_tokens.weight", "model.norm.weight"}
     if not model.config.tie_word_embeddings:

@@ -184,6 +184,7 @@ def runner_config(
         dtype=m.dtype,
         device=m.device,
         logprobs_mode=s.logprobs_mode,
+        load_format=m.load_format,
     )
 
 
