@@ -25,4 +25,5 @@ test: install lint
 	$(PYTHON) -m pytest -q
 
 test-all: install lint
+	@$(PYTHON) -c "import triton" 2>/dev/null || $(PIP) install -q triton
 	$(PYTHON) -m pytest -q -m ""

@@ -32,6 +32,9 @@ class ModelArgs:
     max_model_len: int = 0
     """Longest prompt + output in tokens (0 = the checkpoint's max_position_embeddings,
     capped at 8192)."""
+    attention_backend: str = "auto"
+    """auto (our paged kernel on the CPU, torch SDPA on CUDA), sdpa, or triton (a paged,
+    batch-invariant Triton kernel for CUDA; opt-in until validated on a GPU)."""
     load_format: str = "auto"
     """auto (the checkpoint's safetensors) or dummy (random weights from config.json alone,
     to benchmark a model's shape with no weights on disk: its tokens mean nothing)."""
@@ -225,6 +228,12 @@ def validate(config: ServerConfig) -> None:
         ),
         (m.max_model_len >= 0, "--max-model-len", m.max_model_len, "use 0 (auto) or positive"),
         (m.load_format in ("auto", "dummy"), "--load-format", m.load_format, "use auto or dummy"),
+        (
+            m.attention_backend in ("auto", "sdpa", "triton"),
+            "--attention-backend",
+            m.attention_backend,
+            "use auto, sdpa or triton",
+        ),
         (
             m.dtype in ("auto", "float32", "bfloat16", "float16"),
             "--dtype",

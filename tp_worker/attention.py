@@ -1,9 +1,10 @@
 """The attention seam: one object per step that every layer calls (tp_worker).
 
 The model code is the same on every device; what runs under it is picked once per worker
-(ModelRunner.cpu_kernels: the CPU, in a dtype csrc/ takes): our own paged CPU kernel
-(attention_cpu.py), or torch's SDPA over gathered keys (attention_sdpa.py) where no kernel
-of ours exists yet (CUDA, float16).
+(ModelRunner.attention_backend): our own paged CPU kernel (attention_cpu.py, on the CPU in a
+dtype csrc/ takes), torch's SDPA over gathered keys (attention_sdpa.py, elsewhere), or the
+paged Triton kernel (attention_triton.py, `--attention-backend triton`: for CUDA, opt-in
+until a lent GPU has validated it).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from tokenmill.tp_worker import attention_cpu
+from tokenmill.tp_worker import attention_cpu, attention_triton
 from tokenmill.tp_worker.attention_sdpa import plan_sdpa
 
 
@@ -49,12 +50,16 @@ def plan_attention(
     is_prefill: torch.Tensor,
     out_slots: torch.Tensor,
     sliding_window: int | None,
-    cpu_kernels: bool,
+    backend: str,
 ) -> Attention:
     """One step's attention metadata, built once and shared by every layer. `table` is
     [R, max_len] int32; out_slots is [T] int64; the other tensors are [B] int64 (bool);
-    `starts` is the index in [T] of each row's first new token."""
-    if cpu_kernels:
+    `starts` is the index in [T] of each row's first new token. backend: cpu, sdpa, triton."""
+    if backend == "triton":
+        return attention_triton.plan_triton(
+            table, req_rows, prefix_lens, extend_lens, out_slots, sliding_window
+        )
+    if backend == "cpu":
         return attention_cpu.PagedAttention(
             table=table,
             rows=req_rows.contiguous(),

@@ -31,6 +31,8 @@ class RunnerConfig:
     cpu_sharers: int = 1
     """Processes on this machine whose KV caches share its memory (every rank of every
     replica here): with kv_cache_tokens 0 on the CPU, each takes its part of the share."""
+    attention_backend: str = "auto"
+    """auto (our CPU kernel on the CPU, SDPA elsewhere), sdpa, or triton (paged, for CUDA)."""
     load_format: str = "auto"
     """auto: the checkpoint's safetensors; dummy: random weights from config.json alone."""
     logprobs_mode: str = "raw"

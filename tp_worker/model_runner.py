@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from tokenmill.protocol.step import ForwardBatch, StepResult
-from tokenmill.tp_worker import cpu_ops
+from tokenmill.tp_worker import attention_triton, cpu_ops
 from tokenmill.tp_worker.attention import plan_attention
 from tokenmill.tp_worker.config import RunnerConfig
 from tokenmill.tp_worker.device import auto_kv_cache_tokens, resolve_device, resolve_dtype
@@ -49,6 +49,7 @@ class ModelRunner:
         )
         if self.cpu_kernels:
             self.model.use_cpu_kernels()
+        self.attention_backend = pick_attention_backend(config.attention_backend, self.cpu_kernels)
         # NOTE: allocated before the KV cache is sized from what memory is left.
         self.adjuster = LogitAdjuster(
             config.max_running_requests,
@@ -136,7 +137,7 @@ class ModelRunner:
             inputs.is_prefill,
             inputs.out_slots,
             self.model_config.sliding_window,
-            self.cpu_kernels,
+            self.attention_backend,
         )
         started = time.perf_counter()
         hidden = self.model(inputs.input_ids, inputs.positions, attention, self.kv_cache)
@@ -156,6 +157,15 @@ class ModelRunner:
             self.prompt_chunk,
             self.cpu_kernels,
         )
+
+
+def pick_attention_backend(asked: str, cpu_kernels: bool) -> str:
+    """auto: our CPU kernel where it runs, else SDPA; triton when asked (and installed)."""
+    if asked == "triton":
+        if not attention_triton.available():
+            raise RuntimeError("--attention-backend triton: Triton is not installed")
+        return "triton"
+    return "cpu" if cpu_kernels and asked == "auto" else "sdpa"
 
 
 def _ragged_arange(lens: torch.Tensor) -> torch.Tensor:

@@ -185,6 +185,7 @@ def runner_config(
         device=m.device,
         logprobs_mode=s.logprobs_mode,
         load_format=m.load_format,
+        attention_backend=m.attention_backend,
     )
 
 

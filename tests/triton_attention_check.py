@@ -1,0 +1,125 @@
+"""Run by tests/test_attention_triton.py in a subprocess with TRITON_INTERPRET=1 (set before
+Triton is imported): the Triton paged attention against float64 attention, and a row's
+result alone against the same row in a batch, bit for bit."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from tokenmill.tp_worker.attention_triton import SPLIT, plan_triton
+
+HQ, HKV, DIM, SLOTS = 4, 2, 16, 2048
+
+
+def make_cache(dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(HKV, SLOTS, DIM, generator=g).to(dtype)
+    v = torch.randn(HKV, SLOTS, DIM, generator=g).to(dtype)
+    return k, v
+
+
+def make_batch(rows: list[tuple[int, int]], width: int, seed: int):
+    """rows: (prefix_len, extend_len) per request; each gets its own shuffled slots."""
+    g = torch.Generator().manual_seed(seed)
+    table = torch.zeros(len(rows), width, dtype=torch.int32)
+    slots = torch.randperm(SLOTS, generator=g)
+    used = 0
+    for r, (prefix, extend) in enumerate(rows):
+        n = prefix + extend
+        table[r, :n] = slots[used : used + n].int()
+        used += n
+    prefix = torch.tensor([p for p, _ in rows])
+    extend = torch.tensor([e for _, e in rows])
+    out_slots = torch.cat([table[r, p : p + e].long() for r, (p, e) in enumerate(rows)])
+    return table, torch.arange(len(rows)), prefix, extend, out_slots
+
+
+def reference(q, k, v, table, rows, scale, window):
+    """float64, token by token."""
+    out = []
+    t = 0
+    for r, (prefix, extend) in enumerate(rows):
+        for i in range(extend):
+            pos = prefix + i
+            first = max(0, pos - window + 1) if window else 0
+            slots = table[r, first : pos + 1].long()
+            heads = []
+            for h in range(HQ):
+                kh = k[h // (HQ // HKV), slots].double()
+                vh = v[h // (HQ // HKV), slots].double()
+                p = torch.softmax(kh @ q[t, h].double() * scale, 0)
+                heads.append(p @ vh)
+            out.append(torch.cat(heads))
+            t += 1
+    return torch.stack(out)
+
+
+def run(dtype: torch.dtype, window: int) -> None:
+    rows = [(0, 7), (SPLIT + 40, 1), (3, 1), (2 * SPLIT - 5, 9), (0, 1), (SPLIT - 1, 2)]
+    width = 3 * SPLIT
+    k, v = make_cache(dtype, 1)
+    table, req_rows, prefix, extend, out_slots = make_batch(rows, width, 2)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(len(out_slots), HQ, DIM, generator=g).to(dtype)
+    scale = DIM**-0.5
+    plan = plan_triton(table, req_rows, prefix, extend, out_slots, window or None)
+    got = plan.attend(q, k, v, scale)
+    want = reference(q, k, v, table, rows, scale, window)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    error = (got.double() - want).abs().max().item()
+    assert error < tolerance, (dtype, window, error)
+    # each row alone: bit for bit what it got in the batch
+    start = 0
+    for r, (_, e) in enumerate(rows):
+        alone = plan_triton(
+            table[r : r + 1], torch.tensor([0]), prefix[r : r + 1], extend[r : r + 1],
+            out_slots[start : start + e], window or None,
+        ).attend(q[start : start + e], k, v, scale)  # fmt: skip
+        assert torch.equal(alone, got[start : start + e]), (dtype, window, r)
+        start += e
+    print(f"{dtype} window={window}: max |error| {error:.2e}, rows alone = in the batch")
+
+
+def run_model(model_dir: str) -> None:
+    """The whole model on the Triton backend against the torch path (SDPA): a prompt with
+    its logprobs, a prefix-cache hit, greedy tokens."""
+    from tokenmill.tp_worker.config import RunnerConfig
+    from tokenmill.tp_worker.model_runner import ModelRunner
+    from tokenmill.tp_worker.offline import OfflineEngine, OfflineRequest
+
+    results = {}
+    for backend in ("sdpa", "triton"):
+        config = RunnerConfig(
+            model=model_dir, kv_cache_tokens=1024, max_running_requests=4, max_model_len=256,
+            dtype="float32", device="cpu", cpu_kernels=False, attention_backend=backend,
+        )  # fmt: skip
+        engine = OfflineEngine(ModelRunner(config), max_prefill_tokens=64)
+        prompt = list(range(20, 60))
+        requests = [
+            OfflineRequest(prompt, max_tokens=4, num_top=3, prompt_logprob_start=0),
+            OfflineRequest(prompt[:30] + [7, 8], max_tokens=4),  # a prefix hit, then decode
+        ]
+        results[backend] = engine.generate(requests)
+    for a, b in zip(results["sdpa"], results["triton"], strict=True):
+        assert a.output_ids == b.output_ids
+        error = max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True))
+        assert error < 1e-4, error
+    prompt_error = max(
+        abs(x - y)
+        for x, y in zip(
+            results["sdpa"][0].prompt_logprobs, results["triton"][0].prompt_logprobs, strict=True
+        )
+    )
+    assert prompt_error < 1e-4, prompt_error
+    print(f"model on Triton = on SDPA: same tokens, logprobs within {max(error, prompt_error):.1e}")
+
+
+if __name__ == "__main__":
+    for dtype in (torch.float32, torch.bfloat16):
+        for window in (0, 100):
+            run(dtype, window)
+    if len(sys.argv) > 1:
+        run_model(sys.argv[1])
+    sys.exit(0)
