@@ -54,8 +54,7 @@ class RemoteNodes:
         self.decoder = msgspec.msgpack.Decoder(NodeMessage)
         self.peers: dict[int, bytes] = {}  # node rank -> ROUTER identity
         self.last_seen: dict[int, float] = {}
-        self.failure: str | None = None
-        self.failed = asyncio.Event()
+        self.failure: str | None = None  # set once: the server's supervisor stops on it
         self._tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
@@ -65,7 +64,6 @@ class RemoteNodes:
         if self.failure is None:
             self.failure = reason
             logger.error("%s: shutting the server down", reason)
-            self.failed.set()
 
     async def _receive(self) -> None:
         while True:
