@@ -1,6 +1,6 @@
-"""The frontend's tokenization speed on 8k-token prompts: transformers' AutoTokenizer (what
-the frontend uses, the source of truth for ids) against tokenizer.json read directly by
-`tokenizers` (what it used before), side by side in one process.
+"""The frontend's tokenization speed on 8k-token prompts, side by side in one process: its
+Tokenizer (the pipeline transformers' AutoTokenizer builds, run by `tokenizers`), that
+AutoTokenizer itself, and tokenizer.json read directly (what the frontend used before).
 
     python benchmarks/tokenization.py [--preset small|medium | --model DIR] [--tokens 8192]
 """
@@ -55,12 +55,16 @@ def main() -> int:
     n = len(frontend.encode(text))
     same = frontend.encode(text) == direct.encode(text).ids
     print(f"{model}: a {n}-token prompt; the two give the same ids: {same}")
-    for _ in range(3):  # NOTE: interleaved, so that neither always runs on a colder machine
+    from transformers import AutoTokenizer
+
+    auto = AutoTokenizer.from_pretrained(str(model))
+    for _ in range(3):  # NOTE: interleaved, so that none always runs on a colder machine
         new = rate(frontend.encode, text, args.seconds)
+        hf = rate(auto.encode, text, args.seconds)
         old = rate(lambda t: direct.encode(t).ids, text, args.seconds)
         print(
-            f"transformers AutoTokenizer {new:6.1f} prompts/s; tokenizer.json direct "
-            f"{old:6.1f} prompts/s; ratio {new / old:.2f}"
+            f"frontend {new:6.1f} prompts/s; AutoTokenizer {hf:6.1f}; tokenizer.json direct "
+            f"{old:6.1f}; frontend / direct {new / old:.2f}"
         )
     return 0
 

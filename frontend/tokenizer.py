@@ -4,21 +4,29 @@ Text becomes ids exactly as `transformers.AutoTokenizer.from_pretrained(dir)` ma
 the source of truth is transformers, not tokenizer.json, because transformers' tokenizer
 class for a model type may rebuild the pipeline its own way (Qwen2Tokenizer splits with
 Qwen2's regex whatever tokenizer.json says; LlamaTokenizer sets up SentencePiece-style
-prefixing), and users compare ids against transformers. It runs on the same Rust backend,
-so it costs no speed. Around it: bos/eos tokens and the chat template
+prefixing), and users compare ids against transformers. The pipeline transformers builds
+(its Rust backend, serialized) is made once per checkpoint and transformers version in a
+subprocess and cached: importing transformers pulls in torch (2-3 s, ~250 MB) that the
+frontend otherwise never needs; the frontend then runs that pipeline with `tokenizers`, the
+same code transformers calls. Around it: bos/eos tokens and the chat template
 (`tokenizer_config.json`), the eos ids that end generation (`generation_config.json`), the
 model's vocab and context size (`config.json`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import json
 import logging
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import tokenizers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -58,15 +66,53 @@ def _chat_template(model_dir: Path, config: dict[str, Any]) -> str | None:
     return template if isinstance(template, str) else None
 
 
+# NOTE: run as `python -c` so that only that process imports transformers (and torch).
+_BUILD = (
+    "import sys; from transformers import AutoTokenizer; "
+    "sys.stdout.write(AutoTokenizer.from_pretrained(sys.argv[1]).backend_tokenizer.to_str())"
+)
+_INPUTS = ("tokenizer.json", "tokenizer_config.json", "config.json", "special_tokens_map.json")
+
+
+def transformers_pipeline(model_dir: Path) -> str:
+    """The tokenizer.json transformers' tokenizer class for this checkpoint would run, cached
+    under ~/.cache/tokenmill/tokenizers by the checkpoint's tokenizer files and the version
+    of transformers; built once in a subprocess."""
+    digest = hashlib.sha256(importlib.metadata.version("transformers").encode())
+    for name in _INPUTS:
+        path = model_dir / name
+        digest.update(name.encode() + (path.read_bytes() if path.is_file() else b"-"))
+    cached = _cache_dir() / f"{digest.hexdigest()[:32]}.json"
+    if cached.is_file():
+        return cached.read_text(encoding="utf-8")
+    started = time.monotonic()
+    built = subprocess.run(
+        [sys.executable, "-c", _BUILD, str(model_dir)], capture_output=True, text=True
+    )
+    if built.returncode != 0:
+        tail = built.stderr.strip().splitlines()[-1:] or ["no output"]
+        raise ValueError(f"{model_dir}: transformers cannot load its tokenizer: {tail[0]}")
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    partial = cached.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(built.stdout, encoding="utf-8")
+    partial.replace(cached)  # NOTE: atomic: a concurrent start reads a whole file or none
+    logger.info("tokenizer pipeline from transformers in %.1fs", time.monotonic() - started)
+    return built.stdout
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("TOKENMILL_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tokenmill"
+    )
+    return Path(root) / "tokenizers"
+
+
 class Tokenizer:
     """Encode/decode plus the checkpoint facts the API validates against."""
 
     def __init__(self, model_dir: str | Path) -> None:
         model_dir = Path(model_dir)
-        self._hf: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(model_dir))
-        # NOTE: our own limits refuse over-long prompts; transformers need not warn of them.
-        self._hf.model_max_length = 1 << 62
-        self._tok: tokenizers.Tokenizer = self._hf.backend_tokenizer
+        self._tok = tokenizers.Tokenizer.from_str(transformers_pipeline(model_dir))
         config = _read_json(model_dir / "tokenizer_config.json")
         generation = _read_json(model_dir / "generation_config.json")
         model = _read_json(model_dir / "config.json")
@@ -86,10 +132,10 @@ class Tokenizer:
         self.max_position_embeddings: int | None = model.get("max_position_embeddings")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._hf.encode(text, add_special_tokens=add_special_tokens)
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return str(self._hf.decode(ids, skip_special_tokens=skip_special_tokens))
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
         """One token shown as text (special tokens included), for logprob entries the engine

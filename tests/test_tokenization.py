@@ -207,3 +207,24 @@ def test_incremental_text_and_stop_strings_across_byte_pieces(tiny_checkpoint) -
     assert run(()) == " " + theirs.decode(ids, skip_special_tokens=True)
     assert run(("😀",)) == " naïve "
     assert run(("é,",)) == " naïve 😀 caf"
+
+
+def test_the_frontend_never_imports_torch(tiny_checkpoint, tmp_path) -> None:
+    """transformers builds the pipeline in a subprocess (cached); the frontend runs it with
+    `tokenizers` alone, so its process carries no torch (2-3 s and ~250 MB)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from tokenmill.frontend.tokenizer import Tokenizer; "
+        f"t = Tokenizer({str(tiny_checkpoint('qwen2', 'byte-level'))!r}); "
+        "print(len(t.encode('x = 12345')), 'torch' in sys.modules)"
+    )
+    env = {**os.environ, "TOKENMILL_CACHE": str(tmp_path)}  # NOTE: a cold cache
+    for _ in range(2):  # built, then read from the cache
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        ).stdout.split()
+        assert out[1] == "False"
+    assert list((tmp_path / "tokenizers").glob("*.json"))
