@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 # NOTE: pinned so that pip takes the CPU build; on a GPU machine, install torch first
-# (any CUDA build >= 2.4) and `make install` leaves it alone.
+# (any CUDA build >= 2.5) and `make install` leaves it alone.
 TORCH ?= torch==2.13.0
 PORT ?= 8000
 

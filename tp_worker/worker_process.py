@@ -33,12 +33,14 @@ def init_distributed(config: WorkerConfig) -> RunnerConfig:
     """Joins the tensor-parallel group; returns the runner config with this rank's device."""
     runner = config.runner
     device = resolve_device(runner.device)
+    local = config.local_world_size or config.world_size
     if device.type == "cuda":
-        local_rank = config.rank if config.local_rank < 0 else config.local_rank
-        runner = replace(runner, device=f"cuda:{local_rank % torch.cuda.device_count()}")
-        torch.cuda.set_device(torch.device(runner.device))
+        if device.index is None or local > 1:  # NOTE: an explicit cuda:N serves one rank
+            local_rank = config.rank if config.local_rank < 0 else config.local_rank
+            device = torch.device(f"cuda:{local_rank % torch.cuda.device_count()}")
+        runner = replace(runner, device=str(device))
+        torch.cuda.set_device(device)
     elif "OMP_NUM_THREADS" not in os.environ:
-        local = config.local_world_size or config.world_size
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     if config.world_size > 1:
         try:
