@@ -7,21 +7,15 @@ fresh machine with nothing downloaded. The version in the name changes when the 
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
+
+from tokenmill.frontend.cache import cache_dir
 
 logger = logging.getLogger(__name__)
 
 DEMO_ARCH = "llama"
 DEMO_PRESET = "small"
 _BUILDER_VERSION = 1
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("TOKENMILL_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tokenmill"
-    )
-    return Path(root)
 
 
 def demo_checkpoint(arch: str = DEMO_ARCH, preset: str = DEMO_PRESET) -> Path:

@@ -28,6 +28,8 @@ from typing import Any
 
 import tokenizers
 
+from tokenmill.frontend.cache import cache_dir
+
 logger = logging.getLogger(__name__)
 
 
@@ -82,7 +84,7 @@ def transformers_pipeline(model_dir: Path) -> str:
     for name in _INPUTS:
         path = model_dir / name
         digest.update(name.encode() + (path.read_bytes() if path.is_file() else b"-"))
-    cached = _cache_dir() / f"{digest.hexdigest()[:32]}.json"
+    cached = cache_dir() / "tokenizers" / f"{digest.hexdigest()[:32]}.json"
     if cached.is_file():
         return cached.read_text(encoding="utf-8")
     started = time.monotonic()
@@ -98,13 +100,6 @@ def transformers_pipeline(model_dir: Path) -> str:
     partial.replace(cached)  # NOTE: atomic: a concurrent start reads a whole file or none
     logger.info("tokenizer pipeline from transformers in %.1fs", time.monotonic() - started)
     return built.stdout
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("TOKENMILL_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tokenmill"
-    )
-    return Path(root) / "tokenizers"
 
 
 class Tokenizer:

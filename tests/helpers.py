@@ -71,3 +71,17 @@ def assert_top_close(
     must_have = set(order[:k][ref_vals > kth + tie].tolist())
     missing = must_have - set(our_ids.tolist())
     assert not missing, f"top-{k} lacks ids {missing} that the reference ranks clearly higher"
+
+
+def assert_same_tp_answer(a: dict, b: dict) -> None:
+    """Two /generate answers of the same request at different tensor-parallel layouts: the
+    same tokens, logprobs within 1e-5 + 1e-6 |logprob| (the all-reduce sums partial products
+    in another order: a relative error, visible on logprobs of -30)."""
+    assert a["output_ids"] == b["output_ids"]
+    for key in ("input_token_logprobs", "output_token_logprobs"):
+        np.testing.assert_allclose(
+            [e[0] for e in a["meta_info"][key]],
+            [e[0] for e in b["meta_info"][key]],
+            atol=1e-5,
+            rtol=1e-6,
+        )

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 from server_process import start_server
-from test_server_faults import alive, children_of
+from test_server_faults import assert_gone, children_of
 
 from tokenmill.frontend.engine.replica_router import BALANCE_SLACK, BLOCK_TOKENS, ReplicaRouter
 
@@ -118,10 +118,7 @@ def test_two_replicas_answer_as_one_route_prefixes_home_and_fail_together(
         (victim,) = [p for p, cmd in children.items() if "tokenmill.tp_worker" in cmd][1:]
         os.kill(victim, signal.SIGKILL)
         assert dp2.proc.wait(timeout=30) != 0
-        deadline = time.monotonic() + 10
-        while any(alive(p) for p in children) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(alive(p) for p in children), "orphan processes left"
+        assert_gone(children)
         assert "tp_worker0.dp" in dp2.log() and "exited with status" in dp2.log()
     finally:
         dp2.stop()

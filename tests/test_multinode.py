@@ -15,12 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
-import numpy as np
-import openai
 import pytest
 import zmq
+from helpers import assert_same_tp_answer
 from server_process import ServerProcess, start_server
-from test_server_faults import alive, children_of, wait_running
+from test_server_faults import assert_gone, children_of, long_request, wait_running
 
 from tokenmill.frontend.server_config import ParallelArgs, validate_parallel
 from tokenmill.protocol.cluster import ClusterKey, NodeHello
@@ -110,17 +109,6 @@ def start_cluster(model: Path, tmp: Path) -> Cluster:
     return Cluster(node0, node1, tmp / "node1.log", port, key)
 
 
-def assert_same_answer(a: dict, b: dict) -> None:
-    assert a["output_ids"] == b["output_ids"]
-    for key in ("input_token_logprobs", "output_token_logprobs"):
-        np.testing.assert_allclose(
-            [e[0] for e in a["meta_info"][key]],
-            [e[0] for e in b["meta_info"][key]],
-            atol=1e-5,
-            rtol=1e-6,
-        )
-
-
 def test_two_nodes_answer_as_one_refuse_strangers_and_stop_together(
     server, tiny_checkpoint, tmp_path: Path
 ) -> None:
@@ -130,7 +118,7 @@ def test_two_nodes_answer_as_one_refuse_strangers_and_stop_together(
         _, one = server.post("/generate", BODY)
         status, two = cluster.node0.post("/generate", BODY)
         assert status == 200, two
-        assert_same_answer(two, one)
+        assert_same_tp_answer(two, one)
         # node 0 runs rank 0, the controller, the detokenizer; node 1 only rank 1
         assert len(children_of(cluster.node0.proc.pid)) == 3
         (rank1,) = children_of(cluster.node1.pid).values()
@@ -139,7 +127,7 @@ def test_two_nodes_answer_as_one_refuse_strangers_and_stop_together(
         strangers = Strangers(cluster.port)
         status, again = cluster.node0.post("/generate", BODY)
         assert status == 200, again
-        assert_same_answer(again, one)
+        assert_same_tp_answer(again, one)
         assert strangers.received_nothing()
         assert cluster.node0.get("/health")[0] == 200
         assert cluster.node1.poll() is None
@@ -182,7 +170,7 @@ def test_a_dead_remote_rank_fails_requests_and_stops_both_nodes(
     cluster = start_cluster(tiny_checkpoint("llama"), tmp_path)
     try:
         errors: list[BaseException] = []
-        thread = threading.Thread(target=_long_request, args=(cluster.node0, errors))
+        thread = threading.Thread(target=long_request, args=(cluster.node0, errors))
         thread.start()
         wait_running(cluster.node0)
         (rank1,) = children_of(cluster.node1.pid)
@@ -192,7 +180,7 @@ def test_a_dead_remote_rank_fails_requests_and_stops_both_nodes(
         assert cluster.node1.wait(timeout=30) != 0
         thread.join(timeout=30)
         assert errors, "the request in flight must fail, not hang"
-        _assert_gone([rank1, *node0_children])
+        assert_gone([rank1, *node0_children])
         # NOTE: whichever notices first ends node 0: rank 0's failed collective (rank 0 or the
         # controller exits), or node 1 saying why over the link
         assert "shutting the server down" in cluster.node0.log()
@@ -206,28 +194,34 @@ def test_node1_ends_when_node0_is_killed(tiny_checkpoint, tmp_path: Path) -> Non
         (rank1,) = children_of(cluster.node1.pid)
         os.kill(cluster.node0.proc.pid, signal.SIGKILL)  # no goodbye: the link just drops
         assert cluster.node1.wait(timeout=30) == 1
-        _assert_gone([rank1])
+        assert_gone([rank1])
         assert "lost the connection to node 0" in cluster.node1_log.read_text()
     finally:
         cluster.kill()
 
 
-def test_a_node_that_cannot_reach_node0_fails_naming_the_address(
-    tiny_checkpoint, tmp_path: Path
-) -> None:
-    model = tiny_checkpoint("llama")
+def alone(model: Path, rank: int, tmp_path: Path) -> tuple[int, str]:
+    """Node `rank` started with no other node and --dist-timeout 3: it must exit 1; its
+    port and log."""
     port = free_port_run(4)
     key = tmp_path / "key"
     ClusterKey.generate().write(key)
     args = cluster_args(model, port, key)
     args[args.index("--dist-timeout") + 1] = "3"
-    node1 = start_node(model, args, 1, tmp_path / "node1.log")
+    log = tmp_path / f"node{rank}.log"
+    node = start_node(model, args, rank, log)
     try:
-        assert node1.wait(timeout=60) == 1
+        assert node.wait(timeout=60) == 1
     finally:
-        if node1.poll() is None:
-            os.killpg(node1.pid, signal.SIGKILL)
-    log = (tmp_path / "node1.log").read_text()
+        if node.poll() is None:
+            os.killpg(node.pid, signal.SIGKILL)
+    return port, log.read_text()
+
+
+def test_a_node_that_cannot_reach_node0_fails_naming_the_address(
+    tiny_checkpoint, tmp_path: Path
+) -> None:
+    port, log = alone(tiny_checkpoint("llama"), 1, tmp_path)
     assert f"could not reach node 0 at tcp://127.0.0.1:{port + 1} within 3 s" in log, log[-2000:]
 
 
@@ -249,28 +243,6 @@ def test_node0_refuses_a_node_with_other_settings(tiny_checkpoint, tmp_path: Pat
     expected = "max_running_requests: 64 on node 0, 8 on node 1"
     assert expected in (tmp_path / "node0.log").read_text()
     assert expected in (tmp_path / "node1.log").read_text()
-
-
-def _long_request(server: ServerProcess, errors: list[BaseException]) -> None:
-    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
-    try:
-        for _ in client.completions.create(
-            model=server.model,
-            prompt="x",
-            max_tokens=900,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        ):
-            pass
-    except Exception as e:
-        errors.append(e)
-
-
-def _assert_gone(pids: list[int]) -> None:
-    deadline = time.monotonic() + 10
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(alive(p) for p in pids), "orphan processes left"
 
 
 @pytest.mark.parametrize(
@@ -309,18 +281,6 @@ def test_the_cluster_key_file(tmp_path: Path) -> None:
 
 
 def test_node0_alone_fails_naming_the_rendezvous(tiny_checkpoint, tmp_path: Path) -> None:
-    model = tiny_checkpoint("llama")
-    port = free_port_run(4)
-    key = tmp_path / "key"
-    ClusterKey.generate().write(key)
-    args = cluster_args(model, port, key)
-    args[args.index("--dist-timeout") + 1] = "3"
-    node0 = start_node(model, args, 0, tmp_path / "node0.log")
-    try:
-        assert node0.wait(timeout=60) == 1
-    finally:
-        if node0.poll() is None:
-            os.killpg(node0.pid, signal.SIGKILL)
-    log = (tmp_path / "node0.log").read_text()
+    port, log = alone(tiny_checkpoint("llama"), 0, tmp_path)
     expected = f"rank 0 could not join the other 1 ranks at tcp://127.0.0.1:{port} within 3 s"
     assert expected in log, log[-2000:]

@@ -12,7 +12,7 @@ import openai
 import pytest
 import torch
 import transformers
-from helpers import make_engine, oracle
+from helpers import assert_same_tp_answer, make_engine, oracle
 
 from tokenmill.detokenizer.token_table import TokenTable
 from tokenmill.tp_worker.offline import OfflineRequest
@@ -526,14 +526,7 @@ def test_tensor_parallel_2_matches_1(server, tiny_checkpoint, tmp_path) -> None:
         status, two = tp2.post("/generate", body)
         assert status == 200, two
         _, one = server.post("/generate", body)
-        assert two["output_ids"] == one["output_ids"]
-        for key in ("input_token_logprobs", "output_token_logprobs"):
-            np.testing.assert_allclose(
-                [e[0] for e in two["meta_info"][key]],
-                [e[0] for e in one["meta_info"][key]],
-                atol=1e-5,
-                rtol=1e-6,
-            )
+        assert_same_tp_answer(two, one)
         assert len(children_of_server(tp2)) == 4  # frontend's children: 2 ranks + 2
     finally:
         assert tp2.stop() == 0

@@ -41,6 +41,31 @@ def alive(pid: int) -> bool:
     return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
 
 
+def assert_gone(pids, timeout: float = 10.0) -> None:
+    """Every process of `pids` exits within `timeout` (no orphan outlives the server)."""
+    deadline = time.monotonic() + timeout
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in pids), "orphan processes left"
+
+
+def long_request(server, errors: list[BaseException], max_tokens: int = 900) -> None:
+    """A stream long enough to be in flight when a test breaks the server; the error it
+    must end in (not a hang, not a success) goes to `errors`."""
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+    try:
+        for _ in client.completions.create(
+            model=server.model,
+            prompt="x",
+            max_tokens=max_tokens,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        ):
+            pass
+    except Exception as e:
+        errors.append(e)
+
+
 def wait_running(server, timeout: float = 30.0) -> None:
     """Until the engine reports a request running (so a signal cannot beat the request)."""
     deadline = time.monotonic() + timeout
@@ -73,22 +98,7 @@ def check_a_dead_child_stops_the_server(server, victim: str) -> None:
     runtime_dir = re.search(r"ipc://(/[^/\"]+/tokenmill-[^/\"]+)/", " ".join(children.values()))[1]
     assert Path(runtime_dir).stat().st_mode & 0o777 == 0o700
     errors: list[BaseException] = []
-
-    def long_request() -> None:
-        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
-        try:
-            for _ in client.completions.create(
-                model=server.model,
-                prompt="x",
-                max_tokens=2000,
-                stream=True,
-                extra_body={"ignore_eos": True},
-            ):
-                pass
-        except Exception as e:  # the stream must end in an error, not hang or succeed
-            errors.append(e)
-
-    thread = threading.Thread(target=long_request)
+    thread = threading.Thread(target=long_request, args=(server, errors, 2000))
     thread.start()
     wait_running(server)
     (pid,) = [p for p, cmd in children.items() if victim in cmd]
@@ -97,10 +107,7 @@ def check_a_dead_child_stops_the_server(server, victim: str) -> None:
     thread.join(timeout=30)
     assert code != 0
     assert errors, "the request in flight must fail"
-    deadline = time.monotonic() + 10
-    while any(alive(p) for p in children) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(alive(p) for p in children), "orphan processes left"
+    assert_gone(children)
     assert not Path(runtime_dir).exists()
     assert "exited with status" in server.log()
 

@@ -33,7 +33,9 @@ def make_batch(rows: list[tuple[int, int]], width: int, seed: int):
     prefix = torch.tensor([p for p, _ in rows])
     extend = torch.tensor([e for _, e in rows])
     out_slots = torch.cat([table[r, p : p + e].long() for r, (p, e) in enumerate(rows)])
-    return table, torch.arange(len(rows)), prefix, extend, out_slots
+    token_rows = torch.cat([torch.full((e,), r) for r, (_, e) in enumerate(rows)])
+    positions = torch.cat([torch.arange(p, p + e) for p, e in rows])
+    return table, token_rows, positions, out_slots
 
 
 def reference(q, k, v, table, rows, scale, window):
@@ -60,11 +62,11 @@ def run(dtype: torch.dtype, window: int) -> None:
     rows = [(0, 7), (SPLIT + 40, 1), (3, 1), (2 * SPLIT - 5, 9), (0, 1), (SPLIT - 1, 2)]
     width = 3 * SPLIT
     k, v = make_cache(dtype, 1)
-    table, req_rows, prefix, extend, out_slots = make_batch(rows, width, 2)
+    table, token_rows, positions, out_slots = make_batch(rows, width, 2)
     g = torch.Generator().manual_seed(3)
     q = torch.randn(len(out_slots), HQ, DIM, generator=g).to(dtype)
     scale = DIM**-0.5
-    plan = plan_triton(table, req_rows, prefix, extend, out_slots, window or None)
+    plan = plan_triton(table, token_rows, positions, out_slots, window or None)
     got = plan.attend(q, k, v, scale)
     want = reference(q, k, v, table, rows, scale, window)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
@@ -73,11 +75,12 @@ def run(dtype: torch.dtype, window: int) -> None:
     # each row alone: bit for bit what it got in the batch
     start = 0
     for r, (_, e) in enumerate(rows):
+        mine = slice(start, start + e)
         alone = plan_triton(
-            table[r : r + 1], torch.tensor([0]), prefix[r : r + 1], extend[r : r + 1],
-            out_slots[start : start + e], window or None,
-        ).attend(q[start : start + e], k, v, scale)  # fmt: skip
-        assert torch.equal(alone, got[start : start + e]), (dtype, window, r)
+            table[r : r + 1], token_rows[mine] - r, positions[mine], out_slots[mine],
+            window or None,
+        ).attend(q[mine], k, v, scale)  # fmt: skip
+        assert torch.equal(alone, got[mine]), (dtype, window, r)
         start += e
     print(f"{dtype} window={window}: max |error| {error:.2e}, rows alone = in the batch")
 

@@ -51,14 +51,15 @@ def plan_attention(
     out_slots: torch.Tensor,
     sliding_window: int | None,
     backend: str,
+    token_rows: torch.Tensor,
+    positions: torch.Tensor,
 ) -> Attention:
     """One step's attention metadata, built once and shared by every layer. `table` is
     [R, max_len] int32; out_slots is [T] int64; the other tensors are [B] int64 (bool);
-    `starts` is the index in [T] of each row's first new token. backend: cpu, sdpa, triton."""
+    `starts` is the index in [T] of each row's first new token; token_rows and positions
+    are [T]: each new token's table row and position. backend: cpu, sdpa, triton."""
     if backend == "triton":
-        return attention_triton.plan_triton(
-            table, req_rows, prefix_lens, extend_lens, out_slots, sliding_window
-        )
+        return attention_triton.plan_triton(table, token_rows, positions, out_slots, sliding_window)
     if backend == "cpu":
         return attention_cpu.PagedAttention(
             table=table,

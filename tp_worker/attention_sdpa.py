@@ -34,8 +34,39 @@ class AttentionGroup:
     tokens: torch.Tensor  # [N] int64 token index of each real query, same order
 
 
+class TorchProjection:
+    """`attend_projection` with torch ops (RoPE, the KV write) for backends that bring only
+    their own `attend`: SDPA here, Triton in attention_triton.py."""
+
+    out_slots: torch.Tensor
+
+    def attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def attend_projection(
+        self,
+        qkv: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, ...],
+        kv: tuple[torch.Tensor, torch.Tensor],
+        num_heads: int,
+        num_kv_heads: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """RoPE on q and k of the fused projection, the new keys and values into the layer's
+        cache [Hkv, slots, D] at `out_slots`, then `attend` (see attention.Attention)."""
+        dim = cos_sin[0].shape[-1]
+        q, k, v = qkv.split([num_heads * dim, num_kv_heads * dim, num_kv_heads * dim], dim=-1)
+        q = apply_rotary(q.view(-1, num_heads, dim), *cos_sin)
+        k = apply_rotary(k.view(-1, num_kv_heads, dim), *cos_sin)
+        kv[0].index_copy_(1, self.out_slots, k.transpose(0, 1))
+        kv[1].index_copy_(1, self.out_slots, v.view(-1, num_kv_heads, dim).transpose(0, 1))
+        return self.attend(q, kv[0], kv[1], scale)
+
+
 @dataclass(frozen=True)
-class SdpaAttention:
+class SdpaAttention(TorchProjection):
     out_slots: torch.Tensor  # [T] int64 KV slot each new token writes
     groups: tuple[AttentionGroup, ...]
 
@@ -58,38 +89,6 @@ class SdpaAttention:
             )  # [G, Hq, Q, D]
             out[group.tokens] = result.transpose(1, 2).reshape(-1, out.shape[1])[group.valid]
         return out
-
-    def attend_projection(
-        self,
-        qkv: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, ...],
-        kv: tuple[torch.Tensor, torch.Tensor],
-        num_heads: int,
-        num_kv_heads: int,
-        scale: float,
-    ) -> torch.Tensor:
-        """RoPE and the KV write with torch ops, then SDPA (see Attention)."""
-        q = rope_and_write(qkv, cos_sin, kv, self.out_slots, num_heads, num_kv_heads)
-        return self.attend(q, kv[0], kv[1], scale)
-
-
-def rope_and_write(
-    qkv: torch.Tensor,
-    cos_sin: tuple[torch.Tensor, ...],
-    kv: tuple[torch.Tensor, torch.Tensor],
-    out_slots: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-) -> torch.Tensor:
-    """RoPE on q and k of the fused projection, the new keys and values into the layer's
-    cache [Hkv, slots, D] at `out_slots`; returns q [T, Hq, D] (torch ops, any device)."""
-    dim = cos_sin[0].shape[-1]
-    q, k, v = qkv.split([num_heads * dim, num_kv_heads * dim, num_kv_heads * dim], dim=-1)
-    q = apply_rotary(q.view(-1, num_heads, dim), *cos_sin)
-    k = apply_rotary(k.view(-1, num_kv_heads, dim), *cos_sin)
-    kv[0].index_copy_(1, out_slots, k.transpose(0, 1))
-    kv[1].index_copy_(1, out_slots, v.view(-1, num_kv_heads, dim).transpose(0, 1))
-    return q
 
 
 def plan_sdpa(

@@ -12,7 +12,7 @@ position do nothing.
 
 Tested on the CPU under TRITON_INTERPRET=1 against float64 attention and for invariance
 (tests/test_attention_triton.py, slow); timed on a GPU by benchmarks/gpu_check.sh when
-one is lent. RoPE and the KV write are torch ops (attention_sdpa.rope_and_write).
+one is lent. RoPE and the KV write are torch ops (attention_sdpa.TorchProjection).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.tp_worker.attention_sdpa import rope_and_write
+from tokenmill.tp_worker.attention_sdpa import TorchProjection
 
 try:
     import triton
@@ -38,7 +38,7 @@ def available() -> bool:
 
 
 @dataclass(frozen=True)
-class TritonAttention:
+class TritonAttention(TorchProjection):
     out_slots: torch.Tensor  # [T] int64 KV slot each new token writes
     table: torch.Tensor  # [R, max_len] int32
     token_rows: torch.Tensor  # [T] int32 table row of each new token
@@ -71,39 +71,20 @@ class TritonAttention:
         )  # fmt: skip
         return out.view(num_tokens, -1)
 
-    def attend_projection(
-        self,
-        qkv: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, ...],
-        kv: tuple[torch.Tensor, torch.Tensor],
-        num_heads: int,
-        num_kv_heads: int,
-        scale: float,
-    ) -> torch.Tensor:
-        q = rope_and_write(qkv, cos_sin, kv, self.out_slots, num_heads, num_kv_heads)
-        return self.attend(q, kv[0], kv[1], scale)
-
 
 def plan_triton(
     table: torch.Tensor,
-    req_rows: torch.Tensor,
-    prefix_lens: torch.Tensor,
-    extend_lens: torch.Tensor,
+    token_rows: torch.Tensor,
+    positions: torch.Tensor,
     out_slots: torch.Tensor,
     sliding_window: int | None,
 ) -> TritonAttention:
-    """table [R, max_len] int32; the other inputs are [B] on the table's device."""
-    total = out_slots.shape[0]
-    rows = req_rows.repeat_interleave(extend_lens, output_size=total)
-    starts = torch.cumsum(extend_lens, 0) - extend_lens
-    offsets = torch.arange(total, device=table.device) - starts.repeat_interleave(
-        extend_lens, output_size=total
-    )
-    positions = prefix_lens.repeat_interleave(extend_lens, output_size=total) + offsets
+    """table [R, max_len] int32; token_rows and positions [T]: each new token's table row and
+    absolute position (the step has them already: no work here)."""
     return TritonAttention(
         out_slots=out_slots,
         table=table,
-        token_rows=rows.int(),
+        token_rows=token_rows.int(),
         token_pos=positions.int(),
         sliding_window=sliding_window or 0,
     )

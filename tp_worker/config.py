@@ -29,8 +29,9 @@ class RunnerConfig:
     bfloat16); False takes the torch path (torch ops, SDPA) that devices without kernels of
     ours take, so that tests can check it on the CPU."""
     cpu_sharers: int = 1
-    """Processes on this machine whose KV caches share its memory (every rank of every
-    replica here): with kv_cache_tokens 0 on the CPU, each takes its part of the share."""
+    """Ranks on this machine, of every engine replica here: on the CPU they share its cores
+    (threads each) and its memory (with kv_cache_tokens 0, each takes its part of the KV
+    share)."""
     attention_backend: str = "auto"
     """auto (our CPU kernel on the CPU, SDPA elsewhere), sdpa, or triton (paged, for CUDA)."""
     load_format: str = "auto"
@@ -57,8 +58,6 @@ class WorkerConfig:
     local_rank: int = -1
     """This process's index among the ranks on its node, of every engine replica there
     (-1: rank): which GPU it takes."""
-    local_world_size: int = 0
-    """Ranks on this node, of every replica (0: world_size): they share its CPU cores."""
     cluster_key_file: str = ""
     """The CURVE keys for a tcp:// batch_addr (a rank on another node than the controller)."""
     dist_timeout_s: float = 300.0

@@ -138,6 +138,8 @@ class ModelRunner:
             inputs.out_slots,
             self.model_config.sliding_window,
             self.attention_backend,
+            rows,
+            inputs.positions,
         )
         started = time.perf_counter()
         hidden = self.model(inputs.input_ids, inputs.positions, attention, self.kv_cache)

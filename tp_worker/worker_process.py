@@ -33,7 +33,7 @@ def init_distributed(config: WorkerConfig) -> RunnerConfig:
     """Joins the tensor-parallel group; returns the runner config with this rank's device."""
     runner = config.runner
     device = resolve_device(runner.device)
-    local = config.local_world_size or config.world_size
+    local = runner.cpu_sharers
     if device.type == "cuda":
         if device.index is None or local > 1:  # NOTE: an explicit cuda:N serves one rank
             local_rank = config.rank if config.local_rank < 0 else config.local_rank

@@ -170,18 +170,23 @@ def _hits(s: EngineStats) -> float:
     return s.prefix_hit_tokens
 
 
-def _gauge(name: str, help_text: str, values: dict[str, float]) -> GaugeMetricFamily:
+def _gauge(name: str, help_text: str, values: dict[str, float]) -> Metric:
+    return _family(GaugeMetricFamily, name, help_text, values)
+
+
+def _counter(name: str, help_text: str, values: dict[str, float]) -> Metric:
+    return _family(CounterMetricFamily, name, help_text, values)
+
+
+def _family(
+    kind: type[GaugeMetricFamily] | type[CounterMetricFamily],
+    name: str,
+    help_text: str,
+    values: dict[str, float],
+) -> Metric:
     """`values` maps a replica ("" without replicas) to its sample."""
     labels = [] if "" in values else ["replica"]
-    family = GaugeMetricFamily(PREFIX + name, help_text, labels=labels)
-    for replica, value in values.items():
-        family.add_metric([replica] if replica else [], value)
-    return family
-
-
-def _counter(name: str, help_text: str, values: dict[str, float]) -> CounterMetricFamily:
-    labels = [] if "" in values else ["replica"]
-    family = CounterMetricFamily(PREFIX + name, help_text, labels=labels)
+    family = kind(PREFIX + name, help_text, labels=labels)
     for replica, value in values.items():
         family.add_metric([replica] if replica else [], value)
     return family

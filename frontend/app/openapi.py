@@ -20,43 +20,47 @@ from tokenmill.frontend.api.scoring import RerankBody, ScoreBody
 # --- response shapes -------------------------------------------------------------------
 
 
-class ErrorObject(msgspec.Struct, forbid_unknown_fields=True):
+class Shape(msgspec.Struct, forbid_unknown_fields=True):
+    """A response shape: a field the server sends but the shape lacks fails the tests."""
+
+
+class ErrorObject(Shape):
     message: str
     type: str
     param: str | None
     code: str | None
 
 
-class ErrorResponse(msgspec.Struct, forbid_unknown_fields=True):
+class ErrorResponse(Shape):
     error: ErrorObject
 
 
-class PromptTokensDetails(msgspec.Struct, forbid_unknown_fields=True):
+class PromptTokensDetails(Shape):
     cached_tokens: int
 
 
-class Usage(msgspec.Struct, forbid_unknown_fields=True):
+class Usage(Shape):
     prompt_tokens: int
     total_tokens: int
     completion_tokens: int | None = None  # none in rerank
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
-class CompletionLogprobs(msgspec.Struct, forbid_unknown_fields=True):
+class CompletionLogprobs(Shape):
     tokens: list[str]
     token_logprobs: list[float | None]
     top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
 
 
-class CompletionChoice(msgspec.Struct, forbid_unknown_fields=True):
+class CompletionChoice(Shape):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
 
 
-class CompletionResponse(msgspec.Struct, forbid_unknown_fields=True):
+class CompletionResponse(Shape):
     """Also each streamed chunk (`text_completion` events, `usage` on the last if asked)."""
 
     id: str
@@ -68,38 +72,38 @@ class CompletionResponse(msgspec.Struct, forbid_unknown_fields=True):
     usage: Usage | None = None
 
 
-class TopLogprob(msgspec.Struct, forbid_unknown_fields=True):
+class TopLogprob(Shape):
     token: str
     logprob: float
     bytes: list[int] | None
 
 
-class ChatTokenLogprob(msgspec.Struct, forbid_unknown_fields=True):
+class ChatTokenLogprob(Shape):
     token: str
     logprob: float
     bytes: list[int] | None
     top_logprobs: list[TopLogprob]
 
 
-class ChatLogprobs(msgspec.Struct, forbid_unknown_fields=True):
+class ChatLogprobs(Shape):
     content: list[ChatTokenLogprob] | None
     refusal: None = None
 
 
-class ChatMessageOut(msgspec.Struct, forbid_unknown_fields=True):
+class ChatMessageOut(Shape):
     role: str
     content: str | None
     refusal: None = None
 
 
-class ChatChoice(msgspec.Struct, forbid_unknown_fields=True):
+class ChatChoice(Shape):
     index: int
     message: ChatMessageOut
     logprobs: ChatLogprobs | None
     finish_reason: str | None
 
 
-class ChatCompletionResponse(msgspec.Struct, forbid_unknown_fields=True):
+class ChatCompletionResponse(Shape):
     id: str
     object: str
     created: int
@@ -109,7 +113,7 @@ class ChatCompletionResponse(msgspec.Struct, forbid_unknown_fields=True):
     usage: Usage
 
 
-class GenerateResponse(msgspec.Struct, forbid_unknown_fields=True):
+class GenerateResponse(Shape):
     """One per prompt (a list for a batch); `meta_info` as SGLang's: id, finish_reason,
     token counts, and [logprob, token id, text or null] triples when asked."""
 
@@ -118,20 +122,20 @@ class GenerateResponse(msgspec.Struct, forbid_unknown_fields=True):
     meta_info: dict[str, Any]
 
 
-class ScoreResponse(msgspec.Struct, forbid_unknown_fields=True):
+class ScoreResponse(Shape):
     scores: list[list[float]]
     model: str
     usage: Usage
     object: str
 
 
-class ScoreData(msgspec.Struct, forbid_unknown_fields=True):
+class ScoreData(Shape):
     index: int
     object: str
     score: float
 
 
-class GenerativeScoringResponse(msgspec.Struct, forbid_unknown_fields=True):
+class GenerativeScoringResponse(Shape):
     id: str
     object: str
     created: int
@@ -140,24 +144,24 @@ class GenerativeScoringResponse(msgspec.Struct, forbid_unknown_fields=True):
     usage: Usage
 
 
-class RerankDocument(msgspec.Struct, forbid_unknown_fields=True):
+class RerankDocument(Shape):
     text: str
 
 
-class RerankResult(msgspec.Struct, forbid_unknown_fields=True):
+class RerankResult(Shape):
     index: int
     relevance_score: float
     document: RerankDocument | None = None
 
 
-class RerankResponse(msgspec.Struct, forbid_unknown_fields=True):
+class RerankResponse(Shape):
     id: str
     model: str
     usage: Usage
     results: list[RerankResult]
 
 
-class ModelCard(msgspec.Struct, forbid_unknown_fields=True):
+class ModelCard(Shape):
     id: str
     object: str
     created: int
@@ -166,12 +170,12 @@ class ModelCard(msgspec.Struct, forbid_unknown_fields=True):
     max_model_len: int
 
 
-class ModelList(msgspec.Struct, forbid_unknown_fields=True):
+class ModelList(Shape):
     object: str
     data: list[ModelCard]
 
 
-class Health(msgspec.Struct, forbid_unknown_fields=True):
+class Health(Shape):
     status: str
 
 

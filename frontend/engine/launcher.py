@@ -117,7 +117,7 @@ def launch_engine(
     engine = EngineProcesses(runtime_dir, addrs)
     runner = runner_config(config, model_dir, max_model_len, layout.local_size * num_replicas)
     for d, replica in enumerate(addrs.replicas):
-        suffix = "" if num_replicas == 1 else f".dp{d}"
+        suffix = _replica_suffix(d, num_replicas)
         engine.start(
             "detokenizer" + suffix,
             "tokenmill.detokenizer",
@@ -203,9 +203,8 @@ def start_ranks(
     num_replicas = len(engine.addresses.replicas)
     for rank in layout.local_ranks:
         local_rank = replica * layout.local_size + rank % layout.local_size
-        suffix = "" if num_replicas == 1 else f".dp{replica}"
         engine.start(
-            f"tp_worker{rank}{suffix}",
+            f"tp_worker{rank}{_replica_suffix(replica, num_replicas)}",
             "tokenmill.tp_worker",
             WorkerConfig(
                 runner=runner,
@@ -217,11 +216,15 @@ def start_ranks(
                 parent_pid=os.getpid(),
                 step_timing=config.scheduler.step_timing,
                 local_rank=local_rank,
-                local_world_size=layout.local_size * num_replicas,
                 cluster_key_file=layout.key_file,
                 dist_timeout_s=layout.timeout_s,
             ),
         )
+
+
+def _replica_suffix(replica: int, num_replicas: int) -> str:
+    """Process names: "controller" with one replica, "controller.dp1" among several."""
+    return "" if num_replicas == 1 else f".dp{replica}"
 
 
 # NOTE: glibc otherwise keeps freed [chunk, vocab] logit buffers (64 MiB, logprobs.py) in its
