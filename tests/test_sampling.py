@@ -2,7 +2,9 @@
 
 The batched torch code must give, row by row, the distribution a one-request-at-a-time
 implementation gives, and its noise must make each sample a function of (seed, position)
-only, so that batch composition never changes what a request samples.
+only, so that batch composition never changes what a request samples. The CPU kernel
+(csrc/sample.cpp, `cpu_kernel=True`) must pick what the reference's race picks, and the same
+ids in a build without AVX.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from tokenmill.tp_worker import cpu_kernels, sampling
 from tokenmill.tp_worker.sampling import (
     SamplingTensors,
     exponential_noise,
@@ -27,6 +30,7 @@ TOP_KS = [0, 1, 5, 49]
 TOP_PS = [1.0, 0.9, 0.5, 0.05]
 MIN_PS = [0.0, 0.05, 0.3]
 COMBOS = list(itertools.product(TEMPERATURES, TOP_KS, TOP_PS, MIN_PS))
+BOTH_PATHS = pytest.mark.parametrize("cpu_kernel", [False, True], ids=["torch", "kernel"])
 
 
 def reference_probs(
@@ -109,10 +113,11 @@ def test_top_k_one_and_tiny_top_p_keep_only_the_argmax() -> None:
     torch.testing.assert_close(got, expected)
 
 
-def test_greedy_rows_give_argmax_next_to_random_rows() -> None:
+@BOTH_PATHS
+def test_greedy_rows_give_argmax_next_to_random_rows(cpu_kernel: bool) -> None:
     logits = _logits(6)
     rows = [(0.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.0), (0.0, 5, 0.5, 0.1)] * 2
-    ids = sample(logits, _params_of(rows, seed=3), torch.arange(6))
+    ids = sample(logits, _params_of(rows, seed=3), torch.arange(6), cpu_kernel=cpu_kernel)
     greedy = [0, 2, 3, 5]
     assert ids[greedy].tolist() == logits.argmax(dim=-1)[greedy].tolist()
 
@@ -123,63 +128,77 @@ def test_all_greedy_batch_gives_argmax() -> None:
     assert ids.tolist() == logits.argmax(dim=-1).tolist()
 
 
-def test_sample_is_deterministic_for_same_seed_and_position() -> None:
+@BOTH_PATHS
+def test_sample_is_deterministic_for_same_seed_and_position(cpu_kernel: bool) -> None:
     logits = _logits(8)
     p = _params_of([(1.0, 0, 1.0, 0.0)] * 8, seed=11)
     positions = torch.arange(8) * 13
-    assert torch.equal(sample(logits, p, positions), sample(logits.clone(), p, positions))
+    first = sample(logits, p, positions, cpu_kernel=cpu_kernel)
+    assert torch.equal(first, sample(logits.clone(), p, positions, cpu_kernel=cpu_kernel))
 
 
-def test_sample_does_not_depend_on_batch_composition() -> None:
+@BOTH_PATHS
+def test_sample_does_not_depend_on_batch_composition(cpu_kernel: bool) -> None:
     logits = _logits(8, seed=5)
     rows = [COMBOS[i] for i in range(0, len(COMBOS), len(COMBOS) // 8)][:8]
     rows[3] = (1.0, 0, 1.0, 0.0)
     seeds = [101, 7, 3, 2**40 + 9, 55, 0, 99, 12345]
     batch = params(*(list(c) for c in zip(*rows, strict=True)), seed=seeds)
     positions = torch.tensor([5, 17, 3, 900, 41, 0, 8, 2**20])
-    batched = sample(logits, batch, positions)
+    batched = sample(logits, batch, positions, cpu_kernel=cpu_kernel)
     for b in range(8):
-        alone = sample(logits[b : b + 1], batch.rows(torch.tensor([b])), positions[b : b + 1])
+        one = torch.tensor([b])
+        alone = sample(logits[one], batch.rows(one), positions[one], cpu_kernel=cpu_kernel)
         assert alone.item() == batched[b].item(), f"row {b}"
 
 
-def test_different_seeds_and_positions_give_different_samples() -> None:
+@BOTH_PATHS
+def test_different_seeds_and_positions_give_different_samples(cpu_kernel: bool) -> None:
     logits = torch.zeros(1, VOCAB)  # uniform: every draw is decided by the noise alone
     uniform = (1.0, 0, 1.0, 0.0)
-    by_seed = {
-        sample(logits, _params_of([uniform], seed=s), torch.tensor([0])).item() for s in range(40)
-    }
-    by_position = {
-        sample(logits, _params_of([uniform], seed=0), torch.tensor([p])).item() for p in range(40)
-    }
+
+    def draw(seed: int, position: int) -> int:
+        p = _params_of([uniform], seed=seed)
+        return sample(logits, p, torch.tensor([position]), cpu_kernel=cpu_kernel).item()
+
+    by_seed = {draw(s, 0) for s in range(40)}
+    by_position = {draw(0, p) for p in range(40)}
     assert len(by_seed) > 15 and len(by_position) > 15
 
 
-def _draws(logits_row: torch.Tensor, combo: tuple[float, int, float, float], n: int) -> np.ndarray:
+def _draws(
+    logits_row: torch.Tensor,
+    combo: tuple[float, int, float, float],
+    n: int,
+    cpu_kernel: bool = False,
+) -> np.ndarray:
     """n samples of one request at positions 0..n-1 (one batch of n identical rows)."""
     p = _params_of([combo] * n, seed=2024)
-    return sample(logits_row.expand(n, -1).clone(), p, torch.arange(n)).numpy()
+    logits = logits_row.expand(n, -1).clone()
+    return sample(logits, p, torch.arange(n), cpu_kernel=cpu_kernel).numpy()
 
 
+@BOTH_PATHS
 @pytest.mark.parametrize(
     "combo", [(1.0, 0, 1.0, 0.0), (0.7, 4, 1.0, 0.0), (1.3, 0, 0.8, 0.0), (1.0, 0, 1.0, 0.2)]
 )
 def test_empirical_distribution_matches_filtered_probs(
-    combo: tuple[float, int, float, float],
+    combo: tuple[float, int, float, float], cpu_kernel: bool
 ) -> None:
     logits_row = torch.tensor([[1.2, 0.3, -0.5, 0.9, -1.5, 0.0]])
     probs = filtered_probs(logits_row, _params_of([combo]))[0].double().numpy()
-    draws = _draws(logits_row, combo, 4000)
+    draws = _draws(logits_row, combo, 4000, cpu_kernel)
     empirical = np.bincount(draws, minlength=6) / len(draws)
     assert 0.5 * np.abs(empirical - probs).sum() < 0.05
     assert set(draws.tolist()) <= set(np.flatnonzero(probs > 0).tolist())
 
 
-def test_filtered_tokens_are_never_sampled() -> None:
+@BOTH_PATHS
+def test_filtered_tokens_are_never_sampled(cpu_kernel: bool) -> None:
     logits_row = _logits(1, vocab=VOCAB, seed=9)
     combo = (2.0, 10, 0.9, 0.1)
     allowed = filtered_probs(logits_row, _params_of([combo]))[0] > 0
-    draws = _draws(logits_row, combo, 3000)
+    draws = _draws(logits_row, combo, 3000, cpu_kernel)
     assert allowed[torch.from_numpy(draws)].all()
     assert 1 < allowed.sum() < 10
 
@@ -234,3 +253,58 @@ def test_processed_logprobs_of_greedy_rows_use_temperature_one_and_their_filters
     assert bool(torch.isfinite(greedy).sum(dim=-1).eq(5).all())
     argmax = logits.argmax(dim=-1)
     assert torch.isfinite(greedy.gather(1, argmax[:, None])).all()
+
+
+def _reference_pick(
+    logits_row: np.ndarray, combo: tuple[float, int, float, float], seed: int, position: int
+) -> int | None:
+    """The id the reference's race picks, or None where its top two are within float32
+    rounding of each other (either path may then pick either)."""
+    probs = reference_probs(logits_row, *combo)
+    noise = exponential_noise(torch.tensor([seed]), torch.tensor([position]), len(logits_row))
+    race = probs / noise[0].double().numpy()
+    top2 = np.sort(race)[-2:]
+    return int(np.argmax(race)) if top2[1] - top2[0] > 1e-4 * top2[1] else None
+
+
+@pytest.mark.parametrize("vocab, scale", [(VOCAB, 3.0), (1003, 3.0), (32000, 1.0), (32000, 8.0)])
+def test_the_kernel_picks_what_the_reference_race_picks(vocab: int, scale: float) -> None:
+    combos = COMBOS if vocab == VOCAB else COMBOS[::5]
+    logits = torch.randn(len(combos), vocab, generator=torch.Generator().manual_seed(vocab))
+    logits *= scale
+    seeds = [17 * i + 3 for i in range(len(combos))]
+    positions = torch.arange(len(combos)) * 31 + 5
+    batch = params(*(list(c) for c in zip(*combos, strict=True)), seed=seeds)
+    ids = sample(logits, batch, positions, cpu_kernel=True)
+    checked = 0
+    for row, combo in enumerate(combos):
+        want = _reference_pick(logits[row].numpy(), combo, seeds[row], int(positions[row]))
+        if want is not None:
+            assert ids[row].item() == want, (row, combo)
+            checked += 1
+    assert checked >= 0.9 * len(combos)
+
+
+def test_the_kernel_breaks_ties_by_the_smaller_id() -> None:
+    uniform = torch.zeros(1, 20)  # every token ties, p = 0.05 each: the order is the id order
+    for combo, kept in (((1.0, 3, 1.0, 0.0), 3), ((1.0, 0, 0.25, 0.0), 5)):
+        draws = _draws(uniform, combo, 500, cpu_kernel=True)
+        assert set(draws.tolist()) == set(range(kept)), combo
+
+
+def test_the_kernel_gives_a_nan_row_its_nan() -> None:
+    logits = _logits(3)
+    logits[1, 7] = float("nan")
+    ids = sample(logits, _params_of([(1.0, 0, 0.9, 0.0)] * 3), torch.arange(3), cpu_kernel=True)
+    assert ids[1].item() == 7
+
+
+def test_a_build_without_avx_samples_the_same_ids(monkeypatch: pytest.MonkeyPatch) -> None:
+    combos = COMBOS[::3]
+    logits = torch.randn(len(combos), 1003, generator=torch.Generator().manual_seed(2)) * 4
+    batch = _params_of(combos, seed=99)
+    positions = torch.arange(len(combos)) * 7
+    native = sample(logits, batch, positions, cpu_kernel=True)
+    portable = cpu_kernels.load(cpu_kernels.build("x86-64-v2"))
+    monkeypatch.setattr(sampling, "library", lambda: portable)
+    assert torch.equal(sample(logits, batch, positions, cpu_kernel=True), native)

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.tp_worker.cpu_kernels import library
+
 _MASK32 = 0xFFFFFFFF
 
 
@@ -36,18 +38,51 @@ def sample(
     params: SamplingTensors,
     positions: torch.Tensor,
     greedy: torch.Tensor | None = None,
+    cpu_kernel: bool = False,
 ) -> torch.Tensor:
     """logits [B, V] float32, positions [B] (of the token being sampled) -> ids [B] int64.
-    `greedy`: logits.argmax(-1) where the caller already has it."""
+    `greedy`: logits.argmax(-1) where the caller already has it. cpu_kernel: the random rows
+    through csrc/sample.cpp (float32 logits in CPU memory): the same distribution and noise,
+    without a sort of the vocabulary or any [B, V] temporary."""
     ids = logits.argmax(dim=-1) if greedy is None else greedy.clone()
     random_rows = (params.temperature > 0).nonzero().squeeze(1)
     if len(random_rows) == 0:
         return ids
     sub = params.rows(random_rows)
+    if cpu_kernel:
+        ids[random_rows] = _sample_cpu(logits, random_rows, sub, positions[random_rows])
+        return ids
     probs = filtered_probs(logits[random_rows], sub)
     noise = exponential_noise(sub.seed, positions[random_rows], logits.shape[1])
     ids[random_rows] = (probs / noise).argmax(dim=-1)
     return ids
+
+
+def _sample_cpu(
+    logits: torch.Tensor, rows: torch.Tensor, params: SamplingTensors, positions: torch.Tensor
+) -> torch.Tensor:
+    assert logits.dtype == torch.float32 and logits.device.type == "cpu"
+    assert logits.dim() == 2 and logits.stride(1) == 1
+    rows, positions = rows.long().contiguous(), positions.long().contiguous()
+    columns = (
+        params.temperature.float().contiguous(),
+        params.top_k.long().contiguous(),
+        params.top_p.float().contiguous(),
+        params.min_p.float().contiguous(),
+        params.seed.long().contiguous(),
+    )
+    out = torch.empty(len(rows), dtype=torch.int64)
+    library().tm_sample(
+        logits.data_ptr(),
+        logits.shape[1],
+        logits.stride(0),
+        rows.data_ptr(),
+        len(rows),
+        *(c.data_ptr() for c in columns),
+        positions.data_ptr(),
+        out.data_ptr(),
+    )
+    return out
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:

@@ -36,17 +36,18 @@ def score_sampled(
     """logits [B, V] float32 of each row's last position, and the same after the stop ban,
     bias and penalties (`adjusted`, None = unchanged) -> the ids sampled from `adjusted` and
     their scores: from the raw logits, or (`processed`) from the distribution sampled from.
-    cpu_kernel: the raw log-softmax through csrc/ (LogSoftmax.of)."""
+    cpu_kernel: the raw log-softmax and the random rows' sampling through csrc/
+    (LogSoftmax.of, sampling.sample)."""
     positions = inputs.prefix_lens + inputs.extend_lens
     adjusted = logits if adjusted is None else adjusted
     if processed:
         scores = LogSoftmax.given(processed_logprobs(adjusted, inputs.sampling))
-        next_ids = sample(adjusted, inputs.sampling, positions)
+        next_ids = sample(adjusted, inputs.sampling, positions, cpu_kernel=cpu_kernel)
     else:
         scores = LogSoftmax.of(logits, cpu_kernel, inputs.max_top)
         # NOTE: with nothing adjusted, the greedy ids are the argmax the log-softmax found.
         greedy = scores.argmax if adjusted is logits else None
-        next_ids = sample(adjusted, inputs.sampling, positions, greedy)
+        next_ids = sample(adjusted, inputs.sampling, positions, greedy, cpu_kernel)
     if inputs.max_top:
         top_ids, top_logprobs = scores.top(inputs.top_rows, inputs.max_top)
     else:
