@@ -8,10 +8,12 @@ worker's own step preparation and the lm_head / sampling. Target: <= 10%.
 
 Then, in this process, one prefill step of --prefill-tokens tokens (8 prompts) through the
 real runner: its model forward's achieved GFLOP/s (the layers' and lm_head's multiply-adds
-plus attention's) against a bare torch F.linear of [prefill-tokens x hidden x intermediate]
-on the same machine and dtype, the speed a GEMM library reaches on that shape.
+plus attention's, counting the work done: the last layer computes past its q/k/v projection
+only each prompt's last token) against a bare torch F.linear of [prefill-tokens x hidden x
+intermediate] on the same machine and dtype, the speed a GEMM library reaches on that shape.
 
     python benchmarks/step_overhead.py [--preset small|medium | --model DIR]
+        [--batch 32] [--decode-steps 1]
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from serving import add_model_args, read_metrics, resolve_model, start_server, s
 
 from tokenmill.cli.bench.client import BenchOptions, fetch_model_id, run_requests
 from tokenmill.cli.bench.datasets import random_requests
+from tokenmill.tp_worker.model_config import ModelConfig
 
 TARGET = 0.10
 KEYS = ("decode_steps", "period_seconds", "worker_busy_seconds", "forward_seconds", "rows")
@@ -40,6 +43,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--logprobs", type=int, default=0, help="top logprobs asked (default 0)")
     p.add_argument("--device", default="auto", help="the server's --device (default auto)")
     p.add_argument("--dtype", default="auto", help="the server's --dtype (default auto)")
+    p.add_argument(
+        "--decode-steps", type=int, default=1, help="the server's --decode-steps (default 1)"
+    )
     p.add_argument(
         "--prefill-tokens", type=int, default=2048, help="tokens of the prefill step (2048)"
     )
@@ -77,6 +83,8 @@ def main() -> int:
         str(args.batch * 512),
         "--dtype",
         args.dtype,
+        "--decode-steps",
+        str(args.decode_steps),
     ]
     print(f"serving {model} (log: {log_path}) ...", flush=True)
     proc, base_url = start_server(model, server_args, log_path)
@@ -131,11 +139,7 @@ def prefill_gflops(model: Path, args: argparse.Namespace) -> None:
     runner.time_forward, runner.forward_s = True, 0.0
     engine.generate(requests)  # one prefill step: max_tokens=1 finishes every request
     c = runner.model_config
-    q_kv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-    layer_params = c.hidden_size * (q_kv + c.num_heads * c.head_dim + 3 * c.intermediate_size)
-    attention = 2 * c.num_heads * c.head_dim * per_prompt * (per_prompt + 1)  # q.k and p.V
-    flop = 2 * c.num_layers * layer_params * tokens + 2 * c.num_layers * attention * num_prompts
-    flop += 2 * c.hidden_size * c.vocab_size * num_prompts  # the lm_head, last rows only
+    flop = prefill_flop(c, num_prompts, per_prompt)
     ours = flop / runner.forward_s / 1e9
     x = torch.randn(tokens, c.hidden_size, dtype=runner.dtype)
     w = torch.randn(c.intermediate_size, c.hidden_size, dtype=runner.dtype)
@@ -149,6 +153,20 @@ def prefill_gflops(model: Path, args: argparse.Namespace) -> None:
         f" = {ours:.0f} GFLOP/s; bare F.linear [{tokens} x {c.hidden_size} x "
         f"{c.intermediate_size}] {bare / 1e9:.0f} GFLOP/s; ratio {ours / (bare / 1e9):.2f}"
     )
+
+
+def prefill_flop(c: ModelConfig, num_prompts: int, per_prompt: int) -> float:
+    """Multiply-adds x 2 of prefilling num_prompts prompts of per_prompt tokens: every layer
+    for every token, except that the last layer computes past its q/k/v projection only
+    each prompt's last token (the one state the step reads), and the lm_head that token."""
+    tokens = num_prompts * per_prompt
+    q_kv = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    rest = c.hidden_size * (c.num_heads * c.head_dim + 3 * c.intermediate_size)
+    attention = 2 * c.num_heads * c.head_dim * per_prompt * (per_prompt + 1)  # q.k and p.V
+    last_attention = 2 * 2 * c.num_heads * c.head_dim * per_prompt  # one query of each
+    flop = 2 * c.num_layers * q_kv * tokens + 2 * (c.num_layers - 1) * rest * tokens
+    flop += 2 * rest * num_prompts + 2 * c.hidden_size * c.vocab_size * num_prompts
+    return flop + num_prompts * ((c.num_layers - 1) * attention + last_attention)
 
 
 if __name__ == "__main__":

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from helpers import make_engine
 
+from tokenmill.tp_worker import model_runner
 from tokenmill.tp_worker.offline import OfflineOutput, OfflineRequest
+from tokenmill.tp_worker.step_inputs import LastLayerRows
 
 LENGTHS = [3, 9, 17, 30, 64, 5, 41, 12]
 
@@ -105,3 +108,50 @@ def test_prompt_logprobs_from_start_position(tiny_checkpoint) -> None:
         np.testing.assert_allclose(
             part.prompt_logprobs, full.prompt_logprobs[start - 1 :], atol=0.0, rtol=0
         )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_last_layer_of_the_tokens_read_equals_one_of_every_token(
+    tiny_checkpoint, dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prefill steps compute the last layer only for the states they read (each row's last,
+    its scored prompt positions); computing it for every token gives the same bits."""
+    model = tiny_checkpoint("llama")
+    requests = _requests(sampled=True)
+    requests += [OfflineRequest(list(range(3, 90)), max_tokens=3, prompt_logprob_start=0)]
+    engine = make_engine(model, max_prefill_tokens=40, dtype=dtype)
+    trims: list[bool] = []
+    real_plan = model_runner.plan_last_layer
+
+    def counted(attention, rows):  # type: ignore[no-untyped-def]
+        plan = real_plan(attention, rows)
+        trims.append(plan is not None)
+        return plan
+
+    monkeypatch.setattr(model_runner, "plan_last_layer", counted)
+    trimmed = engine.generate(requests)
+    assert any(trims)
+    monkeypatch.setattr(model_runner, "plan_last_layer", lambda attention, rows: None)
+    whole = make_engine(model, max_prefill_tokens=40, dtype=dtype).generate(requests)
+    for a, b in zip(trimmed, whole, strict=True):
+        _assert_same(a, b, atol=0.0)
+
+
+def test_the_last_layer_keeps_each_rows_last_token_and_scored_positions() -> None:
+    extend = np.array([5, 1, 4])
+    prefix = np.array([0, 9, 20])
+    keep_from = np.array([4, 0, 1])  # row 2 scores its last three prompt positions
+    rows = LastLayerRows.plan(extend, prefix, keep_from, np.array([7, 8, 9]), torch.device("cpu"))
+    assert rows is not None
+    assert rows.index.tolist() == [4, 5, 7, 8, 9]
+    assert rows.first_pos.tolist() == [4, 9, 21]
+    assert rows.counts.tolist() == [1, 1, 3] and rows.starts.tolist() == [0, 1, 2]
+    assert rows.prompt_index.tolist() == [2, 3, 4]
+    every = LastLayerRows.plan(
+        np.ones(3, np.int64),
+        prefix,
+        np.zeros(3, np.int64),
+        np.zeros(0, np.int64),
+        torch.device("cpu"),
+    )
+    assert every is None  # a decode step reads every token

@@ -15,6 +15,7 @@ import torch
 
 from tokenmill.tp_worker import attention_cpu, attention_triton
 from tokenmill.tp_worker.attention_sdpa import plan_sdpa
+from tokenmill.tp_worker.step_inputs import LastLayerRows
 
 
 class Attention(Protocol):
@@ -73,3 +74,12 @@ def plan_attention(
     return plan_sdpa(
         table, req_rows, prefix_lens, extend_lens, starts, is_prefill, out_slots, sliding_window
     )
+
+
+def plan_last_layer(attention: Attention, rows: LastLayerRows | None) -> Attention | None:
+    """The last layer's plan when it computes only `rows` past its KV write, or None to
+    compute every token: no rows to drop, or a backend whose numbers for a token might
+    depend on the tokens beside it (only the CPU kernel's never do)."""
+    if rows is None or not isinstance(attention, attention_cpu.PagedAttention):
+        return None
+    return attention.keeping(rows.index, rows.first_pos, rows.counts)

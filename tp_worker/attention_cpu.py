@@ -9,7 +9,7 @@ batch, its chunk or how the kernel groups tokens into work items.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -26,6 +26,23 @@ class PagedAttention:
     first_pos: torch.Tensor  # [B] int64 position of each batch row's first new token
     out_slots: torch.Tensor  # [T] int64 KV slot each new token writes
     sliding_window: int  # 0 = none
+    # NOTE: the queries attended, as indices into the step's [T] tokens (None: all of them);
+    # every new token's key and value is still written.
+    query_index: torch.Tensor | None = None
+
+    def keeping(
+        self, index: torch.Tensor, first_pos: torch.Tensor, counts: torch.Tensor
+    ) -> PagedAttention:
+        """This plan for the tokens `index` [K] alone, a suffix of each row's new tokens
+        (`counts` [B] of them from position `first_pos` [B]); the KV write stays whole."""
+        starts = torch.cumsum(counts, 0) - counts
+        return replace(
+            self,
+            token_starts=starts,
+            num_tokens=counts.contiguous(),
+            first_pos=first_pos.contiguous(),
+            query_index=index,
+        )
 
     def attend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
@@ -73,4 +90,6 @@ class PagedAttention:
     ) -> torch.Tensor:
         """RoPE and the KV write in one pass (csrc/rope.cpp), then `attend` (see Attention)."""
         q = rope_store_cpu(qkv, cos_sin, kv, self.out_slots, num_heads, num_kv_heads)
+        if self.query_index is not None:
+            q = q[self.query_index]
         return self.attend(q, kv[0], kv[1], scale)

@@ -72,12 +72,16 @@ class DecoderLayer(nn.Module):
         cos_sin: tuple[torch.Tensor, ...],
         attention: Attention,
         kv: tuple[torch.Tensor, torch.Tensor],
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]."""
+        """x [T, hidden] -> [T, hidden]; with `keep` [K] (the tokens `attention` attends),
+        every token's key and value into the cache and [K, hidden] out."""
         qkv = self.qkv_proj(self.input_layernorm(x))
         attended = attention.attend_projection(
             qkv, cos_sin, kv, self.num_heads, self.num_kv_heads, self.scale
         )
+        if keep is not None:
+            x = x[keep]
         x = x + self.o_proj(attended)
         gate_up = self.gate_up_proj(self.post_attention_layernorm(x))
         if self.cpu_kernel:
@@ -127,12 +131,20 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         attention: Attention,
         kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
+        last: tuple[Attention, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions [T] -> final-normed hidden states [T, hidden]."""
+        """input_ids, positions [T] -> final-normed hidden states [T, hidden]; with `last`
+        (the last layer's plan and the tokens [K] it attends), [K, hidden] of those tokens."""
         x = self.embed_tokens(input_ids)
         cos_sin = self.rotary.cos_sin(positions, self.dtype)
-        for layer, kv in zip(self.layers, kv_cache, strict=True):
+        *layers, final = zip(self.layers, kv_cache, strict=True)
+        for layer, kv in layers:
             x = layer(x, cos_sin, attention, kv)
+        layer, kv = final
+        if last is None:
+            x = layer(x, cos_sin, attention, kv)
+        else:
+            x = layer(x, cos_sin, last[0], kv, last[1])
         return self.norm(x)
 
     @torch.inference_mode()

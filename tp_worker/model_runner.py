@@ -15,7 +15,7 @@ import torch
 
 from tokenmill.protocol.step import ForwardBatch, StepResult
 from tokenmill.tp_worker import attention_triton, cpu_ops
-from tokenmill.tp_worker.attention import plan_attention
+from tokenmill.tp_worker.attention import plan_attention, plan_last_layer
 from tokenmill.tp_worker.config import RunnerConfig
 from tokenmill.tp_worker.device import auto_kv_cache_tokens, resolve_device, resolve_dtype
 from tokenmill.tp_worker.logprobs import ScoredPositions, default_chunk_size, score_prompt
@@ -108,9 +108,9 @@ class ModelRunner:
             if i > 0:
                 inputs = inputs.next_decode_step(i, outputs.last_ids)
                 self.adjuster.count_sampled(inputs.adjust, outputs.last_ids)
-            hidden, logits = self._forward(inputs)
+            prompt_hidden, logits = self._forward(inputs)
             if i == 0 and inputs.prompt_rows.numel():
-                outputs.prompt = self._score_prompt(inputs, hidden)
+                outputs.prompt = self._score_prompt(inputs, prompt_hidden)
             adjusted = self.adjuster.adjust(logits, inputs.adjust, i)
             outputs.add(
                 score_sampled(logits, inputs, adjusted, self.processed_logprobs, self.cpu_kernels)
@@ -124,8 +124,9 @@ class ModelRunner:
             self.table[rows, cols] = inputs.fill_slots
 
     def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """The final hidden states [T, hidden] and the float32 logits [B, V] of each row's
-        last position (timed under --step-timing: the model's share of a step)."""
+        """The final hidden states [P, hidden] of the prompt positions scored and the float32
+        logits [B, V] of each row's last position (timed under --step-timing: the model's
+        share of a step)."""
         rows = inputs.req_rows.repeat_interleave(inputs.extend_lens)
         self.table[rows, inputs.positions] = inputs.out_slots.int()
         attention = plan_attention(
@@ -141,18 +142,25 @@ class ModelRunner:
             rows,
             inputs.positions,
         )
+        # NOTE: the last layer computes only the tokens read, where the backend allows it.
+        last_plan = plan_last_layer(attention, inputs.last_layer)
+        kept = None if last_plan is None else inputs.last_layer
+        last = None if last_plan is None or kept is None else (last_plan, kept.index)
         started = time.perf_counter()
-        hidden = self.model(inputs.input_ids, inputs.positions, attention, self.kv_cache)
-        logits = self.model.logits(hidden[inputs.starts + inputs.extend_lens - 1])
+        hidden = self.model(inputs.input_ids, inputs.positions, attention, self.kv_cache, last)
+        row_ends = inputs.starts + inputs.extend_lens if kept is None else kept.starts + kept.counts
+        logits = self.model.logits(hidden[row_ends - 1])
         if self.time_forward:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.forward_s += time.perf_counter() - started
-        return hidden, logits
+        prompt_index = inputs.prompt_hidden_index if kept is None else kept.prompt_index
+        return hidden[prompt_index], logits
 
     def _score_prompt(self, inputs: StepInputs, hidden: torch.Tensor) -> ScoredPositions:
+        """hidden [P, hidden]: the states of inputs.prompt_hidden_index."""
         return score_prompt(
-            hidden[inputs.prompt_hidden_index],
+            hidden,
             inputs.prompt_targets,
             self.model.logits,
             inputs.prompt_num_top,

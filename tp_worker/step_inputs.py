@@ -22,6 +22,51 @@ def _tensor(array: Array, device: torch.device, dtype: torch.dtype = torch.int64
 
 
 @dataclass(frozen=True)
+class LastLayerRows:
+    """The tokens whose final hidden state a step reads: each row's last token and the prompt
+    positions it scores, a suffix of each row's new tokens. Past its KV write, the last layer
+    computes these alone (a row's numbers do not depend on the rows beside it)."""
+
+    index: torch.Tensor  # [K] int64 token index in [T] of each kept token
+    first_pos: torch.Tensor  # [B] int64 position of each row's first kept token
+    counts: torch.Tensor  # [B] int64 kept tokens per row
+    starts: torch.Tensor  # [B] int64 index in [K] of each row's first kept token
+    prompt_index: torch.Tensor  # [P] int64 index in [K] of each prompt-scoring state
+
+    @staticmethod
+    def plan(
+        extend_lens: np.ndarray,
+        prefix_lens: np.ndarray,
+        keep_from: np.ndarray,
+        prompt_hidden_index: np.ndarray,
+        device: torch.device,
+    ) -> LastLayerRows | None:
+        """keep_from [B]: each row's first kept token, counted from its first new token.
+        None when every token is kept (a decode step)."""
+        counts = extend_lens - keep_from
+        if counts.sum() == extend_lens.sum():
+            return None
+        starts = np.cumsum(counts) - counts
+        token_starts = np.cumsum(extend_lens) - extend_lens
+        index = np.repeat(token_starts + keep_from - starts, counts) + np.arange(counts.sum())
+        kept_at = np.full(int(extend_lens.sum()), -1, np.int64)
+        kept_at[index] = np.arange(len(index))
+        prompt_index = kept_at[prompt_hidden_index]
+        assert (prompt_index >= 0).all(), "a prompt-scoring state outside the kept tokens"
+
+        def tensor(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a.astype(np.int64)).to(device)
+
+        return LastLayerRows(
+            tensor(index),
+            tensor(prefix_lens + keep_from),
+            tensor(counts),
+            tensor(starts),
+            tensor(prompt_index),
+        )
+
+
+@dataclass(frozen=True)
 class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
@@ -47,6 +92,7 @@ class StepInputs:
     prompt_counts: torch.Tensor  # [B] int64 scored prompt positions per row
     prompt_num_top: int
     decode_slots: torch.Tensor | None  # [N-1, B] int64
+    last_layer: LastLayerRows | None  # None: every token's final hidden state is kept
 
     @staticmethod
     def from_batch(batch: ForwardBatch, device: torch.device) -> StepInputs:
@@ -59,7 +105,9 @@ class StepInputs:
         input_ids = _tensor(batch.input_ids, device)
         num_top = _tensor(batch.logprobs.num_top, device)
         token_offsets = unpack(batch.logprobs.token_ids_offsets)
-        prompt = _prompt_plan(batch, unpack(batch.extend_lens), unpack(batch.prefix_lens))
+        extend_np = unpack(batch.extend_lens).astype(np.int64)
+        prefix_np = unpack(batch.prefix_lens).astype(np.int64)
+        prompt = _prompt_plan(batch, extend_np, prefix_np)
         s = batch.sampling
         return StepInputs(
             input_ids=input_ids,
@@ -96,6 +144,9 @@ class StepInputs:
             decode_slots=None
             if batch.decode_slots is None
             else _tensor(batch.decode_slots, device),
+            last_layer=LastLayerRows.plan(
+                extend_np, prefix_np, prompt.keep_from, prompt.hidden_index, device
+            ),
         )
 
     def next_decode_step(self, step: int, sampled: torch.Tensor) -> StepInputs:
@@ -113,6 +164,7 @@ class StepInputs:
             is_prefill=torch.zeros_like(self.is_prefill),
             starts=torch.arange(len(ones), device=ones.device),
             input_ids=sampled,
+            last_layer=None,
         )
 
 
@@ -123,6 +175,7 @@ class _PromptPlan:
     targets: np.ndarray
     counts: np.ndarray
     num_top: int
+    keep_from: np.ndarray  # [B] first token (from the row's first new one) whose state is read
 
 
 def _prompt_plan(
@@ -138,6 +191,7 @@ def _prompt_plan(
     starts = np.cumsum(extend_lens) - extend_lens
     rows = np.flatnonzero(prompt_start >= 0)
     counts = np.zeros(len(extend_lens), np.int64)
+    keep_from = np.maximum(extend_lens - 1, 0)  # NOTE: the last token's state gives the logits
     hidden, targets = [], []
     for b in rows:  # NOTE: a loop over rows that asked, not over tokens or the vocabulary.
         first = max(int(prompt_start[b]) - 1, int(prefix_lens[b])) - int(prefix_lens[b])
@@ -151,10 +205,12 @@ def _prompt_plan(
         hidden.append(idx)
         targets.append(tgt)
         counts[b] = len(idx)
+        keep_from[b] = min(keep_from[b], first)
     return _PromptPlan(
         rows=rows.astype(np.int64),
         hidden_index=np.concatenate(hidden) if hidden else np.zeros(0, np.int64),
         targets=np.concatenate(targets) if targets else np.zeros(0, np.int64),
         counts=counts,
         num_top=int(num_top[rows].max()) if len(rows) else 0,
+        keep_from=keep_from,
     )
