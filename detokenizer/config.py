@@ -27,5 +27,8 @@ class DetokenizerConfig:
     parent_pid: int | None = None
     """Exit when this process is no longer our parent (the server died); None: no check."""
 
+    niceness: int = 0
+    """This process's niceness (--serving-nice); 0 = the default priority."""
+
     parent_check_s: float = 1.0
     """Seconds between checks that the parent is alive."""

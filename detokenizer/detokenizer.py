@@ -27,7 +27,7 @@ from tokenmill.protocol.outputs import (
     DetokenizedOutput,
     RequestOutput,
 )
-from tokenmill.protocol.process import setup_process
+from tokenmill.protocol.process import setup_process, yield_cpu
 from tokenmill.protocol.requests import AbortRequest, DetokenizeParams
 
 logger = logging.getLogger(__name__)
@@ -180,6 +180,7 @@ def serve(detokenizer: Detokenizer, config: DetokenizerConfig, ctx: zmq.Context)
 def run_detokenizer(config: DetokenizerConfig) -> None:
     """Entry point of the detokenizer process; exits non-zero on any internal error."""
     setup_process("tokenmill::detokenizer")
+    yield_cpu(config.niceness)
     ctx = zmq.Context()
     try:
         detokenizer = Detokenizer(TokenTable.from_file(config.tokenizer_path))

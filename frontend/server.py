@@ -23,6 +23,7 @@ from tokenmill.frontend.server_config import ServerConfig
 from tokenmill.frontend.systemd_notify import SystemdNotifier
 from tokenmill.frontend.tokenizer import Tokenizer
 from tokenmill.protocol.cluster import ClusterKey
+from tokenmill.protocol.process import yield_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +32,8 @@ async def serve(config: ServerConfig, model_dir: Path) -> int:
     layout = ClusterLayout.of(config.parallel)
     nodes = _remote_nodes(config, model_dir, layout)
     engine = launch_engine(config, model_dir, config.model.max_model_len, layout)
+    # NOTE: after the launch: the engine's processes keep the default priority.
+    yield_cpu(config.http.serving_nice)
     client = ZmqEngineClient(
         [r.requests for r in engine.addresses.replicas],
         engine.addresses.detokenized,

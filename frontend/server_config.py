@@ -113,6 +113,11 @@ class HttpArgs:
     drain_timeout: float = 30.0
     """On SIGTERM: seconds requests in flight may take to finish (new ones get 503) before
     they are aborted with an error."""
+    serving_nice: int = 10
+    """Niceness (0..19) of the frontend and detokenizer processes. Where the model's threads
+    fill the cores (a CPU server), a serving process that preempts one of them stalls the
+    others at their next barrier; at 10 it waits for a free core instead. 0 = unchanged.
+    The controller and the workers keep the default priority."""
 
 
 @dataclass(frozen=True)
@@ -244,6 +249,7 @@ def validate(config: ServerConfig) -> None:
         (s.max_queued_requests >= 1, "--max-queued-requests", s.max_queued_requests, "use 1+"),
         (s.queue_timeout >= 0, "--queue-timeout", s.queue_timeout, "use 0 (off) or seconds"),
         (h.drain_timeout >= 0, "--drain-timeout", h.drain_timeout, "use 0 or more seconds"),
+        (0 <= h.serving_nice <= 19, "--serving-nice", h.serving_nice, "use 0..19"),
         (
             config.scoring.max_score_items >= 1,
             "--max-score-items",

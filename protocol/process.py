@@ -33,6 +33,25 @@ def setup_process(title: str, level: str | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def yield_cpu(niceness: int) -> None:
+    """Lowers every thread of this process (and so the threads and children it makes later)
+    to `niceness`, never raising one: on cores the model's threads fill, a serving process
+    then waits for a free core instead of preempting a model thread that its partners in a
+    parallel region would wait for. 0 changes nothing."""
+    if niceness <= 0:
+        return
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:  # NOTE: not Linux: niceness is per process there
+        tids = [0]
+    for tid in tids:
+        try:
+            if os.getpriority(os.PRIO_PROCESS, tid) < niceness:
+                os.setpriority(os.PRIO_PROCESS, tid, niceness)
+        except OSError as e:  # NOTE: a thread that ended meanwhile, or a sandbox
+            logging.getLogger(__name__).debug("niceness of thread %d unchanged: %s", tid, e)
+
+
 def exit_with_parent(parent_pid: int | None) -> None:
     """Exits this process when its parent does (PR_SET_PDEATHSIG, plus a polling thread where
     that is not available)."""

@@ -5,7 +5,10 @@ loopback, driven by the `openai` client, checked against the in-process runner a
 from __future__ import annotations
 
 import asyncio
+import os
+import re
 import time
+from pathlib import Path
 
 import numpy as np
 import openai
@@ -640,3 +643,36 @@ def test_preemption_under_a_full_pool_loses_nothing(tiny_checkpoint, tmp_path) -
         assert wait_idle(small)["tokenmill_kv_slots_used"] == 0
     finally:
         assert small.stop() == 0
+
+
+def _niceness(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+
+
+def test_serving_processes_yield_the_cores_to_the_engine(server) -> None:
+    """--serving-nice 10 (the default): the frontend and detokenizer run at niceness 10, every
+    thread of them; the controller and the worker keep the default priority."""
+    from test_server_faults import children_of
+
+    frontend = server.proc.pid
+    children = children_of(frontend)
+    modules = {pid: re.search(r"-m (tokenmill\.\w+)", cmd) for pid, cmd in children.items()}
+    roles = {pid: m.group(1) for pid, m in modules.items() if m is not None}
+    assert sorted(roles.values()) == [
+        "tokenmill.controller",
+        "tokenmill.detokenizer",
+        "tokenmill.tp_worker",
+    ]
+    for pid, role in [(frontend, "frontend"), *roles.items()]:
+        threads = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        want = 10 if role in ("frontend", "tokenmill.detokenizer") else 0
+        assert {_niceness(t) for t in threads} == {want}, role
+
+
+@pytest.mark.parametrize("value", [-1, 20])
+def test_serving_nice_is_validated(value: int) -> None:
+    from tokenmill.frontend.server_config import HttpArgs, ServerConfig, validate
+
+    validate(ServerConfig(http=HttpArgs(serving_nice=0)))
+    with pytest.raises(ValueError, match="--serving-nice"):
+        validate(ServerConfig(http=HttpArgs(serving_nice=value)))

@@ -127,6 +127,7 @@ def launch_engine(
                 output_addr=addrs.detokenized,
                 abort_addr=replica.requests,
                 parent_pid=os.getpid(),
+                niceness=config.http.serving_nice,
             ),
         )
         engine.start(
