@@ -59,6 +59,7 @@ class Controller:
         self.checked_at_step = -1  # num_steps when the pool and tree were last checked
         self.next_expiry_check = 0.0
         self.handlers = {GenerateRequest: self.handle_generate, AbortRequest: self.handle_abort}
+        self.pending_outputs: list[RequestOutput] = []  # emitted, not yet sent (flush_outputs)
 
     def run(self) -> None:
         while True:
@@ -73,6 +74,8 @@ class Controller:
             outputs = self.outputs.apply(rows, result)
             self.cache_finished_prefills(rows)
             self.emit(outputs)
+        if not rows or not self.scheduler.has_work():
+            self.flush_outputs()  # NOTE: no step will carry them out
         self.report()
 
     def cache_finished_prefills(self, rows: list[ScheduledRow]) -> None:
@@ -90,6 +93,7 @@ class Controller:
         batch = build_forward_batch(self.num_steps, rows, self.scheduler.num_steps)
         self.timing.on_send(decode_only=not any(row.is_prefill for row in rows))
         self.sockets.send_batch(batch)
+        self.flush_outputs()
         result = self.sockets.receive_result()
         if isinstance(result, WorkerFailed):
             raise RuntimeError(f"tp_worker failed step {result.step_id}: {result.message}")
@@ -102,8 +106,16 @@ class Controller:
         for output in outputs:
             if output.finish_reason is not None:
                 self._drop(self.requests[output.req_id])
-        if outputs:
-            self.sockets.send_outputs(BatchOutput(outputs))
+        self.pending_outputs += outputs
+
+    def flush_outputs(self) -> None:
+        """Sends the outputs emitted so far to the detokenizer, in order. Called right after
+        a step goes to the workers (or when no step follows), so that the detokenizer and the
+        frontend turn a step's tokens into text while the next one runs, not while this
+        process builds it."""
+        if self.pending_outputs:
+            self.sockets.send_outputs(BatchOutput(self.pending_outputs))
+            self.pending_outputs = []
 
     def handle_generate(self, message: GenerateRequest) -> None:
         if message.req_id in self.requests:
@@ -148,7 +160,7 @@ class Controller:
             num_prompt_tokens=request.num_prompt_tokens,
             detokenize=request.announce(),
         )
-        self.sockets.send_outputs(BatchOutput([output]))
+        self.pending_outputs.append(output)  # NOTE: after the request's earlier outputs
 
     def _drop(self, request: Request) -> None:
         self.scheduler.finish(request)

@@ -11,7 +11,7 @@ from tokenmill.controller.config import ControllerConfig
 from tokenmill.controller.controller import Controller
 from tokenmill.controller.scheduler import DECODE_SLOT_RUN
 from tokenmill.protocol.arrays import pack, unpack
-from tokenmill.protocol.outputs import RequestOutput
+from tokenmill.protocol.outputs import BatchOutput, RequestOutput
 from tokenmill.protocol.requests import (
     AbortRequest,
     DetokenizeParams,
@@ -408,3 +408,31 @@ def test_a_shared_prefix_is_computed_once_even_when_short() -> None:
 
     assert run(hint=len(query)).kv.hit_tokens == 3 * len(query)
     assert run(hint=0).kv.hit_tokens == 0
+
+
+def test_a_steps_outputs_leave_after_the_next_step_and_in_order() -> None:
+    """Each step's outputs go to the detokenizer right after the next step goes to the
+    workers (the detokenizer works while the model does), every one of them, in order; an
+    abort's output follows the tokens emitted before it."""
+    controller, sockets = make_controller()
+    events: list[str] = []
+    send_batch, send_outputs = sockets.send_batch, sockets.send_outputs
+
+    def batch_out(batch: ForwardBatch) -> None:
+        events.append("batch")
+        send_batch(batch)
+
+    def outputs_out(outputs: BatchOutput) -> None:
+        events.append("outputs")
+        send_outputs(outputs)
+
+    sockets.send_batch, sockets.send_outputs = batch_out, outputs_out  # type: ignore[method-assign]
+    sockets.inbox.append(request("a", [3, 4, 5], max_tokens=50))
+    for _ in range(3):
+        controller.run_once()
+    assert events == ["batch", "batch", "outputs", "batch", "outputs"]
+    assert tokens_of(sockets.outputs, "a") == [6, 7]  # the third step's token is not out yet
+    sockets.inbox.append(AbortRequest("a"))
+    run_until_idle(controller)
+    assert tokens_of(sockets.outputs, "a") == [6, 7, 8]
+    assert sockets.outputs[-1].finish_reason == "abort"
