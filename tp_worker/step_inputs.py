@@ -16,9 +16,14 @@ from tokenmill.protocol.step import ForwardBatch
 from tokenmill.tp_worker.penalties import LogitAdjustments
 from tokenmill.tp_worker.sampling import SamplingTensors
 
+_NUMPY_OF = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
+
 
 def _tensor(array: Array, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    return torch.from_numpy(np.array(unpack(array))).to(device=device, dtype=dtype)
+    """One copy out of the message's bytes (which are read-only), already in `dtype`."""
+    if dtype == torch.bool:
+        return torch.from_numpy(unpack(array).astype(np.bool_)).to(device)
+    return torch.from_numpy(unpack(array).astype(_NUMPY_OF[dtype])).to(device)
 
 
 @dataclass(frozen=True)
@@ -96,22 +101,21 @@ class StepInputs:
 
     @staticmethod
     def from_batch(batch: ForwardBatch, device: torch.device) -> StepInputs:
-        extend_lens = _tensor(batch.extend_lens, device)
-        prefix_lens = _tensor(batch.prefix_lens, device)
-        starts = torch.cumsum(extend_lens, 0) - extend_lens
-        offsets = torch.arange(int(extend_lens.sum()), device=device) - starts.repeat_interleave(
-            extend_lens
-        )
+        extend_np = unpack(batch.extend_lens).astype(np.int64)
+        prefix_np = unpack(batch.prefix_lens).astype(np.int64)
+        extend_lens = torch.from_numpy(extend_np).to(device)
+        prefix_lens = torch.from_numpy(prefix_np).to(device)
+        starts_np = np.cumsum(extend_np) - extend_np
+        starts = torch.from_numpy(starts_np).to(device)
+        positions = np.repeat(prefix_np - starts_np, extend_np) + np.arange(extend_np.sum())
         input_ids = _tensor(batch.input_ids, device)
         num_top = _tensor(batch.logprobs.num_top, device)
         token_offsets = unpack(batch.logprobs.token_ids_offsets)
-        extend_np = unpack(batch.extend_lens).astype(np.int64)
-        prefix_np = unpack(batch.prefix_lens).astype(np.int64)
         prompt = _prompt_plan(batch, extend_np, prefix_np)
         s = batch.sampling
         return StepInputs(
             input_ids=input_ids,
-            positions=prefix_lens.repeat_interleave(extend_lens) + offsets,
+            positions=torch.from_numpy(positions).to(device),
             out_slots=_tensor(batch.out_slots, device),
             req_rows=_tensor(batch.req_rows, device),
             prefix_lens=prefix_lens,
