@@ -36,13 +36,15 @@ def score_sampled(
     """logits [B, V] float32 of each row's last position, and the same after the stop ban,
     bias and penalties (`adjusted`, None = unchanged) -> the ids sampled from `adjusted` and
     their scores: from the raw logits, or (`processed`) from the distribution sampled from.
-    cpu_kernel: the raw log-softmax and the random rows' sampling through csrc/
+    cpu_kernel: the raw log-softmax and (raw mode) the random rows' sampling through csrc/
     (LogSoftmax.of, sampling.sample)."""
     positions = inputs.prefix_lens + inputs.extend_lens
     adjusted = logits if adjusted is None else adjusted
     if processed:
         scores = LogSoftmax.given(processed_logprobs(adjusted, inputs.sampling))
-        next_ids = sample(adjusted, inputs.sampling, positions, cpu_kernel=cpu_kernel)
+        # NOTE: the torch sampler, whose kept set is processed_logprobs' to the last rounding:
+        # the kernel's could differ at a top-p boundary, and a sampled token would read -inf.
+        next_ids = sample(adjusted, inputs.sampling, positions)
     else:
         scores = LogSoftmax.of(logits, cpu_kernel, inputs.max_top)
         # NOTE: with nothing adjusted, the greedy ids are the argmax the log-softmax found.
