@@ -143,9 +143,12 @@ class ModelRunner:
             inputs.positions,
         )
         # NOTE: the last layer computes only the tokens read, where the backend allows it.
-        last_plan = plan_last_layer(attention, inputs.last_layer)
-        kept = None if last_plan is None else inputs.last_layer
-        last = None if last_plan is None or kept is None else (last_plan, kept.index)
+        kept, last = inputs.last_layer, None
+        last_plan = plan_last_layer(attention, kept)
+        if kept is not None and last_plan is not None:
+            last = (last_plan, kept.index)
+        else:
+            kept = None
         started = time.perf_counter()
         hidden = self.model(inputs.input_ids, inputs.positions, attention, self.kv_cache, last)
         row_ends = inputs.starts + inputs.extend_lens if kept is None else kept.starts + kept.counts
