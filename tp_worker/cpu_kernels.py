@@ -35,7 +35,7 @@ SOURCES = tuple(
         "sample.cpp",
     )
 )
-HEADERS = (CSRC / "bf16.h", CSRC / "exp.h")
+HEADERS = (CSRC / "argmax.h", CSRC / "bf16.h", CSRC / "exp.h")
 # NOTE: -ffp-contract=off and no -ffast-math: the compiler may vectorise but never fuse or
 # reassociate, so the reduction order written in the source is the one that runs.
 FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-std=c++17", "-fPIC")

@@ -26,11 +26,13 @@
 #include <immintrin.h>
 #endif
 
+#include "argmax.h"
 #include "exp.h"
 
 namespace {
 
 using tokenmill::exp_nonpositive;
+using tokenmill::row_max;
 #if defined(__AVX512F__)
 using tokenmill::exp_nonpositive16;
 #endif
@@ -149,67 +151,6 @@ bool kept_by(const Cut& cut, float e, int64_t& ties_seen) {
   return ties_seen++ < cut.ties;
 }
 
-// The first index of the largest value of x [n], n >= 1 (no NaN in x).
-int64_t first_argmax(const float* x, int64_t n) {
-  int64_t j = 0, at = 0;
-  float best = x[0];
-#if defined(__AVX512F__)
-  const int64_t whole = n / LANES * LANES;
-  if (whole > 0) {
-    __m512 lane_best = _mm512_loadu_ps(x);
-    __m512i lane_at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    __m512i column = lane_at;
-    for (j = LANES; j < whole; j += LANES) {
-      column = _mm512_add_epi32(column, _mm512_set1_epi32(LANES));
-      const __m512 v = _mm512_loadu_ps(x + j);
-      const __mmask16 greater = _mm512_cmp_ps_mask(v, lane_best, _CMP_GT_OQ);
-      lane_best = _mm512_mask_mov_ps(lane_best, greater, v);
-      lane_at = _mm512_mask_mov_epi32(lane_at, greater, column);
-    }
-    alignas(64) float values[LANES];
-    alignas(64) int32_t indices[LANES];
-    _mm512_store_ps(values, lane_best);
-    _mm512_store_si512(indices, lane_at);
-    best = values[0];
-    at = indices[0];
-    for (int l = 1; l < LANES; ++l)
-      if (values[l] > best || (values[l] == best && indices[l] < at)) {
-        best = values[l];
-        at = indices[l];
-      }
-  }
-#endif
-  for (; j < n; ++j)
-    if (x[j] > best) {
-      best = x[j];
-      at = j;
-    }
-  return at;
-}
-
-// The largest of x [n], or NaN if x holds a NaN.
-float max_or_nan(const float* x, int64_t n) {
-  float m = -std::numeric_limits<float>::infinity();
-  int64_t j = 0;
-#if defined(__AVX512F__)
-  const int64_t whole = n / LANES * LANES;
-  __m512 lanes = _mm512_set1_ps(m);
-  __mmask16 nan = 0;
-  for (; j < whole; j += LANES) {
-    const __m512 v = _mm512_loadu_ps(x + j);
-    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    lanes = _mm512_max_ps(lanes, v);
-  }
-  if (nan) return std::numeric_limits<float>::quiet_NaN();
-  m = _mm512_reduce_max_ps(lanes);
-#endif
-  for (; j < n; ++j) {
-    if (std::isnan(x[j])) return x[j];
-    m = x[j] > m ? x[j] : m;
-  }
-  return m;
-}
-
 void exp_shifted(float* e, int64_t n, float m) {  // e[j] = exp(e[j] - m), in place
   int64_t j = 0;
 #if defined(__AVX512F__)
@@ -223,11 +164,12 @@ void exp_shifted(float* e, int64_t n, float m) {  // e[j] = exp(e[j] - m), in pl
 int64_t sample_row(const float* logits, int64_t vocab, float temperature, int64_t top_k,
                    float top_p, float min_p, uint32_t key, float* e, float* race) {
   for (int64_t j = 0; j < vocab; ++j) e[j] = logits[j] / temperature;
-  const float m = max_or_nan(e, vocab);
+  float m;
+  int64_t at;
+  row_max(e, vocab, &m, &at);
   if (!std::isfinite(m)) {  // a NaN, +inf or nothing finite: torch's argmax of the logits
-    for (int64_t j = 0; j < vocab; ++j)
-      if (std::isnan(logits[j])) return j;
-    return first_argmax(logits, vocab);
+    row_max(logits, vocab, &m, &at);
+    return at;
   }
   exp_shifted(e, vocab, m);
   Cut cut;
@@ -249,7 +191,10 @@ int64_t sample_row(const float* logits, int64_t vocab, float temperature, int64_
     for (int64_t j = 0; j < vocab; ++j)
       if (!kept_by(cut, e[j], ties_seen) || e[j] < min_p) race[j] = -1.0f;
   }
-  return first_argmax(race, vocab);
+  float best;
+  int64_t best_at;
+  row_max(race, vocab, &best, &best_at);
+  return best_at;
 }
 
 }  // namespace
