@@ -12,7 +12,7 @@
 //   the sampled id is the kept j with the largest e_j / E_j, E_j = -log(u_j) the hash noise
 //   of sampling.py (exponential_noise), the smaller id on a tie.
 // Masses are summed in double: per bucket in ascending id, buckets in descending order (the
-// cut is found by radix selection on e's bits, 11 + 10 + 11 bits), ties at the cut in
+// cut is found by radix selection on e's bits, 11 + 11 + 10 bits), ties at the cut in
 // ascending id. Everything depends on the row, its parameters, its seed and its position
 // alone: not on the batch, the thread count or the CPU (no library math; log is ours).
 
