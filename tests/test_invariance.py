@@ -141,7 +141,9 @@ def test_the_last_layer_keeps_each_rows_last_token_and_scored_positions() -> Non
     extend = np.array([5, 1, 4])
     prefix = np.array([0, 9, 20])
     keep_from = np.array([4, 0, 1])  # row 2 scores its last three prompt positions
-    rows = LastLayerRows.plan(extend, prefix, keep_from, np.array([7, 8, 9]), torch.device("cpu"))
+    rows = LastLayerRows.plan(
+        extend, np.array([0, 5, 6]), prefix, keep_from, np.array([7, 8, 9]), torch.device("cpu")
+    )
     assert rows is not None
     assert rows.index.tolist() == [4, 5, 7, 8, 9]
     assert rows.first_pos.tolist() == [4, 9, 21]
@@ -149,6 +151,7 @@ def test_the_last_layer_keeps_each_rows_last_token_and_scored_positions() -> Non
     assert rows.prompt_index.tolist() == [2, 3, 4]
     every = LastLayerRows.plan(
         np.ones(3, np.int64),
+        np.arange(3),
         prefix,
         np.zeros(3, np.int64),
         np.zeros(0, np.int64),

@@ -16,13 +16,16 @@ from tokenmill.protocol.step import ForwardBatch
 from tokenmill.tp_worker.penalties import LogitAdjustments
 from tokenmill.tp_worker.sampling import SamplingTensors
 
-_NUMPY_OF = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32}
+_NUMPY_OF = {
+    torch.int64: np.int64,
+    torch.int32: np.int32,
+    torch.float32: np.float32,
+    torch.bool: np.bool_,
+}
 
 
 def _tensor(array: Array, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """One copy out of the message's bytes (which are read-only), already in `dtype`."""
-    if dtype == torch.bool:
-        return torch.from_numpy(unpack(array).astype(np.bool_)).to(device)
     return torch.from_numpy(unpack(array).astype(_NUMPY_OF[dtype])).to(device)
 
 
@@ -41,18 +44,18 @@ class LastLayerRows:
     @staticmethod
     def plan(
         extend_lens: np.ndarray,
+        token_starts: np.ndarray,
         prefix_lens: np.ndarray,
         keep_from: np.ndarray,
         prompt_hidden_index: np.ndarray,
         device: torch.device,
     ) -> LastLayerRows | None:
-        """keep_from [B]: each row's first kept token, counted from its first new token.
-        None when every token is kept (a decode step)."""
+        """token_starts [B]: each row's first new token in [T]; keep_from [B]: its first kept
+        one, counted from there. None when every token is kept (a decode step)."""
         counts = extend_lens - keep_from
         if counts.sum() == extend_lens.sum():
             return None
         starts = np.cumsum(counts) - counts
-        token_starts = np.cumsum(extend_lens) - extend_lens
         index = np.repeat(token_starts + keep_from - starts, counts) + np.arange(counts.sum())
         kept_at = np.full(int(extend_lens.sum()), -1, np.int64)
         kept_at[index] = np.arange(len(index))
@@ -111,7 +114,7 @@ class StepInputs:
         input_ids = _tensor(batch.input_ids, device)
         num_top = _tensor(batch.logprobs.num_top, device)
         token_offsets = unpack(batch.logprobs.token_ids_offsets)
-        prompt = _prompt_plan(batch, extend_np, prefix_np)
+        prompt = _prompt_plan(batch, extend_np, prefix_np, starts_np)
         s = batch.sampling
         return StepInputs(
             input_ids=input_ids,
@@ -149,7 +152,7 @@ class StepInputs:
             if batch.decode_slots is None
             else _tensor(batch.decode_slots, device),
             last_layer=LastLayerRows.plan(
-                extend_np, prefix_np, prompt.keep_from, prompt.hidden_index, device
+                extend_np, starts_np, prefix_np, prompt.keep_from, prompt.hidden_index, device
             ),
         )
 
@@ -183,7 +186,7 @@ class _PromptPlan:
 
 
 def _prompt_plan(
-    batch: ForwardBatch, extend_lens: np.ndarray, prefix_lens: np.ndarray
+    batch: ForwardBatch, extend_lens: np.ndarray, prefix_lens: np.ndarray, starts: np.ndarray
 ) -> _PromptPlan:
     """Which hidden states score which prompt tokens: the state at position p predicts the
     token at p + 1, scored when p + 1 >= prompt_start (the chunk's last state predicts
@@ -192,7 +195,6 @@ def _prompt_plan(
     prompt_start, next_ids = unpack(asks.prompt_start), unpack(asks.prompt_next_id)
     num_top = unpack(asks.num_top)
     input_ids = unpack(batch.input_ids).astype(np.int64)
-    starts = np.cumsum(extend_lens) - extend_lens
     rows = np.flatnonzero(prompt_start >= 0)
     counts = np.zeros(len(extend_lens), np.int64)
     keep_from = np.maximum(extend_lens - 1, 0)  # NOTE: the last token's state gives the logits
