@@ -16,6 +16,16 @@ from tokenmill.tp_worker.rope import Rotary, apply_rotary
 SHAPES = [(1, 64, 40), (13, 33, 70), (37, 256, 96), (300, 128, 64)]  # (M, K, N)
 
 
+@pytest.fixture(params=["vector", "amx"])
+def linear_kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each linear kernel this machine has: linear.cpp's (AVX-512 or portable) and, on a CPU
+    with AMX, linear_amx.cpp's, which PackedLinear picks there unless TOKENMILL_CPU_AMX=0."""
+    monkeypatch.setenv("TOKENMILL_CPU_AMX", "1" if request.param == "amx" else "0")
+    if request.param == "amx" and not cpu_ops.amx_enabled():
+        pytest.skip("this CPU (or its kernel build) has no AMX tiles")
+    return request.param
+
+
 def _case(m: int, k: int, n: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(seed)
     weight = torch.randn(n, k, generator=gen).to(dtype)
@@ -30,10 +40,12 @@ def _case(m: int, k: int, n: int, dtype: torch.dtype, seed: int = 0) -> tuple[to
     [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, None)],
 )
 def test_matches_float64_reference(
-    m: int, k: int, n: int, dtype: torch.dtype, out_dtype: torch.dtype | None
+    m: int, k: int, n: int, dtype: torch.dtype, out_dtype: torch.dtype | None, linear_kernel: str
 ) -> None:
     x, weight, bias = _case(m, k, n, dtype)
-    out = PackedLinear(weight, bias)(x, out_dtype)
+    layer = PackedLinear(weight, bias)
+    assert layer.amx == (linear_kernel == "amx" and dtype == torch.bfloat16)
+    out = layer(x, out_dtype)
     assert out.dtype == (out_dtype or dtype) and out.shape == (m, n)
     expected = x.double() @ weight.double().T + bias.double()
     if out.dtype == torch.bfloat16:  # only the final rounding: 2^-8 relative
@@ -42,9 +54,15 @@ def test_matches_float64_reference(
         torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_row_is_bitwise_the_same_in_any_company(dtype: torch.dtype) -> None:
-    x, weight, bias = _case(300, 160, 72, dtype)
+@pytest.mark.parametrize(
+    ("k", "dtype"), [(160, torch.float32), (160, torch.bfloat16), (200, torch.bfloat16)]
+)
+def test_a_row_is_bitwise_the_same_in_any_company(
+    k: int, dtype: torch.dtype, linear_kernel: str
+) -> None:
+    """Every row count around the kernels' blocks (12 rows; AMX: 16-row tiles, 32-row blocks,
+    256-row chunks), x read in place or copied (AMX, K = 200 is not a multiple of 32)."""
+    x, weight, bias = _case(300, k, 72, dtype)
     layer = PackedLinear(weight, bias)
     together = layer(x)
     threads = torch.get_num_threads()
@@ -53,7 +71,7 @@ def test_a_row_is_bitwise_the_same_in_any_company(dtype: torch.dtype) -> None:
         assert torch.equal(layer(x), together)
     finally:
         torch.set_num_threads(threads)
-    for rows in (1, 5, 12, 13, 64):
+    for rows in (1, 5, 12, 13, 16, 17, 32, 33, 64, 257):
         for start in (0, 7, 300 - rows):
             assert torch.equal(layer(x[start : start + rows]), together[start : start + rows])
 
@@ -128,7 +146,9 @@ def _one_row_two_ways(table: torch.Tensor) -> tuple[attention_cpu.PagedAttention
 
 def test_a_build_without_avx_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
     """The portable loops do what the AVX-512 (and AVX512_BF16) microkernels do, in the same
-    order: an x86 CPU of any generation computes the same numbers."""
+    order: an x86 CPU of any generation computes the same numbers (AMX apart: its tile
+    products round as the hardware does, so an AMX CPU is compared with AMX off)."""
+    monkeypatch.setenv("TOKENMILL_CPU_AMX", "0")
     cases = [
         (_case(m, k, n, dtype), dtype) for m, k, n in SHAPES[:3] for dtype in cpu_ops.DTYPE_CODES
     ]

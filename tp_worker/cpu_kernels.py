@@ -28,6 +28,7 @@ SOURCES = tuple(
     for name in (
         "attention.cpp",
         "linear.cpp",
+        "linear_amx.cpp",
         "rms_norm.cpp",
         "activation.cpp",
         "rope.cpp",
@@ -113,6 +114,10 @@ def load(path: Path) -> ctypes.CDLL:
     lib.tm_paged_attention.restype = ctypes.c_int
     lib.tm_linear.argtypes = [_P, _I, _I, _I, _P, _I, _P, _P, _I, ctypes.c_int, ctypes.c_int]
     lib.tm_linear.restype = ctypes.c_int
+    lib.tm_linear_amx.argtypes = lib.tm_linear.argtypes
+    lib.tm_linear_amx.restype = ctypes.c_int
+    lib.tm_amx_ready.argtypes = []
+    lib.tm_amx_ready.restype = ctypes.c_int
     lib.tm_rms_norm.argtypes = [_P, _P, _P, _I, _I, ctypes.c_float, ctypes.c_int]
     lib.tm_rms_norm.restype = ctypes.c_int
     lib.tm_silu_mul.argtypes = [_P, _P, _I, _I, ctypes.c_int]

@@ -10,11 +10,14 @@ batch and no row padding is needed: a decode step multiplies its own rows only.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from tokenmill.tp_worker.cpu_kernels import library
 
 PANEL = 32  # NR in csrc/linear.cpp: output features per packed panel
+AMX_TILE_K = 32  # TILE_K in csrc/linear_amx.cpp: bfloat16 k per tile product
 # NOTE: the dtypes every kernel in csrc/ takes, with the codes they take them by.
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -26,17 +29,26 @@ def supports(dtype: torch.dtype) -> bool:
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """weight [N, K] -> panels [N/32, K, 32] (float32) or [N/32, K/2, 32, 2] (bfloat16),
-    zero-padded to whole panels and, in bfloat16, whole pairs of k."""
+    zero-padded to whole panels and, in bfloat16, to a multiple of 32 in k (an AMX tile's
+    depth: both bfloat16 kernels take the same panels)."""
     n, k = weight.shape
     n_pad = -(-n // PANEL) * PANEL
     if weight.dtype == torch.float32:
         padded = weight.new_zeros(n_pad, k)
         padded[:n] = weight
         return padded.view(n_pad // PANEL, PANEL, k).permute(0, 2, 1).contiguous()
-    k_pad = -(-k // 2) * 2
+    k_pad = -(-k // AMX_TILE_K) * AMX_TILE_K
     padded = weight.new_zeros(n_pad, k_pad)
     padded[:n, :k] = weight
     return padded.view(n_pad // PANEL, PANEL, k_pad // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def amx_enabled() -> bool:
+    """Whether bfloat16 linear layers run on AMX tiles (csrc/linear_amx.cpp): where the CPU
+    and this build have them, unless TOKENMILL_CPU_AMX=0. NOTE: AMX rounds inside a tile
+    product as the hardware does, so an AMX machine gets its own bits (invariant to batch,
+    chunk and thread all the same); 0 gives linear.cpp's bits there instead."""
+    return os.environ.get("TOKENMILL_CPU_AMX", "1") != "0" and bool(library().tm_amx_ready())
 
 
 class PackedLinear:
@@ -47,6 +59,8 @@ class PackedLinear:
         self.dtype = weight.dtype
         self.packed = pack(weight)
         self.bias = None if bias is None else bias.float().contiguous()
+        # NOTE: chosen once per layer, so every call of a layer runs the same kernel.
+        self.amx = weight.dtype == torch.bfloat16 and amx_enabled()
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         assert x.dtype == self.dtype and x.shape[-1] == self.in_features, (x.dtype, x.shape)
@@ -54,7 +68,8 @@ class PackedLinear:
         out = x.new_empty(x.shape[0], self.out_features, dtype=out_dtype or self.dtype)
         if x.shape[0] == 0:
             return out
-        status = library().tm_linear(
+        lib = library()
+        status = (lib.tm_linear_amx if self.amx else lib.tm_linear)(
             x.data_ptr(),
             x.shape[0],
             self.in_features,

@@ -7,8 +7,10 @@
 // fixed row count is needed, and decode pays for one row, not 32.
 //
 // W is packed once at load time into panels of NR = 32 output features:
-//   float32  [N/32][K][32]        bfloat16  [N/32][K/2][32][2]   (N, K zero-padded)
-// so the inner loop reads each panel sequentially. With AVX-512 (and AVX512_BF16) the
+//   float32  [N/32][K][32]        bfloat16  [N/32][K/2][32][2]
+// (N zero-padded to whole panels; in bfloat16 K to a multiple of 32, the depth of an AMX
+// tile, so that linear_amx.cpp takes the same panels) so the inner loop reads each panel
+// sequentially. With AVX-512 (and AVX512_BF16) the
 // accumulators live in registers; without it a portable loop does the same operations in the
 // same order (std::fma: one rounding, as VFMADD231PS), so every x86 build gives the same bits.
 
@@ -133,7 +135,7 @@ template <typename T, typename Out, template <int> class K>
 void linear(const T* x, int64_t m, int64_t k_len, int64_t lda, const T* packed, int64_t n,
             const float* bias, Out* out, int64_t ldc) {
   const int64_t num_panels = (n + NR - 1) / NR;
-  const int64_t panel_elems = (std::is_same<T, float>::value ? k_len : 2 * ((k_len + 1) / 2)) * NR;
+  const int64_t panel_elems = (std::is_same<T, float>::value ? k_len : (k_len + 31) / 32 * 32) * NR;
 #pragma omp parallel for schedule(static)
   for (int64_t p = 0; p < num_panels; ++p) {
     alignas(64) float acc[MR * NR];

@@ -1,0 +1,199 @@
+// bfloat16 y = x W^T (+ b) on Intel's AMX tiles (tp_worker, via ctypes; linear.cpp is the
+// AVX-512 and portable kernel for the same packed weights).
+//
+// The rule: every output element is one float32 accumulator in a tile register that takes
+// its K products 32 at a time, one TDPBF16PS per 32 k in ascending k, whatever M is, wherever
+// the row sits and whichever thread runs it. The rows of a tile never mix (tested: a row's
+// result is the same in a tile of 1 row as of 16), so a row's numbers do not depend on its
+// company, as with linear.cpp. NOTE: how TDPBF16PS rounds inside one instruction is the
+// hardware's own: measured on a Xeon (Emerald Rapids) it matches neither order of
+// VDPBF16PS's two roundings nor one rounding of the exact sum. So an AMX machine gives its own
+// bits, the same on every AMX CPU that rounds alike, not linear.cpp's; TOKENMILL_CPU_AMX=0
+// (cpu_ops.py) runs linear.cpp's kernel there instead.
+//
+// The weights are linear.cpp's bfloat16 panels, [N/32][K/2][32][2] with K zero-padded to a
+// multiple of 32: a panel's 16 pairs of k for 16 output features are one B tile as it stands
+// (rows 128 bytes apart), so nothing is repacked.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define TOKENMILL_AMX 1
+#endif
+
+#include "bf16.h"
+
+#if defined(TOKENMILL_AMX)
+namespace {
+
+constexpr int NR = 32;        // output features per panel: two tiles of 16
+constexpr int TILE_K = 32;    // bfloat16 k per TDPBF16PS
+constexpr int BLOCK_M = 32;   // rows per block: two tiles of 16
+constexpr int CHUNK_M = 256;  // rows whose x stays in L2 while the panels stream past
+
+struct TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Every tile 16 rows of 64 bytes: tiles 0-3 accumulators, 4-5 x, 6-7 weights.
+void configure_tiles() {
+  TileConfig config{};
+  config.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// acc [16 * RB][NR] = a [16 * RB rows, k_pad] . panel, one row tile (RB = 1) or two.
+template <int RB>
+void block(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t k_pad, float* acc) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if (RB == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t k0 = 0; k0 < k_pad; k0 += TILE_K) {
+    const uint16_t* b = panel + k0 * NR;
+    _tile_loadd(6, b, NR * 4);
+    _tile_loadd(7, b + 32, NR * 4);
+    _tile_loadd(4, a + k0, lda * 2);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (RB == 2) {
+      _tile_loadd(5, a + 16 * lda + k0, lda * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, acc, NR * 4);
+  _tile_stored(1, acc + 16, NR * 4);
+  if (RB == 2) {
+    _tile_stored(2, acc + 16 * NR, NR * 4);
+    _tile_stored(3, acc + 16 * NR + 16, NR * 4);
+  }
+}
+
+template <typename Out>
+void write_rows(const float* acc, int rows, int64_t cols, const float* bias, Out* out,
+                int64_t ldc) {
+  for (int r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < cols; ++j)
+      tokenmill::store(out + r * ldc + j, bias ? acc[r * NR + j] + bias[j] : acc[r * NR + j]);
+}
+
+// The rows a tile may not read from x in place (past the last whole block, or every row when
+// K is not a multiple of 32), copied into rows of k_pad with zeros past k. The tail block's
+// rows past m are left as they are: a tile's rows never mix, and those rows' results are
+// never written.
+class Rows {
+ public:
+  Rows(const uint16_t* x, int64_t m, int64_t k, int64_t lda, int64_t k_pad)
+      : x_(x), lda_(lda), direct_rows_(k % TILE_K == 0 ? m / BLOCK_M * BLOCK_M : 0),
+        k_pad_(k_pad) {
+    const int64_t rest = m - direct_rows_, padded = (rest + 15) / 16 * 16;
+    // NOTE: one buffer per calling thread, kept: a decode step would otherwise allocate
+    // one for every layer.
+    thread_local std::vector<uint16_t> buffer;
+    if (buffer.size() < static_cast<size_t>(padded * k_pad)) buffer.resize(padded * k_pad);
+    tail_ = buffer.data();
+    for (int64_t r = 0; r < rest; ++r) {
+      uint16_t* dst = tail_ + r * k_pad;
+      std::memcpy(dst, x + (direct_rows_ + r) * lda, k * 2);
+      std::fill(dst + k, dst + k_pad, uint16_t{0});
+    }
+  }
+  const uint16_t* at(int64_t row) const {
+    return row < direct_rows_ ? x_ + row * lda_ : tail_ + (row - direct_rows_) * k_pad_;
+  }
+  int64_t stride(int64_t row) const { return row < direct_rows_ ? lda_ : k_pad_; }
+
+ private:
+  const uint16_t* x_;
+  int64_t lda_, direct_rows_, k_pad_;
+  uint16_t* tail_;
+};
+
+template <typename Out>
+void linear_amx(const uint16_t* x, int64_t m, int64_t k, int64_t lda, const uint16_t* packed,
+                int64_t n, const float* bias, Out* out, int64_t ldc) {
+  const int64_t k_pad = (k + TILE_K - 1) / TILE_K * TILE_K;
+  const int64_t num_panels = (n + NR - 1) / NR, panel_elems = k_pad * NR;
+  const Rows rows(x, m, k, lda, k_pad);
+#pragma omp parallel
+  {
+    configure_tiles();
+    alignas(64) float acc[BLOCK_M * NR];
+    for (int64_t c0 = 0; c0 < m; c0 += CHUNK_M) {
+      const int64_t c1 = std::min<int64_t>(m, c0 + CHUNK_M);
+      // NOTE: static, so a thread keeps the same panels from one chunk to the next.
+#pragma omp for schedule(static) nowait
+      for (int64_t p = 0; p < num_panels; ++p) {
+        const int64_t col0 = p * NR, cols = std::min<int64_t>(NR, n - col0);
+        for (int64_t r0 = c0; r0 < c1; r0 += BLOCK_M) {
+          const int count = static_cast<int>(std::min<int64_t>(BLOCK_M, m - r0));
+          const uint16_t* panel = packed + p * panel_elems;
+          if (count > 16) {
+            block<2>(rows.at(r0), rows.stride(r0), panel, k_pad, acc);
+          } else {
+            block<1>(rows.at(r0), rows.stride(r0), panel, k_pad, acc);
+          }
+          write_rows(acc, count, cols, bias ? bias + col0 : nullptr, out + r0 * ldc + col0, ldc);
+        }
+      }
+    }
+    _tile_release();
+  }
+}
+
+}  // namespace
+#endif
+
+extern "C" {
+
+// Whether this build has the AMX kernel and the kernel may use the tiles: Linux hands a
+// process the tile registers' state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM).
+int tm_amx_ready() {
+#if defined(TOKENMILL_AMX)
+  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  static const int ready = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  return ready;
+#else
+  return 0;
+#endif
+}
+
+// tm_linear's bfloat16 cases on AMX tiles (same arguments; dtype must be 1). Returns 0, or -1
+// where this build or process has no AMX or the combination is unsupported.
+int tm_linear_amx(const void* x, int64_t m, int64_t k, int64_t lda, const void* packed,
+                  int64_t n, const float* bias, void* out, int64_t ldc, int dtype, int out_dtype) {
+#if defined(TOKENMILL_AMX)
+  if (dtype != 1 || !tm_amx_ready()) return -1;
+  const auto* xs = static_cast<const uint16_t*>(x);
+  const auto* w = static_cast<const uint16_t*>(packed);
+  if (out_dtype == 1) {
+    linear_amx(xs, m, k, lda, w, n, bias, static_cast<uint16_t*>(out), ldc);
+  } else if (out_dtype == 0) {
+    linear_amx(xs, m, k, lda, w, n, bias, static_cast<float*>(out), ldc);
+  } else {
+    return -1;
+  }
+  return 0;
+#else
+  (void)x, (void)m, (void)k, (void)lda, (void)packed, (void)n, (void)bias, (void)out;
+  (void)ldc, (void)dtype, (void)out_dtype;
+  return -1;
+#endif
+}
+
+}  // extern "C"
