@@ -54,9 +54,11 @@ void configure_tiles() {
   _tile_loadconfig(&config);
 }
 
-// acc [16 * RB][NR] = a [16 * RB rows, k_pad] . panel, one row tile (RB = 1) or two.
+// acc [16 * RB][NR] = a [16 * RB rows, k_pad] . panel, one row tile (RB = 1) or two. With
+// `next` (the panel this thread multiplies next), its bytes are pulled into L2 meanwhile.
 template <int RB>
-void block(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t k_pad, float* acc) {
+void block(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t k_pad, float* acc,
+           const uint16_t* next) {
   _tile_zero(0);
   _tile_zero(1);
   if (RB == 2) {
@@ -65,6 +67,9 @@ void block(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t k_pad,
   }
   for (int64_t k0 = 0; k0 < k_pad; k0 += TILE_K) {
     const uint16_t* b = panel + k0 * NR;
+    if (next != nullptr)
+      for (int line = 0; line < TILE_K * NR * 2; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(next + k0 * NR) + line, _MM_HINT_T1);
     _tile_loadd(6, b, NR * 4);
     _tile_loadd(7, b + 32, NR * 4);
     _tile_loadd(4, a + k0, lda * 2);
@@ -140,13 +145,17 @@ void linear_amx(const uint16_t* x, int64_t m, int64_t k, int64_t lda, const uint
 #pragma omp for schedule(static) nowait
       for (int64_t p = 0; p < num_panels; ++p) {
         const int64_t col0 = p * NR, cols = std::min<int64_t>(NR, n - col0);
+        const uint16_t* panel = packed + p * panel_elems;
         for (int64_t r0 = c0; r0 < c1; r0 += BLOCK_M) {
           const int count = static_cast<int>(std::min<int64_t>(BLOCK_M, m - r0));
-          const uint16_t* panel = packed + p * panel_elems;
+          // NOTE: while the panel's last block of rows runs from cache, the next panel
+          // streams in from memory (a decode step reads every weight once).
+          const uint16_t* next =
+              r0 + BLOCK_M >= c1 && p + 1 < num_panels ? panel + panel_elems : nullptr;
           if (count > 16) {
-            block<2>(rows.at(r0), rows.stride(r0), panel, k_pad, acc);
+            block<2>(rows.at(r0), rows.stride(r0), panel, k_pad, acc, next);
           } else {
-            block<1>(rows.at(r0), rows.stride(r0), panel, k_pad, acc);
+            block<1>(rows.at(r0), rows.stride(r0), panel, k_pad, acc, next);
           }
           write_rows(acc, count, cols, bias ? bias + col0 : nullptr, out + r0 * ldc + col0, ldc);
         }
