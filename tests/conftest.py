@@ -38,6 +38,15 @@ def tiny_checkpoint(checkpoint_root: Path):
 
 
 @pytest.fixture(scope="session")
+def small_checkpoint(checkpoint_root: Path) -> Path:
+    """The small llama preset (~25M parameters, heads of 64: the size the AMX attention
+    kernel takes), built once."""
+    from tokenmill.cli.make_model import build_checkpoint
+
+    return build_checkpoint(checkpoint_root / "small-llama", "llama", "small")
+
+
+@pytest.fixture(scope="session")
 def server(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory):
     """The real server (all processes) on the tiny llama checkpoint, shared by e2e tests."""
     from server_process import start_server
@@ -65,3 +74,16 @@ def client(server):
     import openai
 
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(params=["vector", "amx"])
+def cpu_kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each kind of bfloat16 kernel this machine has: the AVX-512 (or portable) ones and, on
+    a CPU with AMX, the tile ones (linear_amx.cpp, attention_amx.cpp), which the worker picks
+    there unless TOKENMILL_CPU_AMX=0."""
+    from tokenmill.tp_worker.cpu_ops import amx_enabled
+
+    monkeypatch.setenv("TOKENMILL_CPU_AMX", "1" if request.param == "amx" else "0")
+    if request.param == "amx" and not amx_enabled():
+        pytest.skip("this CPU (or its kernel build) has no AMX tiles")
+    return request.param

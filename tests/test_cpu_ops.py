@@ -16,16 +16,6 @@ from tokenmill.tp_worker.rope import Rotary, apply_rotary
 SHAPES = [(1, 64, 40), (13, 33, 70), (37, 256, 96), (300, 128, 64)]  # (M, K, N)
 
 
-@pytest.fixture(params=["vector", "amx"])
-def linear_kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each linear kernel this machine has: linear.cpp's (AVX-512 or portable) and, on a CPU
-    with AMX, linear_amx.cpp's, which PackedLinear picks there unless TOKENMILL_CPU_AMX=0."""
-    monkeypatch.setenv("TOKENMILL_CPU_AMX", "1" if request.param == "amx" else "0")
-    if request.param == "amx" and not cpu_ops.amx_enabled():
-        pytest.skip("this CPU (or its kernel build) has no AMX tiles")
-    return request.param
-
-
 def _case(m: int, k: int, n: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(seed)
     weight = torch.randn(n, k, generator=gen).to(dtype)
@@ -40,11 +30,11 @@ def _case(m: int, k: int, n: int, dtype: torch.dtype, seed: int = 0) -> tuple[to
     [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, None)],
 )
 def test_matches_float64_reference(
-    m: int, k: int, n: int, dtype: torch.dtype, out_dtype: torch.dtype | None, linear_kernel: str
+    m: int, k: int, n: int, dtype: torch.dtype, out_dtype: torch.dtype | None, cpu_kernel: str
 ) -> None:
     x, weight, bias = _case(m, k, n, dtype)
     layer = PackedLinear(weight, bias)
-    assert layer.amx == (linear_kernel == "amx" and dtype == torch.bfloat16)
+    assert layer.amx == (cpu_kernel == "amx" and dtype == torch.bfloat16)
     out = layer(x, out_dtype)
     assert out.dtype == (out_dtype or dtype) and out.shape == (m, n)
     expected = x.double() @ weight.double().T + bias.double()
@@ -58,7 +48,7 @@ def test_matches_float64_reference(
     ("k", "dtype"), [(160, torch.float32), (160, torch.bfloat16), (200, torch.bfloat16)]
 )
 def test_a_row_is_bitwise_the_same_in_any_company(
-    k: int, dtype: torch.dtype, linear_kernel: str
+    k: int, dtype: torch.dtype, cpu_kernel: str
 ) -> None:
     """Every row count around the kernels' blocks (12 rows; AMX: 16-row tiles, 32-row blocks,
     256-row chunks), x read in place or copied (AMX, K = 200 is not a multiple of 32)."""
@@ -192,7 +182,9 @@ def test_attention_from_other_builds_gives_the_same_bits(
     arch: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Both attention paths, both dtypes, from a build without AVX and from one with AVX-512
-    but no AVX512_BF16 (bfloat16 scores by two roundings per pair instead of VDPBF16PS)."""
+    but no AVX512_BF16 (bfloat16 scores by two roundings per pair instead of VDPBF16PS); an
+    AMX CPU's native build with AMX off (its tiles round as the hardware does)."""
+    monkeypatch.setenv("TOKENMILL_CPU_AMX", "0")
     if arch == "skylake-avx512" and "avx512f" not in cpu_kernels.cpu_flags():
         pytest.skip("this CPU runs no AVX-512 code")
     native = {dtype: _attention_both_paths(dtype) for dtype in cpu_ops.DTYPE_CODES}
@@ -225,6 +217,7 @@ def test_bfloat16_scores_add_a_pairs_odd_product_first(
 ) -> None:
     if arch == "skylake-avx512" and "avx512f" not in cpu_kernels.cpu_flags():
         pytest.skip("this CPU runs no AVX-512 code")
+    monkeypatch.setenv("TOKENMILL_CPU_AMX", "0")  # attention.cpp's order, not AMX's
     lib = cpu_kernels.load(cpu_kernels.build(arch))
     monkeypatch.setattr(attention_cpu, "library", lambda: lib)
     q, k, v = _order_probe()

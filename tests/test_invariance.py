@@ -77,6 +77,21 @@ def test_chunked_prefill_and_multi_step(
         _assert_same(a, b, atol=0.0)
 
 
+def test_heads_of_64_in_bfloat16_alone_batched_and_chunked(
+    small_checkpoint, cpu_kernel: str
+) -> None:
+    """The small preset's heads of 64 in bfloat16: the size the AMX kernels take on a CPU
+    that has them (cpu_kernel runs both kinds there)."""
+    requests = _requests(sampled=True)[:4]
+    batched = make_engine(small_checkpoint, dtype="bfloat16").generate(requests)
+    cold = make_engine(small_checkpoint, prefix_cache=False, dtype="bfloat16")
+    chunked = make_engine(small_checkpoint, dtype="bfloat16", max_prefill_tokens=7, decode_steps=3)
+    for request, together in zip(requests, batched, strict=True):
+        _assert_same(cold.generate([request])[0], together, atol=0.0)
+    for alone, together in zip(chunked.generate(requests), batched, strict=True):
+        _assert_same(alone, together, atol=0.0)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_prompt_logprob_chunk_sizes_agree(tiny_checkpoint, dtype: str) -> None:
     model = tiny_checkpoint("mistral")

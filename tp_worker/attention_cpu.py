@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from tokenmill.tp_worker.cpu_kernels import library
-from tokenmill.tp_worker.cpu_ops import DTYPE_CODES, rope_store_cpu
+from tokenmill.tp_worker.cpu_ops import DTYPE_CODES, amx_enabled, rope_store_cpu
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,11 @@ class PagedAttention:
         assert q.dtype == k_cache.dtype == v_cache.dtype
         q = q.contiguous()
         out = torch.empty_like(q)
-        status = library().tm_paged_attention(
+        lib = library()
+        # NOTE: the same kernel for every call of a model: its dtype, head size and the
+        # machine decide (csrc/attention_amx.cpp takes bfloat16 heads of 64, 128, ... on AMX).
+        amx = q.dtype == torch.bfloat16 and q.shape[2] % 64 == 0 and amx_enabled(lib)
+        status = (lib.tm_paged_attention_amx if amx else lib.tm_paged_attention)(
             q.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),

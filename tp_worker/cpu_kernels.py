@@ -27,6 +27,7 @@ SOURCES = tuple(
     CSRC / name
     for name in (
         "attention.cpp",
+        "attention_amx.cpp",
         "linear.cpp",
         "linear_amx.cpp",
         "rms_norm.cpp",
@@ -36,7 +37,9 @@ SOURCES = tuple(
         "sample.cpp",
     )
 )
-HEADERS = (CSRC / "argmax.h", CSRC / "bf16.h", CSRC / "exp.h")
+HEADERS = tuple(
+    CSRC / name for name in ("amx.h", "argmax.h", "attention_common.h", "bf16.h", "exp.h")
+)
 # NOTE: -ffp-contract=off and no -ffast-math: the compiler may vectorise but never fuse or
 # reassociate, so the reduction order written in the source is the one that runs.
 FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-std=c++17", "-fPIC")
@@ -112,6 +115,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     lib.tm_paged_attention.argtypes = [*[_P] * 9, *[_I] * 8, ctypes.c_float, ctypes.c_int]
     lib.tm_paged_attention.restype = ctypes.c_int
+    lib.tm_paged_attention_amx.argtypes = lib.tm_paged_attention.argtypes
+    lib.tm_paged_attention_amx.restype = ctypes.c_int
     lib.tm_linear.argtypes = [_P, _I, _I, _I, _P, _I, _P, _P, _I, ctypes.c_int, ctypes.c_int]
     lib.tm_linear.restype = ctypes.c_int
     lib.tm_linear_amx.argtypes = lib.tm_linear.argtypes

@@ -10,6 +10,7 @@ batch and no row padding is needed: a decode step multiplies its own rows only.
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 import torch
@@ -43,12 +44,15 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(n_pad // PANEL, PANEL, k_pad // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
-def amx_enabled() -> bool:
-    """Whether bfloat16 linear layers run on AMX tiles (csrc/linear_amx.cpp): where the CPU
-    and this build have them, unless TOKENMILL_CPU_AMX=0. NOTE: AMX rounds inside a tile
-    product as the hardware does, so an AMX machine gets its own bits (invariant to batch,
-    chunk and thread all the same); 0 gives linear.cpp's bits there instead."""
-    return os.environ.get("TOKENMILL_CPU_AMX", "1") != "0" and bool(library().tm_amx_ready())
+def amx_enabled(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether bfloat16 linear layers and attention run on AMX tiles (csrc/linear_amx.cpp,
+    attention_amx.cpp): where the CPU and the build (`lib`, default this machine's) have
+    them, unless TOKENMILL_CPU_AMX=0. NOTE: AMX rounds inside a tile product as the hardware
+    does, so an AMX machine gets its own bits (invariant to batch, chunk and thread all the
+    same); 0 gives the AVX-512 kernels' bits there instead."""
+    if os.environ.get("TOKENMILL_CPU_AMX", "1") == "0":
+        return False
+    return bool((lib or library()).tm_amx_ready())
 
 
 class PackedLinear:

@@ -32,15 +32,24 @@
 #include <immintrin.h>
 #endif
 
+#include "attention_common.h"
 #include "bf16.h"
 #include "exp.h"
 
 namespace {
 
-constexpr int LANES = 16;
+constexpr int LANES = tokenmill::ITEM_LANES;
 constexpr int KEY_BLOCK = 8;  // keys scored together: independent accumulator chains
 
 using tokenmill::bf16_to_float;
+using tokenmill::Item;
+using tokenmill::plan;
+using tokenmill::Shape;
+#if defined(__AVX512F__)
+using tokenmill::prefetch_rows;
+using tokenmill::transpose16;
+using tokenmill::transpose_key_pairs;
+#endif
 #if defined(__AVX512F__)
 using tokenmill::load16;
 #endif
@@ -208,35 +217,6 @@ WeightedValues<T> weighted_values_for(int64_t lanes, int64_t dim) {
 }
 
 #if defined(__AVX512F__)
-// Transposes 16 rows of 16 32-bit elements in registers.
-inline void transpose16(__m512 r[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
-    const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
-    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
-    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
-    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
-    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
-  }
-  for (int i = 0; i < 4; ++i) {
-    t[i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0x88);
-    t[4 + i] = _mm512_shuffle_f32x4(r[i], r[4 + i], 0xdd);
-    t[8 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0x88);
-    t[12 + i] = _mm512_shuffle_f32x4(r[8 + i], r[12 + i], 0xdd);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
-    r[4 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0x88);
-    r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd);
-    r[12 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], 0xdd);
-  }
-}
-
 // The head sizes the keys-in-lanes path takes: whole 16-lane blocks of 32-bit words.
 inline bool sixteen_fits(const float*, int64_t dim) { return dim % 16 == 0; }
 inline bool sixteen_fits(const uint16_t*, int64_t dim) { return dim % 32 == 0; }
@@ -251,21 +231,6 @@ inline void transpose_keys(const float* keys, const int32_t* slots, int nk, int6
       r[kk] = kk < nk ? _mm512_loadu_ps(keys + slots[kk] * stride + c) : _mm512_setzero_ps();
     transpose16(r);
     for (int i = 0; i < 16; ++i) _mm512_storeu_ps(kt + (c + i) * 16, r[i]);
-  }
-}
-
-// bfloat16: up to 16 keys' pairs (d, d + 1) as 32-bit words, transposed: kt[p][kk] is pair p
-// of key kk; zeros for missing keys.
-inline void transpose_key_pairs(const uint16_t* keys, const int32_t* slots, int nk,
-                                int64_t stride, int64_t dim, uint32_t* kt) {
-  for (int64_t c = 0; c < dim; c += 32) {
-    __m512 r[16];
-    for (int kk = 0; kk < 16; ++kk)
-      r[kk] = kk < nk ? _mm512_castsi512_ps(_mm512_loadu_si512(keys + slots[kk] * stride + c))
-                      : _mm512_setzero_ps();
-    transpose16(r);
-    for (int p = 0; p < 16; ++p)
-      _mm512_storeu_si512(kt + (c / 2 + p) * 16, _mm512_castps_si512(r[p]));
   }
 }
 
@@ -336,18 +301,6 @@ inline ScoreKeys score_keys_for(int64_t heads) {
   return table[heads - 1];
 }
 #endif
-
-struct Shape {
-  int64_t num_heads, num_kv_heads, head_dim, table_stride, window;
-  int64_t head_stride, slot_stride;  // elements between KV heads, between slots of a head
-  float scale;
-};
-
-// A block of consecutive query tokens of one row (positions first_pos...), one KV head, and
-// the query heads [head0, head0 + num_heads) of each token that share it.
-struct Item {
-  int64_t row, token0, num_tokens, first_pos, kv_head, head0, num_heads;
-};
 
 struct Scratch {
   std::vector<float> q_t, scores, acc, keys;  // float32: q_t [dim][LANES] queries, transposed
@@ -468,20 +421,6 @@ void finish_item(Weights e, const T* v_cache, T* out, const Shape& s, const Item
 }
 
 #if defined(__AVX512F__)
-// Asks for rows base + slots[i] * stride (dim elements each, i < n) to come into the L2
-// cache; changes no result. NOTE: into L2, not L1 (T0): the L1's few miss buffers fill up and
-// stall the prefetches themselves (measured: a decode layer at batch 64 took 1.0 ms with T0,
-// 0.65 ms with T1, on a Zen 4).
-template <typename T>
-inline void prefetch_rows(const T* base, const int32_t* slots, int64_t n, int64_t stride,
-                          int64_t dim) {
-  for (int64_t i = 0; i < n; ++i) {
-    const char* row = reinterpret_cast<const char*>(base + slots[i] * stride);
-    for (int64_t b = 0; b < dim * static_cast<int64_t>(sizeof(T)); b += 64)
-      _mm_prefetch(row + b, _MM_HINT_T1);
-  }
-}
-
 // One query token sees every key from lo to its position, so no lane masks: scores, then
 // numerators e, per lane in a row of `padded` keys ([lane][keys]), and the denominators summed
 // over ascending keys; the same values as the general path. False where it does not apply.
@@ -583,25 +522,6 @@ void attend_item(const T* q, const T* k_cache, const T* v_cache, const int32_t* 
   score_all(keys, slots, num_keys, stride, dim, s.scale, lanes, w);
   softmax_numerators(w.scores.data(), w.masks.data(), num_keys, den);
   finish_item(Weights{w.scores.data(), LANES, 1}, v_cache, out, s, it, num_keys, slots, den, w);
-}
-
-// Splits every row's tokens into items: each KV head's query heads in chunks of at most
-// LANES, and as many consecutive tokens as fit the lanes with them.
-std::vector<Item> plan(const int64_t* rows, const int64_t* token_starts,
-                       const int64_t* num_tokens, const int64_t* first_pos, int64_t num_rows,
-                       const Shape& s) {
-  const int64_t group = s.num_heads / s.num_kv_heads;
-  const int64_t heads = std::min<int64_t>(group, LANES);
-  const int64_t tokens_per_item = LANES / heads;
-  std::vector<Item> items;
-  for (int64_t b = 0; b < num_rows; ++b)
-    for (int64_t t = 0; t < num_tokens[b]; t += tokens_per_item)
-      for (int64_t kv = 0; kv < s.num_kv_heads; ++kv)
-        for (int64_t h = 0; h < group; h += heads)
-          items.push_back(Item{rows[b], token_starts[b] + t,
-                               std::min(tokens_per_item, num_tokens[b] - t), first_pos[b] + t,
-                               kv, kv * group + h, std::min(heads, group - h)});
-  return items;
 }
 
 template <typename T>

@@ -20,14 +20,13 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <immintrin.h>
+#include "amx.h"
+#include "bf16.h"
+
+#if defined(TOKENMILL_AMX)
 #include <sys/syscall.h>
 #include <unistd.h>
-#define TOKENMILL_AMX 1
 #endif
-
-#include "bf16.h"
 
 #if defined(TOKENMILL_AMX)
 namespace {
@@ -37,23 +36,9 @@ constexpr int TILE_K = 32;    // bfloat16 k per TDPBF16PS
 constexpr int BLOCK_M = 32;   // rows per block: two tiles of 16
 constexpr int CHUNK_M = 256;  // rows whose x stays in L2 while the panels stream past
 
-struct TileConfig {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
+using tokenmill::configure_tiles;
 
-// Every tile 16 rows of 64 bytes: tiles 0-3 accumulators, 4-5 x, 6-7 weights.
-void configure_tiles() {
-  TileConfig config{};
-  config.palette = 1;
-  for (int t = 0; t < 8; ++t) {
-    config.rows[t] = 16;
-    config.colsb[t] = 64;
-  }
-  _tile_loadconfig(&config);
-}
-
+// Tiles 0-3 accumulate, 4-5 hold x, 6-7 weights.
 // acc [16 * RB][NR] = a [16 * RB rows, k_pad] . panel, one row tile (RB = 1) or two. With
 // `next` (the panel this thread multiplies next), its bytes are pulled into L2 meanwhile.
 template <int RB>
