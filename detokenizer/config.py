@@ -28,7 +28,8 @@ class DetokenizerConfig:
     """Exit when this process is no longer our parent (the server died); None: no check."""
 
     niceness: int = 0
-    """This process's niceness (--serving-nice); 0 = the default priority."""
+    """This process's niceness while busy (--serving-nice, protocol.process.ServingPriority);
+    0 = the default priority always."""
 
     parent_check_s: float = 1.0
     """Seconds between checks that the parent is alive."""

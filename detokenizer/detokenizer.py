@@ -27,7 +27,7 @@ from tokenmill.protocol.outputs import (
     DetokenizedOutput,
     RequestOutput,
 )
-from tokenmill.protocol.process import setup_process, yield_cpu
+from tokenmill.protocol.process import ServingPriority, setup_process
 from tokenmill.protocol.requests import AbortRequest, DetokenizeParams
 
 logger = logging.getLogger(__name__)
@@ -161,6 +161,7 @@ def serve(detokenizer: Detokenizer, config: DetokenizerConfig, ctx: zmq.Context)
     decoder = msgspec.msgpack.Decoder(BatchOutput)
     encoder = msgspec.msgpack.Encoder()
     watch = _ParentWatch(config.parent_pid, config.parent_check_s)
+    priority = ServingPriority(config.niceness)
     logger.info("detokenizer ready: in %s, out %s", config.input_addr, config.output_addr)
     while not watch.parent_gone():
         if not pull.poll(_POLL_MS):
@@ -169,6 +170,7 @@ def serve(detokenizer: Detokenizer, config: DetokenizerConfig, ctx: zmq.Context)
         if msg is None:
             continue
         batch = detokenizer.handle_batch_output(msg)
+        priority.update(detokenizer.num_running)
         if batch.outputs:
             push.send(encoder.encode(batch))
         if aborts is not None:
@@ -180,7 +182,6 @@ def serve(detokenizer: Detokenizer, config: DetokenizerConfig, ctx: zmq.Context)
 def run_detokenizer(config: DetokenizerConfig) -> None:
     """Entry point of the detokenizer process; exits non-zero on any internal error."""
     setup_process("tokenmill::detokenizer")
-    yield_cpu(config.niceness)
     ctx = zmq.Context()
     try:
         detokenizer = Detokenizer(TokenTable.from_file(config.tokenizer_path))

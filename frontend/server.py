@@ -23,7 +23,7 @@ from tokenmill.frontend.server_config import ServerConfig
 from tokenmill.frontend.systemd_notify import SystemdNotifier
 from tokenmill.frontend.tokenizer import Tokenizer
 from tokenmill.protocol.cluster import ClusterKey
-from tokenmill.protocol.process import yield_cpu
+from tokenmill.protocol.process import ServingPriority
 
 logger = logging.getLogger(__name__)
 
@@ -32,12 +32,11 @@ async def serve(config: ServerConfig, model_dir: Path) -> int:
     layout = ClusterLayout.of(config.parallel)
     nodes = _remote_nodes(config, model_dir, layout)
     engine = launch_engine(config, model_dir, config.model.max_model_len, layout)
-    # NOTE: after the launch: the engine's processes keep the default priority.
-    yield_cpu(config.http.serving_nice)
     client = ZmqEngineClient(
         [r.requests for r in engine.addresses.replicas],
         engine.addresses.detokenized,
         engine.addresses.reports,
+        ServingPriority(config.http.serving_nice),
     )
     stop = asyncio.Event()
     state = {"exit_code": 0, "drain": False}

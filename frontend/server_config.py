@@ -114,10 +114,12 @@ class HttpArgs:
     """On SIGTERM: seconds requests in flight may take to finish (new ones get 503) before
     they are aborted with an error."""
     serving_nice: int = 10
-    """Niceness (0..19) of the frontend and detokenizer processes. Where the model's threads
-    fill the cores (a CPU server), a serving process that preempts one of them stalls the
-    others at their next barrier; at 10 it waits for a free core instead. 0 = unchanged.
-    The controller and the workers keep the default priority."""
+    """Niceness (0..19) of the frontend and detokenizer processes while 4 or more requests
+    are in flight (back to 0 at 2 or fewer, where the system allows it). Where the model's
+    threads fill the cores (a CPU server), a serving process that preempts one of them
+    stalls the others at their next barrier; at 10 it waits for a free core instead, while
+    one or two requests keep their latency. 0 = never. The controller and the workers keep
+    the default priority."""
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -649,9 +650,7 @@ def _niceness(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
 
 
-def test_serving_processes_yield_the_cores_to_the_engine(server) -> None:
-    """--serving-nice 10 (the default): the frontend and detokenizer run at niceness 10, every
-    thread of them; the controller and the worker keep the default priority."""
+def _serving_roles(server) -> dict[int, str]:
     from test_server_faults import children_of
 
     frontend = server.proc.pid
@@ -663,10 +662,64 @@ def test_serving_processes_yield_the_cores_to_the_engine(server) -> None:
         "tokenmill.detokenizer",
         "tokenmill.tp_worker",
     ]
-    for pid, role in [(frontend, "frontend"), *roles.items()]:
-        threads = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-        want = 10 if role in ("frontend", "tokenmill.detokenizer") else 0
-        assert {_niceness(t) for t in threads} == {want}, role
+    return {frontend: "frontend", **roles}
+
+
+def _niceness_of(roles: dict[int, str]) -> dict[str, set[int]]:
+    """Each role's set of niceness values over its threads."""
+    return {
+        role: {_niceness(int(t)) for t in os.listdir(f"/proc/{pid}/task")}
+        for pid, role in roles.items()
+    }
+
+
+def test_serving_processes_yield_the_cores_under_load(server) -> None:
+    """--serving-nice 10 (the default): with 4 or more requests in flight the frontend and the
+    detokenizer run at niceness 10, every thread of them; with 2 or fewer at 0 again (this
+    test runs as root, which may lower it); the controller and the worker never change."""
+    from test_server_faults import long_request
+
+    roles = _serving_roles(server)
+    idle = {"frontend": {0}, "tokenmill.detokenizer": {0}}
+    busy = {"frontend": {10}, "tokenmill.detokenizer": {10}}
+    engine = {"tokenmill.controller": {0}, "tokenmill.tp_worker": {0}}
+    wait_idle(server)
+    assert _niceness_of(roles) == {**idle, **engine}
+    errors: list[BaseException] = []
+    streams = [threading.Thread(target=long_request, args=(server, errors, 600)) for _ in range(6)]
+    for stream in streams:
+        stream.start()
+    deadline, seen = time.monotonic() + 20, {}
+    while time.monotonic() < deadline and seen != {**busy, **engine}:
+        time.sleep(0.05)
+        seen = _niceness_of(roles)
+    for stream in streams:
+        stream.join(60)
+    assert seen == {**busy, **engine}
+    assert errors == []
+    wait_idle(server)
+    assert _niceness_of(roles) == {**idle, **engine}
+
+
+def test_serving_priority_follows_the_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Busy at 4 in flight, idle at 2 (3 changes nothing); where lowering is refused, it
+    stays at the busy niceness."""
+    from tokenmill.protocol import process
+
+    calls: list[int] = []
+    allowed = {10: True, 0: True}
+    monkeypatch.setattr(process, "yield_cpu", lambda n: calls.append(n) or allowed[n])
+    priority = process.ServingPriority(10)
+    for in_flight in (1, 3, 4, 5, 3, 2, 3, 4):
+        priority.update(in_flight)
+    assert calls == [10, 0, 10] and priority.current == 10
+    allowed[0] = False
+    for in_flight in (2, 0, 5, 1):
+        priority.update(in_flight)
+    assert calls == [10, 0, 10, 0] and priority.current == 10
+    never = process.ServingPriority(0)
+    never.update(64)
+    assert never.current == 0 and calls == [10, 0, 10, 0]
 
 
 @pytest.mark.parametrize("value", [-1, 20])

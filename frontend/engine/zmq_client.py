@@ -22,6 +22,7 @@ import zmq.asyncio
 from tokenmill.frontend.engine.client import EngineDeadError, EngineStats
 from tokenmill.frontend.engine.replica_router import ReplicaRouter
 from tokenmill.protocol.outputs import DetokenizedBatch, DetokenizedOutput
+from tokenmill.protocol.process import ServingPriority
 from tokenmill.protocol.requests import AbortRequest, GenerateRequest
 from tokenmill.protocol.stats import EngineReport
 
@@ -31,7 +32,13 @@ _DEAD = object()
 
 
 class ZmqEngineClient:
-    def __init__(self, request_addrs: list[str], output_addr: str, report_addr: str) -> None:
+    def __init__(
+        self,
+        request_addrs: list[str],
+        output_addr: str,
+        report_addr: str,
+        priority: ServingPriority | None = None,
+    ) -> None:
         self.context = zmq.asyncio.Context()
         self.requests = [self._socket(zmq.PUSH, a, bind=False) for a in request_addrs]
         self.outputs = self._socket(zmq.PULL, output_addr, bind=True)
@@ -48,6 +55,8 @@ class ZmqEngineClient:
         self.draining = False  # set on SIGTERM: the app refuses new requests with 503
         self._dead_why = ""
         self._queues: dict[str, asyncio.Queue] = {}
+        # NOTE: this process's niceness follows the requests in flight (ServingPriority).
+        self._priority = priority or ServingPriority(0)
         self._replica_of: dict[str, int] = {}
         self._tasks: list[asyncio.Task] = []
 
@@ -72,6 +81,7 @@ class ZmqEngineClient:
             raise EngineDeadError("the engine is not running")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request.req_id] = queue
+        self._priority.update(len(self._queues))
         replica = self._route(request)
         finished = False
         try:
@@ -84,6 +94,7 @@ class ZmqEngineClient:
                 yield item
         finally:
             self._queues.pop(request.req_id, None)
+            self._priority.update(len(self._queues))
             if not finished and self.stats.alive:
                 await self.abort(request.req_id)
             self._replica_of.pop(request.req_id, None)
