@@ -1,0 +1,144 @@
+"""The CPU kernels on this machine, side by side: bfloat16 linear layers (our AVX-512 kernel,
+our AMX kernel where the CPU has it, torch's F.linear) and bfloat16 attention (AVX-512 and
+AMX), at the medium checkpoint's shapes, rounds interleaved, medians printed.
+
+Linear: a decode step's weights (every projection of the 12 layers, each weight distinct so
+that it streams from memory as in a real step) at 1, 32 and 64 rows, and one prefill product
+of [2048 x 768 x 4096] (gate/up). Attention: 64 decode rows at a context of 300, and 8
+prompts of 256 tokens. GFLOP/s count 2 x multiply-adds; GB/s count the weights' bytes.
+
+    python benchmarks/cpu_kernels.py [--rounds 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.tp_worker.attention_cpu import PagedAttention
+from tokenmill.tp_worker.cpu_ops import PackedLinear, amx_enabled
+
+HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, DIM = 768, 2048, 12, 12, 4, 64
+# (in, out) of each projection of one layer: q/k/v fused, o, gate/up fused, down
+LAYER = [(HIDDEN, (HEADS + 2 * KV_HEADS) * DIM), (HEADS * DIM, HIDDEN), (HIDDEN, 2 * INTER)]
+LAYER.append((INTER, HIDDEN))
+
+
+def kernels() -> dict[str, str]:
+    """Label -> TOKENMILL_CPU_AMX value for each kernel kind this machine has."""
+    os.environ["TOKENMILL_CPU_AMX"] = "1"
+    found = {"avx512": "0"}
+    if amx_enabled():
+        found["amx"] = "1"
+    return found
+
+
+def median_ms(fn: Callable[[], object], rounds: list[float]) -> None:
+    fn()
+    started = time.perf_counter()
+    fn()
+    rounds.append((time.perf_counter() - started) * 1e3)
+
+
+def linear_cases(kinds: dict[str, str]) -> dict[str, dict[str, Callable[[], object]]]:
+    gen = torch.Generator().manual_seed(0)
+    weights = [(torch.randn(n, k, generator=gen) * k**-0.5).bfloat16() for k, n in LAYER * LAYERS]
+    packed = {}
+    for label, flag in kinds.items():
+        os.environ["TOKENMILL_CPU_AMX"] = flag
+        packed[label] = [PackedLinear(w, None) for w in weights]
+    cases: dict[str, dict[str, Callable[[], object]]] = {}
+    for rows in (1, 32, 64):
+        xs = {k: torch.randn(rows, k, generator=gen).bfloat16() for k in (HIDDEN, INTER)}
+
+        def ours(layers: list[PackedLinear], xs: dict = xs) -> None:
+            for layer in layers:
+                layer(xs[layer.in_features])
+
+        def theirs(xs: dict = xs) -> None:
+            for w in weights:
+                F.linear(xs[w.shape[1]], w)
+
+        step = {
+            label: (lambda layers=layers, f=ours: f(layers)) for label, layers in packed.items()
+        }
+        cases[f"decode step, {rows} rows"] = {**step, "torch F.linear": theirs}
+    x = torch.randn(2048, HIDDEN, generator=gen).bfloat16()
+    w = (torch.randn(2 * INTER, HIDDEN, generator=gen) * HIDDEN**-0.5).bfloat16()
+    prefill = {}
+    for label, flag in kinds.items():
+        os.environ["TOKENMILL_CPU_AMX"] = flag
+        layer = PackedLinear(w, None)
+        prefill[label] = lambda layer=layer: layer(x)
+    cases["prefill [2048 x 768 x 4096]"] = {**prefill, "torch F.linear": lambda: F.linear(x, w)}
+    return cases
+
+
+def attention_case(rows: int, context: int, new: int) -> Callable[[], object]:
+    gen = torch.Generator().manual_seed(1)
+    slots = rows * (context + new)
+    table = torch.randperm(slots, generator=gen).view(rows, context + new).int()
+    k, v = (torch.randn(KV_HEADS, slots, DIM, generator=gen).bfloat16() for _ in range(2))
+    q = torch.randn(rows * new, HEADS, DIM, generator=gen).bfloat16()
+    batch = torch.arange(rows)
+    plan = PagedAttention(
+        table,
+        batch,
+        batch * new,
+        torch.full((rows,), new),
+        torch.full((rows,), context),
+        torch.zeros(0, dtype=torch.int64),
+        0,
+    )
+    return lambda: plan.attend(q, k, v, DIM**-0.5)
+
+
+def run(name: str, variants: dict[str, Callable[[], object]], flags: dict[str, str], n: int):
+    times: dict[str, list[float]] = {label: [] for label in variants}
+    for _ in range(n):
+        for label, fn in variants.items():
+            os.environ["TOKENMILL_CPU_AMX"] = flags.get(label, "0")
+            median_ms(fn, times[label])
+    return {label: statistics.median(t) for label, t in times.items()}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default 7)")
+    args = p.parse_args()
+    kinds = kernels()
+    print(f"threads {torch.get_num_threads()}; kernels here: {', '.join(kinds)}")
+    weight_bytes = sum(k * n * 2 for k, n in LAYER) * LAYERS
+    for name, variants in linear_cases(kinds).items():
+        medians = run(name, variants, kinds, args.rounds)
+        if name.startswith("decode"):
+            rows = int(name.split(", ")[1].split()[0])
+            flop = 2 * rows * weight_bytes / 2
+            extra = {label: f"{weight_bytes / ms / 1e6:.1f} GB/s" for label, ms in medians.items()}
+        else:
+            flop = 2 * 2048 * HIDDEN * 2 * INTER
+            extra = dict.fromkeys(medians, "")
+        for label, ms in medians.items():
+            print(
+                f"{name:<30}{label:<16}{ms:8.2f} ms {flop / ms / 1e6:8.0f} GFLOP/s {extra[label]}"
+            )
+    cases = {
+        "attention, 64 decode rows x 300": (64, 300, 1),
+        "attention, 8 x 256 prompt": (8, 0, 256),
+    }
+    for name, shape in cases.items():
+        fn = attention_case(*shape)
+        medians = run(name, dict.fromkeys(kinds, fn), kinds, args.rounds)
+        for label, ms in medians.items():
+            print(f"{name:<30}{label:<16}{ms:8.2f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
