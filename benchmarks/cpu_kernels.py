@@ -126,7 +126,7 @@ def main() -> int:
             extra = dict.fromkeys(medians, "")
         for label, ms in medians.items():
             print(
-                f"{name:<30}{label:<16}{ms:8.2f} ms {flop / ms / 1e6:8.0f} GFLOP/s {extra[label]}"
+                f"{name:<34}{label:<16}{ms:8.2f} ms {flop / ms / 1e6:8.0f} GFLOP/s {extra[label]}"
             )
     cases = {
         "attention, 64 decode rows x 300": (64, 300, 1),
@@ -136,7 +136,7 @@ def main() -> int:
         fn = attention_case(*shape)
         medians = run(name, dict.fromkeys(kinds, fn), kinds, args.rounds)
         for label, ms in medians.items():
-            print(f"{name:<30}{label:<16}{ms:8.2f} ms")
+            print(f"{name:<34}{label:<16}{ms:8.2f} ms")
     return 0
 
 

@@ -157,7 +157,9 @@ class Scheduler:
 
     def _shares_a_running_prefill(self, request: Request) -> bool:
         """True when a request still prefilling computes most of what this one would, or all
-        of the prefix it says it shares with requests sent alongside it."""
+        of the prefix it says it shares with requests sent alongside it, beyond what the
+        cache already holds. NOTE: a prefix already cached is no reason to wait: scoring
+        items after a cached query (or turns after a cached conversation) go in together."""
         if self.kv.cache is None or request.max_cached_prefix <= 0:
             return False
         tokens = request.tokens(0, request.max_cached_prefix)
@@ -165,8 +167,16 @@ class Scheduler:
         shared = min(request.message.shared_prefix_len, len(tokens))
         if shared > 0:
             enough = min(enough, shared)
+        cached = -1  # looked up once, only if a running prefill shares enough
         for other in self.running:
-            if other.is_prefill and _common_prefix(tokens, other.prompt_ids) >= enough:
+            if not other.is_prefill:
+                continue
+            common = _common_prefix(tokens, other.prompt_ids)
+            if common < enough:
+                continue
+            if cached < 0:
+                cached = len(self.kv.cache.match(tokens).slots)
+            if common > cached:
                 return True
         return False
 

@@ -410,6 +410,24 @@ def test_a_shared_prefix_is_computed_once_even_when_short() -> None:
     assert run(hint=0).kv.hit_tokens == 0
 
 
+def test_items_after_a_cached_query_go_in_one_step() -> None:
+    """The query already cached (an earlier request computed it): every item of a scoring
+    request is admitted into the same prefill step, none waits for another's."""
+    query = list(range(3, 35))  # 32 tokens, more than half of each prompt
+    items = [list(range(40 + 8 * i, 48 + 8 * i)) for i in range(6)]
+    controller, sockets = make_controller(kv_tokens=512, max_prefill=256)
+    sockets.inbox.append(request("q", query, max_tokens=1))
+    run_until_idle(controller)
+    first = len(sockets.batches)
+    for i, item in enumerate(items):
+        message = request(f"s{i}", query + item, max_tokens=1, token_ids=(5, 6))
+        sockets.inbox.append(msgspec.structs.replace(message, shared_prefix_len=len(query)))
+    run_until_idle(controller)
+    assert all(tokens_of(sockets.outputs, f"s{i}") for i in range(6))
+    assert len(sockets.batches) - first == 1
+    assert controller.kv.hit_tokens == 6 * len(query)
+
+
 def test_a_steps_outputs_leave_after_the_next_step_and_in_order() -> None:
     """Each step's outputs go to the detokenizer right after the next step goes to the
     workers (the detokenizer works while the model does), every one of them, in order; an
