@@ -1,5 +1,6 @@
-"""The CPU attention backend: csrc/attention.cpp reads each row's keys and values where they
-lie in the KV cache, through the request->slot table (tp_worker).
+"""The CPU attention backend: csrc/attention.cpp (or, in bfloat16 on a CPU with AMX,
+csrc/attention_amx.cpp) reads each row's keys and values where they lie in the KV cache,
+through the request->slot table (tp_worker).
 
 Every query token attends to its own row's positions [0, position] (or the sliding window),
 so a row's work and its numbers depend on its own context only: the kernel's reduction order

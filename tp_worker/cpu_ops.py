@@ -1,5 +1,6 @@
 """The CPU kernels' Python sides for the dense layers (tp_worker): linear layers through
-csrc/linear.cpp, with weights packed once at load time; RMSNorm through csrc/rms_norm.cpp;
+csrc/linear.cpp (or, in bfloat16 on a CPU with AMX, csrc/linear_amx.cpp on the same panels),
+with weights packed once at load time; RMSNorm through csrc/rms_norm.cpp;
 the MLP's SiLU(gate) x up through csrc/activation.cpp; RoPE and the KV-cache write through
 csrc/rope.cpp. Attention is attention_cpu.py.
 
