@@ -12,6 +12,7 @@ batch and no row padding is needed: a decode step multiplies its own rows only.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
 import torch
@@ -53,7 +54,13 @@ def amx_enabled(lib: ctypes.CDLL | None = None) -> bool:
     same); 0 gives the AVX-512 kernels' bits there instead."""
     if os.environ.get("TOKENMILL_CPU_AMX", "1") == "0":
         return False
-    return bool((lib or library()).tm_amx_ready())
+    return _amx_ready(lib or library())
+
+
+@functools.cache
+def _amx_ready(lib: ctypes.CDLL) -> bool:
+    # NOTE: asked once per build: attention asks every layer of every step.
+    return bool(lib.tm_amx_ready())
 
 
 class PackedLinear:
