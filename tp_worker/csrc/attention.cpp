@@ -490,7 +490,7 @@ void attend_item(const T* q, const T* k_cache, const T* v_cache, const int32_t* 
                  T* out, const Shape& s, const Item& it, Scratch& w) {
   const int64_t dim = s.head_dim, hs = it.num_heads;
   const int64_t last_pos = it.first_pos + it.num_tokens - 1;
-  const int64_t lo = s.window > 0 ? std::max<int64_t>(0, it.first_pos - s.window + 1) : 0;
+  const int64_t lo = tokenmill::first_seen(s, it.first_pos);
   const int64_t num_keys = last_pos - lo + 1;
   const int32_t* slots = table + it.row * s.table_stride + lo;
   w.scores.resize((num_keys + KEY_BLOCK) * LANES);  // whole blocks: score_block writes 8 rows

@@ -58,8 +58,7 @@ struct Visible {
 
 Visible visible(const Shape& s, const Item& it, int64_t first_key, int64_t lane) {
   const int64_t pos = it.first_pos + lane / it.num_heads;
-  const int64_t lo = s.window > 0 ? std::max<int64_t>(0, pos - s.window + 1) : 0;
-  return {lo - first_key, pos - first_key};
+  return {tokenmill::first_seen(s, pos) - first_key, pos - first_key};
 }
 
 // scores[l][j] = q_l . k_j (unscaled) for the item's keys, 16 at a time.
@@ -180,8 +179,7 @@ void attend_item(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_c
   const int64_t last_pos = it.first_pos + it.num_tokens - 1;
   // NOTE: keys go into the weighted sum 32 at a time from a multiple of 32: a token's keys
   // pair and group alike alone and in a chunk (a sliding window's first token sees from lo).
-  const int64_t lo = s.window > 0 ? std::max<int64_t>(0, it.first_pos - s.window + 1) : 0;
-  const int64_t first_key = lo / KEY_PAIRS * KEY_PAIRS;
+  const int64_t first_key = tokenmill::first_seen(s, it.first_pos) / KEY_PAIRS * KEY_PAIRS;
   const int64_t num_keys = last_pos - first_key + 1;
   const int64_t padded = (num_keys + KEY_PAIRS - 1) / KEY_PAIRS * KEY_PAIRS;
   const int32_t* slots = table + it.row * s.table_stride + first_key;

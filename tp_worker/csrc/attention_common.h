@@ -28,6 +28,11 @@ struct Item {
   int64_t row, token0, num_tokens, first_pos, kv_head, head0, num_heads;
 };
 
+// The first position a token at `pos` sees: 0, or the start of its sliding window.
+inline int64_t first_seen(const Shape& s, int64_t pos) {
+  return s.window > 0 ? std::max<int64_t>(0, pos - s.window + 1) : 0;
+}
+
 // Splits every row's tokens into items: each KV head's query heads in chunks of at most
 // ITEM_LANES, and as many consecutive tokens as fit the lanes with them.
 inline std::vector<Item> plan(const int64_t* rows, const int64_t* token_starts,
