@@ -4,8 +4,9 @@ AMX), at the medium checkpoint's shapes, rounds interleaved, medians printed.
 
 Linear: a decode step's weights (every projection of the 12 layers, each weight distinct so
 that it streams from memory as in a real step) at 1, 32 and 64 rows, and one prefill product
-of [2048 x 768 x 4096] (gate/up). Attention: 64 decode rows at a context of 300, and 8
-prompts of 256 tokens. GFLOP/s count 2 x multiply-adds; GB/s count the weights' bytes.
+of [2048 x 768 x 4096] (gate/up). Attention: 64 decode rows at a context of 300, 8
+prompts of 256 tokens, and 64 scoring items of 32 tokens after one shared 1,024-token query.
+GFLOP/s count 2 x multiply-adds; GB/s count the weights' bytes.
 
     python benchmarks/cpu_kernels.py [--rounds 7]
 """
@@ -80,10 +81,18 @@ def linear_cases(kinds: dict[str, str]) -> dict[str, dict[str, Callable[[], obje
     return cases
 
 
-def attention_case(rows: int, context: int, new: int) -> Callable[[], object]:
+def attention_case(rows: int, context: int, new: int, shared: bool = False) -> Callable[[], object]:
+    """`rows` rows of `new` tokens after `context` cached ones: each row's own slots, or
+    (`shared`) the same context slots for every row, as scoring items after one query."""
     gen = torch.Generator().manual_seed(1)
-    slots = rows * (context + new)
-    table = torch.randperm(slots, generator=gen).view(rows, context + new).int()
+    if shared:
+        slots = context + rows * new
+        own = context + torch.randperm(rows * new, generator=gen).view(rows, new)
+        prefix = torch.randperm(context, generator=gen).expand(rows, context)
+        table = torch.cat([prefix, own], 1).int().contiguous()
+    else:
+        slots = rows * (context + new)
+        table = torch.randperm(slots, generator=gen).view(rows, context + new).int()
     k, v = (torch.randn(KV_HEADS, slots, DIM, generator=gen).bfloat16() for _ in range(2))
     q = torch.randn(rows * new, HEADS, DIM, generator=gen).bfloat16()
     batch = torch.arange(rows)
@@ -129,11 +138,12 @@ def main() -> int:
                 f"{name:<34}{label:<16}{ms:8.2f} ms {flop / ms / 1e6:8.0f} GFLOP/s {extra[label]}"
             )
     cases = {
-        "attention, 64 decode rows x 300": (64, 300, 1),
-        "attention, 8 x 256 prompt": (8, 0, 256),
+        "attention, 64 decode rows x 300": (64, 300, 1, False),
+        "attention, 8 x 256 prompt": (8, 0, 256, False),
+        "attention, 64 x 32 after 1024": (64, 1024, 32, True),
     }
-    for name, shape in cases.items():
-        fn = attention_case(*shape)
+    for name, (rows, context, new, shared) in cases.items():
+        fn = attention_case(rows, context, new, shared)
         medians = run(name, dict.fromkeys(kinds, fn), kinds, args.rounds)
         for label, ms in medians.items():
             print(f"{name:<34}{label:<16}{ms:8.2f} ms")

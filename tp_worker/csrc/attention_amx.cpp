@@ -2,18 +2,22 @@
 // ctypes; attention.cpp is the AVX-512 and portable kernel, and the float32 one).
 //
 // Work items are attention.cpp's (attention_common.h's plan): one row, one KV head, up to 16
-// (query token, query head) lanes, one tile row each. The order is fixed per lane here:
-//   - score(key j) = scale * (q . k_j), the head dimension 32 at a time in ascending order,
-//     one TDPBF16PS each (a tile of 16 lanes x 16 keys);
-//   - max over the lane's visible keys; e_j = exp(score_j - max) (exp.h), +0.0 for keys the
-//     lane does not see; the denominator sums e_j in float32 in 16 lanes (j mod 16, keys
-//     ascending) combined by tree_sum16;
+// (query token, query head) lanes, one tile row each; the items of one row, KV head and set
+// of query heads run together as a group (up to MAX_TILES tiles), which moves each block of
+// keys and values into tile layout once for all of them. The order is fixed per lane here:
+//   - score(key j) = q . k_j, the head dimension 32 at a time in ascending order, one
+//     TDPBF16PS each (a tile of 16 lanes x 16 keys);
+//   - in base 2: x_j = fma(score_j, scale * log2(e), -max) with max the largest
+//     score_j * (scale * log2(e)) over the lane's visible keys; e_j = 2^x_j (exp.h's
+//     exp2_16_fused), +0.0 for keys the lane does not see; the denominator sums e_j in
+//     float32 in 16 lanes (j mod 16, keys ascending) combined by tree_sum16;
 //   - out[d] = (sum over j of e_j v_j[d]) * (1 / denominator), the keys 32 at a time in
 //     ascending order from a position that is a multiple of 32, e_j as two bfloat16 parts
 //     (hi = bf16(e_j), lo = bf16(e_j - hi)), two TDPBF16PS per block (16 lanes x 16 of d).
 // A tile's rows and columns never mix and one token alone (decode) runs the same tiles as in
 // a prompt chunk, where the keys it does not see add products of +0.0 weights, so a token's
-// output is bitwise the same alone, in a chunk or after a prefix-cache hit (tested).
+// output is bitwise the same alone, in a chunk, in any group or after a prefix-cache hit
+// (tested).
 // NOTE: one bfloat16 e_j (as flash-attention kernels round it) is measurably less accurate
 // than torch's bfloat16 attention; hi + lo carries 16 bits of e_j, and the tiles have time to
 // spare for the second product. TDPBF16PS rounds as the hardware does (linear_amx.cpp),
@@ -24,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 #include "amx.h"
@@ -31,7 +36,9 @@
 #include "bf16.h"
 #include "exp.h"
 
-#if defined(TOKENMILL_AMX)
+// NOTE: AMX CPUs have AVX512-BF16 too; the softmax converts to bfloat16 with it.
+#if defined(TOKENMILL_AMX) && defined(__AVX512BF16__)
+#define TOKENMILL_AMX_ATTENTION 1
 namespace {
 
 using tokenmill::Item;
@@ -42,16 +49,34 @@ constexpr int KEYS = 16;      // keys per score tile
 constexpr int KEY_PAIRS = 32;  // keys per weighted-values step: 16 pairs
 constexpr int PASS_D = 64;    // head columns per pass of weighted values: four tiles of 16
 
-struct Scratch {
-  std::vector<uint16_t> q;  // [LANES][dim] queries
-  std::vector<uint16_t> e_hi, e_lo;  // [LANES][padded] weights as two bfloat16 parts
-  std::vector<uint32_t> kt;    // [dim / 2][KEYS] key pairs, transposed (a B tile per 32 d)
-  std::vector<float> scores;   // [LANES][padded]
-  alignas(64) uint16_t vt[KEY_PAIRS / 2][PASS_D * 2];  // values of 16 key pairs, interleaved
-  alignas(64) float acc[LANES][PASS_D];
+// Lane tiles of one row and KV head share one move of the keys and values into tile layout.
+constexpr int64_t MAX_TILES = 8;
+// Scores and weights of a group's tiles together stay within about this many bytes (L2).
+constexpr int64_t GROUP_BYTES = 1 << 20;
+
+// Consecutive token blocks (items) of one row, KV head and set of query heads: items
+// [first, first + count) of the kernel's plan.
+struct Group {
+  int64_t first, count;
 };
 
-// Rows lo..hi (inclusive) of keys a lane sees, as indices from the item's first key.
+struct Scratch {
+  std::vector<uint16_t> q;           // [tiles][LANES][dim] queries
+  std::vector<uint16_t> e_hi, e_lo;  // [tiles][LANES][padded] weights as two bfloat16 parts
+  std::vector<uint32_t> kt;  // [dim / 2][KEYS] key pairs, transposed (a B tile per 32 d)
+  std::vector<float> scores;  // [tiles][LANES][padded]
+  std::vector<float> acc;     // [tiles][LANES][PASS_D] weighted values, between key blocks
+  alignas(64) uint16_t vt[KEY_PAIRS / 2][PASS_D * 2];  // values of 16 key pairs, interleaved
+};
+
+// What a group's tiles share: the keys from first_key (a multiple of KEY_PAIRS, the
+// earliest any of its lanes sees), num_keys of them up to its last token, padded rows.
+struct Span {
+  const int32_t* slots;
+  int64_t first_key, num_keys, padded;
+};
+
+// Rows lo..hi (inclusive) of keys a lane sees, as indices from the span's first key.
 struct Visible {
   int64_t lo, hi;
 };
@@ -61,55 +86,77 @@ Visible visible(const Shape& s, const Item& it, int64_t first_key, int64_t lane)
   return {tokenmill::first_seen(s, pos) - first_key, pos - first_key};
 }
 
-// scores[l][j] = q_l . k_j (unscaled) for the item's keys, 16 at a time.
-void score_keys(const uint16_t* keys, const uint16_t* values, const int32_t* slots,
-                int64_t num_keys, int64_t stride, int64_t dim, int64_t padded, Scratch& w) {
-  for (int64_t j0 = 0; j0 < num_keys; j0 += KEYS) {
-    const int nk = static_cast<int>(std::min<int64_t>(KEYS, num_keys - j0));
-    tokenmill::prefetch_rows(keys, slots + j0 + KEYS,
-                             std::min<int64_t>(KEYS, num_keys - j0 - KEYS), stride, dim);
-    tokenmill::prefetch_rows(values, slots + j0, nk, stride, dim);
-    tokenmill::transpose_key_pairs(keys, slots + j0, nk, stride, dim, w.kt.data());
-    _tile_zero(0);
-    for (int64_t c = 0; c < dim; c += 32) {
-      _tile_loadd(4, w.q.data() + c, dim * 2);
-      _tile_loadd(6, w.kt.data() + c / 2 * KEYS, KEYS * 4);
-      _tile_dpbf16ps(0, 4, 6);
+// Where lane l of an item reads its query and writes its output: a (token, head) row.
+int64_t head_row(const Shape& s, const Item& it, int64_t l) {
+  return (it.token0 + l / it.num_heads) * s.num_heads + it.head0 + l % it.num_heads;
+}
+
+int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
+
+// Keys of a tile: up to its last token, padded to whole key blocks.
+int64_t tile_padded(const Item& it, const Span& sp) {
+  return round_up(it.first_pos + it.num_tokens - sp.first_key, KEY_PAIRS);
+}
+
+// scores[t][l][j] = q_l . k_j (unscaled) for each tile t of the group, 16 keys at a time:
+// each block of keys is transposed once for all the tiles that see into it (and the same
+// block of values asked into the L2 cache for weighted_values).
+void score_keys(const uint16_t* keys, const uint16_t* values, const Span& sp, const Item* its,
+                int64_t tiles, int64_t stride, int64_t dim, Scratch& w) {
+  for (int64_t j0 = 0; j0 < sp.padded; j0 += KEYS) {
+    const int64_t left = std::max<int64_t>(0, sp.num_keys - j0);
+    const int nk = static_cast<int>(std::min<int64_t>(KEYS, left));
+    tokenmill::prefetch_rows(keys, sp.slots + j0 + KEYS,
+                             std::clamp<int64_t>(left - KEYS, 0, KEYS), stride, dim);
+    tokenmill::prefetch_rows(values, sp.slots + j0, nk, stride, dim);
+    tokenmill::transpose_key_pairs(keys, sp.slots + j0, nk, stride, dim, w.kt.data());
+    for (int64_t t = 0; t < tiles; ++t) {
+      if (j0 >= tile_padded(its[t], sp)) continue;
+      const uint16_t* q = w.q.data() + t * LANES * dim;
+      _tile_zero(0);
+      for (int64_t c = 0; c < dim; c += 32) {
+        _tile_loadd(4, q + c, dim * 2);
+        _tile_loadd(6, w.kt.data() + c / 2 * KEYS, KEYS * 4);
+        _tile_dpbf16ps(0, 4, 6);
+      }
+      _tile_stored(0, w.scores.data() + t * LANES * sp.padded + j0, sp.padded * 4);
     }
-    _tile_stored(0, w.scores.data() + j0, padded * 4);
   }
 }
 
 // The keys j0..j0+15 that a lane sees, as a mask.
 __mmask16 seen(int64_t j0, Visible v) {
+  if (j0 >= v.lo && j0 + 15 <= v.hi) return 0xffff;
   const int64_t from = std::clamp<int64_t>(v.lo - j0, 0, 16);
   const int64_t to = std::clamp<int64_t>(v.hi - j0 + 1, 0, 16);
   return static_cast<__mmask16>(((1u << to) - 1u) & ~((1u << from) - 1u));
 }
 
-// A lane's weights e over its padded row of keys (float32 into the denominator; into hi and
-// lo as bf16(e) and bf16(e - bf16(e))), +0.0 for keys it does not see; returns the
-// denominator: lane i of 16 sums the keys
-// j = i (mod 16) ascending, then tree_sum16, so the sum does not depend on how many keys
-// past the lane's last the row holds.
-float lane_weights(float* scores, uint16_t* hi, uint16_t* lo, Visible v, int64_t padded,
+// A lane's weights e_j = 2^(s_j * scale * log2(e) - max) = exp(scale * s_j - max') over its
+// padded row of keys (float32 into
+// the denominator; into hi and lo as bf16(e) and bf16(e - bf16(e))), +0.0 for keys it does
+// not see; returns the denominator: lane i of 16 sums the keys j = i (mod 16) ascending,
+// then tree_sum16, so the sum does not depend on how many keys past the lane's last the row
+// holds. NOTE: the hardware conversion to bfloat16 flushes a subnormal lo to zero, as the
+// tile products would flush it anyway (AMX takes no subnormal inputs).
+float lane_weights(const float* scores, uint16_t* hi, uint16_t* lo, Visible v, int64_t padded,
                    float scale) {
-  const __m512 sc = _mm512_set1_ps(scale);
+  const __m512 sc = _mm512_set1_ps(scale * 1.44269504f);  // scores to base 2
   __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t j0 = 0; j0 < padded; j0 += 16) {
-    const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(scores + j0), sc);
-    _mm512_storeu_ps(scores + j0, x);
-    m = _mm512_mask_max_ps(m, seen(j0, v), m, x);
-  }
+  for (int64_t j0 = 0; j0 < padded; j0 += 16)
+    m = _mm512_mask_max_ps(m, seen(j0, v), m, _mm512_mul_ps(_mm512_loadu_ps(scores + j0), sc));
   const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(m));
   __m512 sum = _mm512_setzero_ps();
   for (int64_t j0 = 0; j0 < padded; j0 += 16) {
-    const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(scores + j0), max);
-    const __m512 w = _mm512_maskz_mov_ps(seen(j0, v), tokenmill::exp_nonpositive16(x));
+    const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(scores + j0), sc, max);
+    const __m512 w = tokenmill::exp2_16_fused(x, seen(j0, v));
     sum = _mm512_add_ps(sum, w);
-    const __m512 w_hi = tokenmill::round16(w, hi);
-    tokenmill::store16(hi + j0, w_hi);
-    tokenmill::store16(lo + j0, _mm512_sub_ps(w, w_hi));
+    const __m256bh w_hi = _mm512_cvtneps_pbh(w);
+    const __m256bh w_lo = _mm512_cvtneps_pbh(_mm512_sub_ps(w, _mm512_cvtpbh_ps(w_hi)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + j0),
+                        reinterpret_cast<const __m256i&>(w_hi));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + j0),
+                        reinterpret_cast<const __m256i&>(w_lo));
   }
   alignas(64) float lane[16];
   _mm512_store_ps(lane, sum);
@@ -118,8 +165,8 @@ float lane_weights(float* scores, uint16_t* hi, uint16_t* lo, Visible v, int64_t
 
 // Values of keys j0..j0+31, columns d0..d0+63, as B tiles: vt[p][2 d + i] = v_{j0+2p+i}[d0+d]
 // (zeros past the last key: their weights are zero, and a product must not be NaN).
-void interleave_values(const uint16_t* values, const int32_t* slots, int64_t num_keys,
-                       int64_t j0, int64_t stride, int64_t d0, Scratch& w) {
+void interleave_values(const uint16_t* values, const Span& sp, int64_t j0, int64_t stride,
+                       int64_t d0, Scratch& w) {
   static const __m512i lo_idx = [] {
     alignas(64) uint16_t idx[32];
     for (int t = 0; t < 16; ++t) idx[2 * t] = t, idx[2 * t + 1] = 32 + t;
@@ -131,8 +178,9 @@ void interleave_values(const uint16_t* values, const int32_t* slots, int64_t num
       __m512i row[2];
       for (int i = 0; i < 2; ++i) {
         const int64_t j = j0 + 2 * p + i;
-        row[i] = j < num_keys ? _mm512_loadu_si512(values + slots[j] * stride + d0 + half * 32)
-                              : _mm512_setzero_si512();
+        row[i] = j < sp.num_keys
+                     ? _mm512_loadu_si512(values + sp.slots[j] * stride + d0 + half * 32)
+                     : _mm512_setzero_si512();
       }
       _mm512_store_si512(w.vt[p] + half * 64, _mm512_permutex2var_epi16(row[0], lo_idx, row[1]));
       _mm512_store_si512(w.vt[p] + half * 64 + 32,
@@ -141,77 +189,151 @@ void interleave_values(const uint16_t* values, const int32_t* slots, int64_t num
   }
 }
 
-// w.acc[l][d] = sum over j of e[l][j] v_j[d0 + d], d < 64, 32 keys at a time: each block's
-// hi parts, then its lo parts.
-void weighted_values(const uint16_t* values, const int32_t* slots, int64_t num_keys,
-                     int64_t stride, int64_t d0, int64_t padded, Scratch& w) {
+// Tiles 0-3: the float32 sums of 16 lanes x 64 columns, to and from acc [16][PASS_D].
+void zero_sums() {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
-  for (int64_t j0 = 0; j0 < padded; j0 += KEY_PAIRS) {
-    interleave_values(values, slots, num_keys, j0, stride, d0, w);
-    _tile_loadd(4, w.e_hi.data() + j0, padded * 2);
-    _tile_loadd(5, w.e_lo.data() + j0, padded * 2);
-    _tile_loadd(6, w.vt[0], PASS_D * 4);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(0, 5, 6);
-    _tile_loadd(6, w.vt[0] + 32, PASS_D * 4);
-    _tile_dpbf16ps(1, 4, 6);
-    _tile_dpbf16ps(1, 5, 6);
-    _tile_loadd(6, w.vt[0] + 64, PASS_D * 4);
-    _tile_dpbf16ps(2, 4, 6);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_loadd(6, w.vt[0] + 96, PASS_D * 4);
-    _tile_dpbf16ps(3, 4, 6);
-    _tile_dpbf16ps(3, 5, 6);
-  }
-  _tile_stored(0, &w.acc[0][0], PASS_D * 4);
-  _tile_stored(1, &w.acc[0][16], PASS_D * 4);
-  _tile_stored(2, &w.acc[0][32], PASS_D * 4);
-  _tile_stored(3, &w.acc[0][48], PASS_D * 4);
 }
 
-void attend_item(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
-                 const int32_t* table, uint16_t* out, const Shape& s, const Item& it,
-                 Scratch& w) {
-  const int64_t dim = s.head_dim, hs = it.num_heads, lanes = it.num_tokens * hs;
-  const int64_t last_pos = it.first_pos + it.num_tokens - 1;
-  // NOTE: keys go into the weighted sum 32 at a time from a multiple of 32: a token's keys
-  // pair and group alike alone and in a chunk (a sliding window's first token sees from lo).
-  const int64_t first_key = tokenmill::first_seen(s, it.first_pos) / KEY_PAIRS * KEY_PAIRS;
-  const int64_t num_keys = last_pos - first_key + 1;
-  const int64_t padded = (num_keys + KEY_PAIRS - 1) / KEY_PAIRS * KEY_PAIRS;
-  const int32_t* slots = table + it.row * s.table_stride + first_key;
-  const uint16_t* keys = k_cache + it.kv_head * s.head_stride;
-  const uint16_t* values = v_cache + it.kv_head * s.head_stride;
-  auto head_row = [&](int64_t l) { return (it.token0 + l / hs) * s.num_heads + it.head0 + l % hs; };
-  // NOTE: the tiles' rows past the item's lanes are zeros (their results are never read);
-  // every other row is written whole below.
-  w.q.resize(LANES * dim);
-  std::fill(w.q.begin() + lanes * dim, w.q.end(), uint16_t{0});
-  for (int64_t l = 0; l < lanes; ++l)
-    std::memcpy(w.q.data() + l * dim, q + head_row(l) * dim, dim * 2);
-  w.kt.resize(dim / 2 * KEYS);
-  w.scores.resize(LANES * padded);
-  for (auto* e : {&w.e_hi, &w.e_lo}) {
-    e->resize(LANES * padded);
-    std::fill(e->begin() + lanes * padded, e->end(), uint16_t{0});
-  }
-  score_keys(keys, values, slots, num_keys, s.slot_stride, dim, padded, w);
-  float den[LANES];
-  for (int64_t l = 0; l < lanes; ++l)
-    den[l] = lane_weights(w.scores.data() + l * padded, w.e_hi.data() + l * padded,
-                          w.e_lo.data() + l * padded, visible(s, it, first_key, l), padded,
-                          s.scale);
-  for (int64_t d0 = 0; d0 < dim; d0 += PASS_D) {
-    weighted_values(values, slots, num_keys, s.slot_stride, d0, padded, w);
-    for (int64_t l = 0; l < lanes; ++l) {
-      const float inv = 1.0f / den[l];
-      uint16_t* o = out + head_row(l) * dim + d0;
-      for (int64_t d = 0; d < PASS_D; ++d) tokenmill::store(o + d, w.acc[l][d] * inv);
+void load_sums(const float* acc) {
+  _tile_loadd(0, acc, PASS_D * 4);
+  _tile_loadd(1, acc + 16, PASS_D * 4);
+  _tile_loadd(2, acc + 32, PASS_D * 4);
+  _tile_loadd(3, acc + 48, PASS_D * 4);
+}
+
+void store_sums(float* acc) {
+  _tile_stored(0, acc, PASS_D * 4);
+  _tile_stored(1, acc + 16, PASS_D * 4);
+  _tile_stored(2, acc + 32, PASS_D * 4);
+  _tile_stored(3, acc + 48, PASS_D * 4);
+}
+
+// Adds one block of 32 keys to the sums: its weights' hi parts (rows of `stride` elements
+// from hi), then its lo parts, times the interleaved values in w.vt.
+void add_block(const uint16_t* hi, const uint16_t* lo, int64_t stride, const Scratch& w) {
+  _tile_loadd(4, hi, stride * 2);
+  _tile_loadd(5, lo, stride * 2);
+  _tile_loadd(6, w.vt[0], PASS_D * 4);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(0, 5, 6);
+  _tile_loadd(6, w.vt[0] + 32, PASS_D * 4);
+  _tile_dpbf16ps(1, 4, 6);
+  _tile_dpbf16ps(1, 5, 6);
+  _tile_loadd(6, w.vt[0] + 64, PASS_D * 4);
+  _tile_dpbf16ps(2, 4, 6);
+  _tile_dpbf16ps(2, 5, 6);
+  _tile_loadd(6, w.vt[0] + 96, PASS_D * 4);
+  _tile_dpbf16ps(3, 4, 6);
+  _tile_dpbf16ps(3, 5, 6);
+}
+
+// acc[t][l][d] = sum over j of e[t][l][j] v_j[d0 + d], d < 64, for each tile t, 32 keys at a
+// time. The values of a block are interleaved once for all the tiles; with more than one
+// tile, a tile's float32 sums go to memory and back between blocks (exactly: the bits are
+// those of sums that stay in the registers, as a lone tile's do).
+void weighted_values(const uint16_t* values, const Span& sp, const Item* its, int64_t tiles,
+                     int64_t stride, int64_t d0, Scratch& w) {
+  const bool resident = tiles == 1;
+  for (int64_t j0 = 0; j0 < sp.padded; j0 += KEY_PAIRS) {
+    interleave_values(values, sp, j0, stride, d0, w);
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t padded = tile_padded(its[t], sp);
+      if (j0 >= padded) continue;
+      float* acc = w.acc.data() + t * LANES * PASS_D;
+      if (j0 == 0)
+        zero_sums();
+      else if (!resident)
+        load_sums(acc);
+      const int64_t e = t * LANES * sp.padded + j0;
+      add_block(w.e_hi.data() + e, w.e_lo.data() + e, sp.padded, w);
+      if (!resident || j0 + KEY_PAIRS == padded) store_sums(acc);
     }
   }
+}
+
+// The group's keys: from the earliest its first tile's lanes see (rounded down to a block
+// of KEY_PAIRS) to its last tile's last token.
+Span span(const Shape& s, const int32_t* table, const Item* its, int64_t tiles) {
+  const Item& last = its[tiles - 1];
+  const int64_t first_key = tokenmill::first_seen(s, its[0].first_pos) / KEY_PAIRS * KEY_PAIRS;
+  const int64_t num_keys = last.first_pos + last.num_tokens - first_key;
+  return {table + its[0].row * s.table_stride + first_key, first_key, num_keys,
+          round_up(num_keys, KEY_PAIRS)};
+}
+
+// Queries of each tile into w.q; the scratch sized for the group. NOTE: a tile's rows past
+// its item's lanes hold what the scratch last held (finite numbers): tile rows never mix, and
+// those rows' results are never read.
+void load_queries(const uint16_t* q, const Shape& s, const Item* its, int64_t tiles,
+                  int64_t padded, Scratch& w) {
+  const int64_t dim = s.head_dim;
+  w.q.resize(tiles * LANES * dim);
+  for (int64_t t = 0; t < tiles; ++t)
+    for (int64_t l = 0; l < its[t].num_tokens * its[t].num_heads; ++l)
+      std::memcpy(w.q.data() + (t * LANES + l) * dim, q + head_row(s, its[t], l) * dim, dim * 2);
+  w.kt.resize(dim / 2 * KEYS);
+  w.scores.resize(tiles * LANES * padded);
+  w.acc.resize(tiles * LANES * PASS_D);
+  w.e_hi.resize(tiles * LANES * padded);
+  w.e_lo.resize(tiles * LANES * padded);
+}
+
+// Attends the group's tiles: items of one row, KV head and query heads, in token order.
+void attend_group(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                  const int32_t* table, uint16_t* out, const Shape& s, const Item* its,
+                  int64_t tiles, Scratch& w) {
+  // NOTE: keys go into the weighted sum 32 at a time from a multiple of 32: a token's keys
+  // pair and group alike alone and in a chunk (a sliding window's first token sees from lo),
+  // and the blocks before a lane's first visible key add only +0.0.
+  const Span sp = span(s, table, its, tiles);
+  const int64_t dim = s.head_dim;
+  const uint16_t* keys = k_cache + its[0].kv_head * s.head_stride;
+  const uint16_t* values = v_cache + its[0].kv_head * s.head_stride;
+  load_queries(q, s, its, tiles, sp.padded, w);
+  score_keys(keys, values, sp, its, tiles, s.slot_stride, dim, w);
+  float den[MAX_TILES * LANES];
+  for (int64_t t = 0; t < tiles; ++t)
+    for (int64_t l = 0; l < its[t].num_tokens * its[t].num_heads; ++l) {
+      const int64_t at = (t * LANES + l) * sp.padded;
+      den[t * LANES + l] =
+          lane_weights(w.scores.data() + at, w.e_hi.data() + at, w.e_lo.data() + at,
+                       visible(s, its[t], sp.first_key, l), tile_padded(its[t], sp), s.scale);
+    }
+  for (int64_t d0 = 0; d0 < dim; d0 += PASS_D) {
+    weighted_values(values, sp, its, tiles, s.slot_stride, d0, w);
+    for (int64_t t = 0; t < tiles; ++t)
+      for (int64_t l = 0; l < its[t].num_tokens * its[t].num_heads; ++l) {
+        const float inv = 1.0f / den[t * LANES + l];
+        const float* acc = w.acc.data() + (t * LANES + l) * PASS_D;
+        uint16_t* o = out + head_row(s, its[t], l) * dim + d0;
+        for (int64_t d = 0; d < PASS_D; ++d) tokenmill::store(o + d, acc[d] * inv);
+      }
+  }
+}
+
+// The plan's items in groups: each row's items by KV head and query heads, token blocks in
+// order, at most MAX_TILES (fewer for long contexts, so that a group's scores stay in L2).
+std::vector<Group> group_items(std::vector<Item>& items) {
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
+    return std::tie(a.row, a.kv_head, a.head0) < std::tie(b.row, b.kv_head, b.head0);
+  });
+  std::vector<Group> groups;
+  const int64_t n = static_cast<int64_t>(items.size());
+  for (int64_t i = 0; i < n;) {
+    const Item& a = items[i];
+    const int64_t keys = round_up(a.first_pos + a.num_tokens, KEY_PAIRS);
+    const int64_t cap = std::clamp<int64_t>(GROUP_BYTES / (LANES * keys * 8), 1, MAX_TILES);
+    int64_t count = 1;
+    while (i + count < n && count < cap && items[i + count].row == a.row &&
+           items[i + count].kv_head == a.kv_head && items[i + count].head0 == a.head0)
+      ++count;
+    groups.push_back({i, count});
+    i += count;
+  }
+  return groups;
 }
 
 }  // namespace
@@ -229,22 +351,22 @@ int tm_paged_attention_amx(const void* q, const void* k_cache, const void* v_cac
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                            int64_t head_stride, int64_t slot_stride, int64_t table_stride,
                            int64_t window, float scale, int dtype) {
-#if defined(TOKENMILL_AMX)
+#if defined(TOKENMILL_AMX_ATTENTION)
   if (dtype != 1 || head_dim % PASS_D != 0 || !tm_amx_ready()) return -1;
   const Shape s{num_heads, num_kv_heads, head_dim, table_stride, window,
                 head_stride, slot_stride, scale};
-  const std::vector<Item> items =
-      tokenmill::plan(rows, token_starts, num_tokens, first_pos, num_rows, s);
-  const int64_t num_items = static_cast<int64_t>(items.size());
+  std::vector<Item> items = tokenmill::plan(rows, token_starts, num_tokens, first_pos, num_rows, s);
+  const std::vector<Group> groups = group_items(items);
+  const int64_t num_groups = static_cast<int64_t>(groups.size());
 #pragma omp parallel
   {
     tokenmill::configure_tiles();
     Scratch scratch;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < num_items; ++i)
-      attend_item(static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(k_cache),
-                  static_cast<const uint16_t*>(v_cache), table, static_cast<uint16_t*>(out), s,
-                  items[i], scratch);
+    for (int64_t g = 0; g < num_groups; ++g)
+      attend_group(static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(k_cache),
+                   static_cast<const uint16_t*>(v_cache), table, static_cast<uint16_t*>(out), s,
+                   items.data() + groups[g].first, groups[g].count, scratch);
     _tile_release();
   }
   return 0;
