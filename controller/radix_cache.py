@@ -13,6 +13,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from tokenmill.controller.slot_pool import IndexPool
+from tokenmill.controller.token_prefix import common_prefix_len
 
 _clock = itertools.count()
 
@@ -53,7 +54,7 @@ class RadixCache:
         node, slots, i = self.root, [], 0
         while i < len(tokens) and tokens[i] in node.children:
             child = node.children[tokens[i]]
-            n = _common_len(child.tokens, tokens, i)
+            n = common_prefix_len(child.tokens, tokens, i)
             if n < len(child.tokens):
                 child = self._split(child, n)
             slots += child.slots
@@ -152,11 +153,3 @@ class RadixCache:
             out.append(node)
             stack.extend(node.children.values())
         return out
-
-
-def _common_len(edge: list[int], tokens: list[int], start: int) -> int:
-    n = 0
-    limit = min(len(edge), len(tokens) - start)
-    while n < limit and edge[n] == tokens[start + n]:
-        n += 1
-    return n

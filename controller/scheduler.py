@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from tokenmill.controller.kv_allocator import KvAllocator
 from tokenmill.controller.request import PromptScores, Request
 from tokenmill.controller.slot_pool import IndexPool
+from tokenmill.controller.token_prefix import common_prefix_len
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +172,7 @@ class Scheduler:
         for other in self.running:
             if not other.is_prefill:
                 continue
-            common = _common_prefix(tokens, other.prompt_ids)
+            common = common_prefix_len(tokens, other.prompt_ids)
             if common < enough:
                 continue
             if cached < 0:
@@ -201,12 +202,3 @@ class Scheduler:
         if request.row >= 0:
             self.rows.free([request.row])
             request.row = -1
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n

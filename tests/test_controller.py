@@ -3,6 +3,8 @@ message and the outputs (like vLLM's scheduler tests)."""
 
 from __future__ import annotations
 
+import random
+
 import msgspec
 import numpy as np
 import pytest
@@ -10,6 +12,7 @@ import pytest
 from tokenmill.controller.config import ControllerConfig
 from tokenmill.controller.controller import Controller
 from tokenmill.controller.scheduler import DECODE_SLOT_RUN
+from tokenmill.controller.token_prefix import common_prefix_len
 from tokenmill.protocol.arrays import pack, unpack
 from tokenmill.protocol.outputs import BatchOutput, RequestOutput
 from tokenmill.protocol.requests import (
@@ -454,3 +457,18 @@ def test_a_steps_outputs_leave_after_the_next_step_and_in_order() -> None:
     run_until_idle(controller)
     assert tokens_of(sockets.outputs, "a") == [6, 7, 8]
     assert sockets.outputs[-1].finish_reason == "abort"
+
+
+def test_common_prefix_len_matches_a_token_by_token_scan() -> None:
+    """Blocks compared as slices, then the differing block token by token: the same as the
+    plain scan, wherever the first difference falls (inside, at or across block edges)."""
+    rng = random.Random(0)
+    for _ in range(500):
+        a = [rng.randrange(3) for _ in range(rng.randrange(300))]
+        lead = [rng.randrange(2) for _ in range(rng.randrange(5))]
+        b = lead + a[: rng.randrange(300)] + [rng.randrange(3) for _ in range(rng.randrange(70))]
+        start = len(lead) if rng.random() < 0.7 else rng.randrange(len(b) + 1)
+        expected = 0
+        while expected < min(len(a), len(b) - start) and a[expected] == b[start + expected]:
+            expected += 1
+        assert common_prefix_len(a, b, start) == expected
