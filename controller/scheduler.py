@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from tokenmill.controller.kv_allocator import KvAllocator
 from tokenmill.controller.request import PromptScores, Request
 from tokenmill.controller.slot_pool import IndexPool
-from tokenmill.controller.token_prefix import common_prefix_len
 
 logger = logging.getLogger(__name__)
 
@@ -168,18 +167,23 @@ class Scheduler:
         shared = min(request.message.shared_prefix_len, len(tokens))
         if shared > 0:
             enough = min(enough, shared)
-        cached = -1  # looked up once, only if a running prefill shares enough
-        for other in self.running:
-            if not other.is_prefill:
-                continue
-            common = common_prefix_len(tokens, other.prompt_ids)
-            if common < enough:
-                continue
-            if cached < 0:
-                cached = len(self.kv.cache.match(tokens).slots)
-            if common > cached:
-                return True
-        return False
+        # NOTE: this runs for every request admitted while others prefill, against each of
+        # them (256 scoring items: ~8,000 pairs a request): one token compared first, the
+        # prefix (as one slice, in C) only where that token agrees.
+        prefills = [o for o in self.running if o.is_prefill]
+        if not prefills:
+            return False
+        # Waiting pays only where the running prefill computes more than the cache holds.
+        need = max(enough, len(self.kv.cache.match(tokens).slots) + 1)
+        if need > len(tokens):
+            return False
+        last, head = tokens[need - 1], tokens[:need]
+        return any(
+            len(o.prompt_ids) >= need
+            and o.prompt_ids[need - 1] == last
+            and o.prompt_ids[:need] == head
+            for o in prefills
+        )
 
     def _chunk(self, request: Request, budget: int) -> ScheduledRow:
         num_new = min(budget, request.num_prompt_tokens - request.num_computed_tokens)

@@ -1,11 +1,9 @@
-"""How many leading tokens two token lists share (controller: the radix cache's edges, the
-scheduler's shared-prefix check)."""
+"""How many leading tokens two token lists share (controller: the radix cache's edge walk)."""
 
 from __future__ import annotations
 
-# NOTE: list slices compare in C; only the last, differing block is scanned in Python. A
-# token at a time in Python cost the scheduler ~1,000 steps per running prefill for every
-# scoring item it admitted (256 items after a 1,024-token query: seconds a request).
+# NOTE: list slices compare in C; only the last, differing block is scanned in Python (a
+# token at a time, a 1,024-token edge cost ~1,000 interpreter steps per lookup).
 _BLOCK = 64
 
 
