@@ -27,6 +27,8 @@ class ControllerConfig:
     """Reuse the KV of cached prompt prefixes (the radix cache)."""
     parent_pid: int | None = None
     report_interval_s: float = 0.25
+    integrity_idle_s: float = 1.0
+    """Seconds without a step before the slot pool and prefix tree are checked for leaks."""
     cluster_key_file: str = ""
     """With ranks on other nodes: the CURVE keys that secure their tcp:// worker_addrs."""
     replica: int = 0

@@ -3,6 +3,7 @@ message and the outputs (like vLLM's scheduler tests)."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import msgspec
@@ -116,6 +117,7 @@ def make_controller(
         max_running_requests=max_running,
         max_prefill_tokens=max_prefill,
         report_interval_s=0.0,
+        integrity_idle_s=0.0,
         decode_steps=decode_steps,
         **limits,  # type: ignore[arg-type]
     )
@@ -472,3 +474,23 @@ def test_common_prefix_len_matches_a_token_by_token_scan() -> None:
         while expected < min(len(a), len(b) - start) and a[expected] == b[start + expected]:
             expected += 1
         assert common_prefix_len(a, b, start) == expected
+
+
+def test_the_leak_check_waits_for_a_pause(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The slot pool and tree are checked once the engine has been idle integrity_idle_s, not
+    in the gap between back-to-back requests."""
+    controller, sockets = make_controller()
+    controller.config = dataclasses.replace(controller.config, integrity_idle_s=1.0)
+    checks: list[int] = []
+    monkeypatch.setattr(controller.kv, "check_integrity", lambda running: checks.append(1))
+    clock = [100.0]
+    monkeypatch.setattr("tokenmill.controller.controller.time.monotonic", lambda: clock[0])
+    sockets.inbox.append(request("a", [3, 4, 5], max_tokens=1))
+    run_until_idle(controller)
+    clock[0] += 0.5
+    controller.run_once()
+    assert checks == []
+    clock[0] += 0.6
+    controller.run_once()
+    controller.run_once()
+    assert checks == [1]  # once per pause
