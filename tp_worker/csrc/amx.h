@@ -3,7 +3,8 @@
 
 #include <cstdint>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// NOTE: every AMX CPU has AVX512-BF16 too; the attention kernel's softmax converts with it.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define TOKENMILL_AMX 1
 

@@ -36,9 +36,7 @@
 #include "bf16.h"
 #include "exp.h"
 
-// NOTE: AMX CPUs have AVX512-BF16 too; the softmax converts to bfloat16 with it.
-#if defined(TOKENMILL_AMX) && defined(__AVX512BF16__)
-#define TOKENMILL_AMX_ATTENTION 1
+#if defined(TOKENMILL_AMX)
 namespace {
 
 using tokenmill::Item;
@@ -133,11 +131,10 @@ __mmask16 seen(int64_t j0, Visible v) {
 }
 
 // A lane's weights e_j = 2^(s_j * scale * log2(e) - max) = exp(scale * s_j - max') over its
-// padded row of keys (float32 into
-// the denominator; into hi and lo as bf16(e) and bf16(e - bf16(e))), +0.0 for keys it does
-// not see; returns the denominator: lane i of 16 sums the keys j = i (mod 16) ascending,
-// then tree_sum16, so the sum does not depend on how many keys past the lane's last the row
-// holds. NOTE: the hardware conversion to bfloat16 flushes a subnormal lo to zero, as the
+// padded row of keys (float32 into the denominator; into hi and lo as bf16(e) and
+// bf16(e - bf16(e))), +0.0 for keys it does not see; returns the denominator: lane i of 16
+// sums the keys j = i (mod 16) ascending, then tree_sum16, so the sum does not depend on how
+// many keys past the lane's last the row holds. NOTE: the hardware conversion to bfloat16 flushes a subnormal lo to zero, as the
 // tile products would flush it anyway (AMX takes no subnormal inputs).
 float lane_weights(const float* scores, uint16_t* hi, uint16_t* lo, Visible v, int64_t padded,
                    float scale) {
@@ -351,7 +348,7 @@ int tm_paged_attention_amx(const void* q, const void* k_cache, const void* v_cac
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                            int64_t head_stride, int64_t slot_stride, int64_t table_stride,
                            int64_t window, float scale, int dtype) {
-#if defined(TOKENMILL_AMX_ATTENTION)
+#if defined(TOKENMILL_AMX)
   if (dtype != 1 || head_dim % PASS_D != 0 || !tm_amx_ready()) return -1;
   const Shape s{num_heads, num_kv_heads, head_dim, table_stride, window,
                 head_stride, slot_stride, scale};

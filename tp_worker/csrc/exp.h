@@ -54,7 +54,7 @@ inline __m512 exp_nonpositive16(__m512 x) {
 }
 
 // 2^x in the lanes of `keep` (+0.0 in the others) for x <= ~127, with fused multiply-adds and
-// VSCALEFPS: a third of exp_nonpositive16's operations, and not its bits. For kernels whose
+// VSCALEFPS: half of exp_nonpositive16's operations, and not its bits. For kernels whose
 // bits are their CPU's own anyway (attention_amx.cpp). 2^x = 2^n * 2^f with n = round(x)
 // and f = x - n (exact) in [-1/2, 1/2]; 2^f by its Taylor series to degree 6 (relative error
 // below 2e-7 there).
