@@ -1,0 +1,145 @@
+"""A/B of the CPU kernels in one process: the working tree's csrc/ against the same sources at
+a git revision, both built here and called alternately on the same inputs, minimum (and 25th
+percentile) over the rounds, and whether the two give the same bits.
+
+On a shared host whose speed swings 2x within minutes, two runs of a benchmark compare noise;
+two builds called in turn within one run compare the code. Cases: bfloat16 attention at the
+medium checkpoint's shapes (64 scoring items of 32 tokens after one shared 1,024-token query,
+64 decode rows at a context of 300, 8 prompts of 256) and bfloat16 linear layers (a prefill's
+gate/up and down products, a 64-row decode product).
+
+    python benchmarks/kernel_ab.py [--against HEAD] [--rounds 20] [--only attention|linear]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from cpu_kernels import attention_case
+
+import tokenmill.tp_worker.attention_cpu as attention_cpu
+from tokenmill.tp_worker import cpu_kernels
+from tokenmill.tp_worker.cpu_ops import pack
+
+CSRC = Path(cpu_kernels.__file__).parent / "csrc"
+LINEAR_SHAPES = [(2048, 768, 4096), (2048, 2048, 768), (64, 768, 4096)]  # (M, K, N)
+ATTENTION_CASES = {
+    "attention, 64 x 32 after a shared 1024": (64, 1024, 32, True),
+    "attention, 64 decode rows x 300": (64, 300, 1, False),
+    "attention, 8 x 256 prompt": (8, 0, 256, False),
+}
+
+
+def sources_at(rev: str, into: Path) -> Path:
+    """csrc/ as it is at `rev`, written under `into`."""
+    root = subprocess.run(
+        ["git", "rev-parse", "--show-toplevel"], cwd=CSRC, capture_output=True, text=True
+    ).stdout.strip()
+    prefix = CSRC.relative_to(root).as_posix()
+    into.mkdir(parents=True)
+    for path in [*cpu_kernels.SOURCES, *cpu_kernels.HEADERS]:
+        text = subprocess.run(
+            ["git", "show", f"{rev}:{prefix}/{path.name}"],
+            cwd=root,
+            capture_output=True,
+            check=True,
+        ).stdout
+        (into / path.name).write_bytes(text)
+    return into
+
+
+def build(csrc: Path, out: Path) -> ctypes.CDLL:
+    """All of csrc's sources into one library, with the flags the worker's build uses."""
+    sources = [str(csrc / p.name) for p in cpu_kernels.SOURCES]
+    command = ["g++", "-march=native", *cpu_kernels.FLAGS, "-shared", *sources, "-o", str(out)]
+    subprocess.run(command, check=True)
+    return cpu_kernels.load(out)
+
+
+def timed(fn: Callable[[], torch.Tensor], times: list[float]) -> torch.Tensor:
+    started = time.perf_counter()
+    out = fn()
+    times.append(time.perf_counter() - started)
+    return out
+
+
+def attention_runs(libs: list[ctypes.CDLL]) -> dict[str, list[Callable[[], torch.Tensor]]]:
+    """Each case's call, once per build: the plan calls whichever library it is handed."""
+    runs = {}
+    for name, (rows, context, new, shared) in ATTENTION_CASES.items():
+        fn = attention_case(rows, context, new, shared)
+
+        def with_lib(lib: ctypes.CDLL, fn: Callable[[], object] = fn) -> torch.Tensor:
+            attention_cpu.library = lambda: lib  # type: ignore[assignment]
+            out = fn()
+            assert isinstance(out, torch.Tensor)
+            return out
+
+        runs[name] = [lambda lib=lib, f=with_lib: f(lib) for lib in libs]
+    return runs
+
+
+def linear_runs(libs: list[ctypes.CDLL]) -> dict[str, list[Callable[[], torch.Tensor]]]:
+    gen = torch.Generator().manual_seed(0)
+    runs = {}
+    for m, k, n in LINEAR_SHAPES:
+        x = torch.randn(m, k, generator=gen).bfloat16()
+        w = pack((torch.randn(n, k, generator=gen) * k**-0.5).bfloat16())
+
+        def call(
+            lib: ctypes.CDLL, x: torch.Tensor = x, w: torch.Tensor = w, n: int = n
+        ) -> torch.Tensor:
+            rows, k = x.shape
+            out = torch.empty(rows, n, dtype=torch.bfloat16)
+            args = (x.data_ptr(), rows, k, k, w.data_ptr(), n, None, out.data_ptr(), n, 1, 1)
+            assert lib.tm_linear_amx(*args) == 0, "this machine or build has no AMX tiles"
+            return out
+
+        runs[f"linear (AMX) [{m} x {k} x {n}]"] = [lambda lib=lib, f=call: f(lib) for lib in libs]
+    return runs
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--against", default="HEAD", help="git revision to compare with (HEAD)")
+    p.add_argument("--rounds", type=int, default=20, help="alternating rounds (default 20)")
+    p.add_argument("--only", choices=["attention", "linear"], help="one kind of case")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        base = build(sources_at(args.against, Path(tmp) / "base"), Path(tmp) / "base.so")
+        ours = build(CSRC, Path(tmp) / "ours.so")
+        libs = [base, ours]
+        if not base.tm_amx_ready():
+            print("this machine (or build) has no AMX tiles: the cases take the AMX kernels")
+            return 1
+        cases = {}
+        if args.only in (None, "attention"):
+            cases.update(attention_runs(libs))
+        if args.only in (None, "linear"):
+            cases.update(linear_runs(libs))
+        print(f"{args.against} against the working tree, {args.rounds} rounds, alternating")
+        for name, (theirs, mine) in cases.items():
+            times: tuple[list[float], list[float]] = ([], [])
+            first, second = theirs(), mine()
+            for _ in range(args.rounds):
+                timed(theirs, times[0])
+                timed(mine, times[1])
+            a, b = (sorted(t) for t in times)
+            q = args.rounds // 4
+            print(
+                f"{name:<40} {args.against} {a[0] * 1e3:8.2f} ms (p25 {a[q] * 1e3:.2f})"
+                f"  tree {b[0] * 1e3:8.2f} ms (p25 {b[q] * 1e3:.2f})"
+                f"  {a[0] / b[0]:5.2f}x  same bits: {torch.equal(first, second)}"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
