@@ -28,7 +28,6 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <tuple>
 #include <vector>
 
 #include "amx.h"
@@ -311,12 +310,10 @@ void attend_group(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_
   }
 }
 
-// The plan's items in groups: each row's items by KV head and query heads, token blocks in
-// order, at most MAX_TILES (fewer for long contexts, so that a group's scores stay in L2).
-std::vector<Group> group_items(std::vector<Item>& items) {
-  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
-    return std::tie(a.row, a.kv_head, a.head0) < std::tie(b.row, b.kv_head, b.head0);
-  });
+// The plan's items in groups: runs of one row, KV head and set of query heads (the plan
+// lists them together, tokens ascending), at most MAX_TILES (fewer for long contexts, so
+// that a group's scores stay in L2).
+std::vector<Group> group_items(const std::vector<Item>& items) {
   std::vector<Group> groups;
   const int64_t n = static_cast<int64_t>(items.size());
   for (int64_t i = 0; i < n;) {
@@ -352,7 +349,8 @@ int tm_paged_attention_amx(const void* q, const void* k_cache, const void* v_cac
   if (dtype != 1 || head_dim % PASS_D != 0 || !tm_amx_ready()) return -1;
   const Shape s{num_heads, num_kv_heads, head_dim, table_stride, window,
                 head_stride, slot_stride, scale};
-  std::vector<Item> items = tokenmill::plan(rows, token_starts, num_tokens, first_pos, num_rows, s);
+  const std::vector<Item> items =
+      tokenmill::plan(rows, token_starts, num_tokens, first_pos, num_rows, s);
   const std::vector<Group> groups = group_items(items);
   const int64_t num_groups = static_cast<int64_t>(groups.size());
 #pragma omp parallel

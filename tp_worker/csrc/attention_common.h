@@ -34,7 +34,9 @@ inline int64_t first_seen(const Shape& s, int64_t pos) {
 }
 
 // Splits every row's tokens into items: each KV head's query heads in chunks of at most
-// ITEM_LANES, and as many consecutive tokens as fit the lanes with them.
+// ITEM_LANES, and as many consecutive tokens as fit the lanes with them. Items of one row,
+// KV head and set of query heads come one after the other, tokens ascending (the AMX kernel
+// runs such a run of items as one group).
 inline std::vector<Item> plan(const int64_t* rows, const int64_t* token_starts,
                        const int64_t* num_tokens, const int64_t* first_pos, int64_t num_rows,
                        const Shape& s) {
@@ -43,9 +45,9 @@ inline std::vector<Item> plan(const int64_t* rows, const int64_t* token_starts,
   const int64_t tokens_per_item = ITEM_LANES / heads;
   std::vector<Item> items;
   for (int64_t b = 0; b < num_rows; ++b)
-    for (int64_t t = 0; t < num_tokens[b]; t += tokens_per_item)
-      for (int64_t kv = 0; kv < s.num_kv_heads; ++kv)
-        for (int64_t h = 0; h < group; h += heads)
+    for (int64_t kv = 0; kv < s.num_kv_heads; ++kv)
+      for (int64_t h = 0; h < group; h += heads)
+        for (int64_t t = 0; t < num_tokens[b]; t += tokens_per_item)
           items.push_back(Item{rows[b], token_starts[b] + t,
                                std::min(tokens_per_item, num_tokens[b] - t), first_pos[b] + t,
                                kv, kv * group + h, std::min(heads, group - h)});
