@@ -81,12 +81,22 @@ class Scheduler:
                 row = self._chunk(request, budget)
                 budget -= row.num_new
                 prefill.append(row)
-        while budget > 0 and self.waiting and self._admit(self.waiting[0]):
+        # NOTE: a request that waits for a running prefill to fill the cache lets the ones
+        # behind it in; one that waits for room stops the queue (first come, first served).
+        deferred: list[Request] = []
+        while budget > 0 and self.waiting and self._has_room():
             request = self.waiting.popleft()
+            if self._shares_a_running_prefill(request):
+                deferred.append(request)
+                continue
+            if not self._admit(request):
+                self.waiting.appendleft(request)
+                break
             if request.is_prefill:  # else its cached prefix covers the prompt: it decodes
                 row = self._chunk(request, budget)
                 budget -= row.num_new
                 prefill.append(row)
+        self.waiting.extendleft(reversed(deferred))
         return [ScheduledRow.of(r, 1, False) for r in decode] + prefill
 
     def finish(self, request: Request) -> None:
@@ -144,11 +154,10 @@ class Scheduler:
             last = min(last, self.max_model_len)
         return max(0, last - len(request.slots))
 
+    def _has_room(self) -> bool:
+        return len(self.running) < self.max_running and self.rows.num_free > 0
+
     def _admit(self, request: Request) -> bool:
-        if len(self.running) >= self.max_running or self.rows.num_free == 0:
-            return False
-        if self._shares_a_running_prefill(request):
-            return False  # NOTE: wait one prefill, then hit the cache (n > 1, same prompts)
         if not self.kv.admit(request, headroom=len(self.running)):
             return False
         request.row = self.rows.alloc(1)[0]
@@ -156,27 +165,27 @@ class Scheduler:
         return True
 
     def _shares_a_running_prefill(self, request: Request) -> bool:
-        """True when a request still prefilling computes most of what this one would, or all
-        of the prefix it says it shares with requests sent alongside it, beyond what the
-        cache already holds. NOTE: a prefix already cached is no reason to wait: scoring
-        items after a cached query (or turns after a cached conversation) go in together."""
+        """True when a request still prefilling computes more than half of what this one
+        would compute beyond the cache, or all of the prefix it says it shares with requests
+        sent alongside it. NOTE: a prefix already cached is no reason to wait, nor are a few
+        shared tokens past it: scoring items after a cached query go in together, even where
+        many of them begin with the same word."""
         if self.kv.cache is None or request.max_cached_prefix <= 0:
             return False
-        tokens = request.tokens(0, request.max_cached_prefix)
-        enough = len(tokens) // 2 + 1
-        shared = min(request.message.shared_prefix_len, len(tokens))
-        if shared > 0:
-            enough = min(enough, shared)
-        # NOTE: this runs for every request admitted while others prefill, against each of
-        # them (256 scoring items: ~8,000 pairs a request): one token compared first, the
-        # prefix (as one slice, in C) only where that token agrees.
         prefills = [o for o in self.running if o.is_prefill]
         if not prefills:
             return False
-        # Waiting pays only where the running prefill computes more than the cache holds.
-        need = max(enough, len(self.kv.cache.match(tokens).slots) + 1)
+        tokens = request.tokens(0, request.max_cached_prefix)
+        cached = len(self.kv.cache.match(tokens).slots)
+        need = cached + (len(tokens) - cached) // 2 + 1
+        shared = min(request.message.shared_prefix_len, len(tokens))
+        if shared > cached:
+            need = min(need, shared)
         if need > len(tokens):
             return False
+        # NOTE: this runs for every request admitted while others prefill, against each of
+        # them (256 scoring items: ~8,000 pairs a request): one token compared first, the
+        # prefix (as one slice, in C) only where that token agrees.
         last, head = tokens[need - 1], tokens[:need]
         return any(
             len(o.prompt_ids) >= need

@@ -433,6 +433,41 @@ def test_items_after_a_cached_query_go_in_one_step() -> None:
     assert controller.kv.hit_tokens == 6 * len(query)
 
 
+def test_items_that_begin_alike_after_a_cached_query_go_in_one_step() -> None:
+    """Items that share their first tokens past the cached query (documents that begin with
+    the same word) do not wait for one another: a few shared tokens are not worth a step."""
+    query = list(range(3, 35))
+    items = [[40, 41, 50 + 8 * i] + list(range(100 + 8 * i, 105 + 8 * i)) for i in range(6)]
+    items[1][:3] = items[0][:3]
+    controller, sockets = make_controller(kv_tokens=512, max_prefill=256)
+    sockets.inbox.append(request("q", query, max_tokens=1))
+    run_until_idle(controller)
+    first = len(sockets.batches)
+    for i, item in enumerate(items):
+        message = request(f"s{i}", query + item, max_tokens=1, token_ids=(5, 6))
+        sockets.inbox.append(msgspec.structs.replace(message, shared_prefix_len=len(query)))
+    run_until_idle(controller)
+    assert all(tokens_of(sockets.outputs, f"s{i}") for i in range(6))
+    assert len(sockets.batches) - first == 1
+    assert controller.kv.hit_tokens == 6 * len(query)
+
+
+def test_a_prompt_mostly_shared_past_the_cache_waits_and_lets_others_by() -> None:
+    """A prompt that shares most of what is not cached with one being prefilled waits one step
+    and finds those tokens in the cache instead of computing them again; a prompt behind it
+    that shares nothing does not wait for it."""
+    prompt = list(range(3, 43))
+    controller, sockets = make_controller(kv_tokens=512, max_prefill=256)
+    sockets.inbox.append(request("a", prompt, max_tokens=1))
+    sockets.inbox.append(request("b", prompt[:-2] + [90, 91], max_tokens=1))
+    sockets.inbox.append(request("c", list(range(60, 80)), max_tokens=1))
+    run_until_idle(controller)
+    assert all(tokens_of(sockets.outputs, r) for r in "abc")
+    assert controller.kv.hit_tokens == len(prompt) - 2
+    first_step = unpack(sockets.batches[0].extend_lens).tolist()
+    assert first_step == [len(prompt), 20] and len(sockets.batches) == 2
+
+
 def test_a_steps_outputs_leave_after_the_next_step_and_in_order() -> None:
     """Each step's outputs go to the detokenizer right after the next step goes to the
     workers (the detokenizer works while the model does), every one of them, in order; an
