@@ -98,7 +98,9 @@ def linear_runs(libs: list[ctypes.CDLL]) -> dict[str, list[Callable[[], torch.Te
         ) -> torch.Tensor:
             rows, k = x.shape
             out = torch.empty(rows, n, dtype=torch.bfloat16)
-            args = (x.data_ptr(), rows, k, k, w.data_ptr(), n, None, out.data_ptr(), n, 1, 1)
+            # NOTE: the residual (last, null) is one argument past older builds' signature:
+            # they ignore it.
+            args = (x.data_ptr(), rows, k, k, w.data_ptr(), n, None, out.data_ptr(), n, 1, 1, None)
             assert lib.tm_linear_amx(*args) == 0, "this machine or build has no AMX tiles"
             return out
 

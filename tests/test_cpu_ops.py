@@ -44,6 +44,25 @@ def test_matches_float64_reference(
         torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize(("m", "k", "n"), SHAPES)
+@pytest.mark.parametrize(
+    ("dtype", "out_dtype"),
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, None)],
+)
+def test_a_residual_added_by_the_kernel_has_the_bits_of_torchs_add(
+    m: int, k: int, n: int, dtype: torch.dtype, out_dtype: torch.dtype | None, cpu_kernel: str
+) -> None:
+    """The decoder layer's `x + o_proj(...)` and `x + down_proj(...)` in the epilogue: the
+    output rounded to its dtype, then one float32 add, as torch adds two such tensors."""
+    x, weight, bias = _case(m, k, n, dtype)
+    gen = torch.Generator().manual_seed(5)
+    residual = (4 * torch.randn(m, n, generator=gen)).to(out_dtype or dtype)
+    layer = PackedLinear(weight, bias)
+    fused = layer(x, out_dtype, residual=residual)
+    assert torch.equal(fused, residual + layer(x, out_dtype))
+    assert not torch.equal(fused, layer(x, out_dtype))
+
+
 @pytest.mark.parametrize(
     ("k", "dtype"), [(160, torch.float32), (160, torch.bfloat16), (200, torch.bfloat16)]
 )

@@ -117,7 +117,7 @@ def load(path: Path) -> ctypes.CDLL:
     lib.tm_paged_attention.restype = ctypes.c_int
     lib.tm_paged_attention_amx.argtypes = lib.tm_paged_attention.argtypes
     lib.tm_paged_attention_amx.restype = ctypes.c_int
-    lib.tm_linear.argtypes = [_P, _I, _I, _I, _P, _I, _P, _P, _I, ctypes.c_int, ctypes.c_int]
+    lib.tm_linear.argtypes = [_P, _I, _I, _I, _P, _I, _P, _P, _I, ctypes.c_int, ctypes.c_int, _P]
     lib.tm_linear.restype = ctypes.c_int
     lib.tm_linear_amx.argtypes = lib.tm_linear.argtypes
     lib.tm_linear_amx.restype = ctypes.c_int

@@ -74,10 +74,20 @@ class PackedLinear:
         # NOTE: chosen once per layer, so every call of a layer runs the same kernel.
         self.amx = weight.dtype == torch.bfloat16 and amx_enabled()
 
-    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    def __call__(
+        self,
+        x: torch.Tensor,
+        out_dtype: torch.dtype | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """With `residual` [M, N] (the output's dtype): residual + y, with the bits of that
+        add in torch, in the kernel's epilogue (no second pass over the output)."""
         assert x.dtype == self.dtype and x.shape[-1] == self.in_features, (x.dtype, x.shape)
         x = x.contiguous()
         out = x.new_empty(x.shape[0], self.out_features, dtype=out_dtype or self.dtype)
+        if residual is not None:
+            assert residual.shape == out.shape and residual.dtype == out.dtype, residual.shape
+            residual = residual.contiguous()
         if x.shape[0] == 0:
             return out
         lib = library()
@@ -93,6 +103,7 @@ class PackedLinear:
             self.out_features,
             DTYPE_CODES[x.dtype],
             DTYPE_CODES[out.dtype],
+            None if residual is None else residual.data_ptr(),
         )
         assert status == 0, f"tm_linear: unsupported {x.dtype} -> {out.dtype}"
         return out

@@ -82,12 +82,12 @@ class DecoderLayer(nn.Module):
         )
         if keep is not None:
             x = x[keep]
-        x = x + self.o_proj(attended)
+        x = self.o_proj(attended, residual=x)
         gate_up = self.gate_up_proj(self.post_attention_layernorm(x))
         if self.cpu_kernel:
-            return x + self.down_proj(silu_mul_cpu(gate_up))
+            return self.down_proj(silu_mul_cpu(gate_up), residual=x)
         gate, up = gate_up.chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate) * up, residual=x)
 
 
 class CausalLM(nn.Module):

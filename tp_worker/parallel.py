@@ -88,11 +88,18 @@ class ShardedLinear(nn.Module):
         self.kernel = PackedLinear(self.weight.data, None if self.row_parallel else self.bias)
         self.weight.data = self.weight.data.new_empty(0)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x W^T (+ b), plus `residual` where given (the bits of `residual + y` either way:
+        the CPU kernel adds it in its epilogue, except where a rank holds part of the sum)."""
+        whole = not self.row_parallel or (self.group.size == 1 and self.bias is None)
+        if self.kernel is not None and residual is not None and whole:
+            return self.kernel(x, residual=residual)
         if not self.row_parallel:
-            return self._matmul(x, self.bias)
-        out = self.group.all_reduce(self._matmul(x, None))
-        return out if self.bias is None else out + self.bias
+            out = self._matmul(x, self.bias)
+        else:
+            out = self.group.all_reduce(self._matmul(x, None))
+            out = out if self.bias is None else out + self.bias
+        return out if residual is None else residual + out
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.kernel is not None:

@@ -1,4 +1,6 @@
-// y = x W^T (+ b) on the CPU with a reduction order fixed by this file (tp_worker, via ctypes).
+// y = x W^T (+ b) (+ r) on the CPU with a reduction order fixed by this file (tp_worker, via
+// ctypes). r, a residual added in the epilogue, gives the bits of `r + y` in torch: y rounded
+// to the output dtype first, then one float32 add, rounded again.
 //
 // The rule: every output element is one accumulator that sums its K products in ascending k
 // (bfloat16: ascending pairs of k, each pair as one VDPBF16PS lane does it), in float32,
@@ -133,7 +135,7 @@ Kernel<T> kernel_for(int rows) {
 
 template <typename T, typename Out, template <int> class K>
 void linear(const T* x, int64_t m, int64_t k_len, int64_t lda, const T* packed, int64_t n,
-            const float* bias, Out* out, int64_t ldc) {
+            const float* bias, Out* out, int64_t ldc, const Out* residual) {
   const int64_t num_panels = (n + NR - 1) / NR;
   const int64_t panel_elems = (std::is_same<T, float>::value ? k_len : (k_len + 31) / 32 * 32) * NR;
 #pragma omp parallel for schedule(static)
@@ -145,8 +147,11 @@ void linear(const T* x, int64_t m, int64_t k_len, int64_t lda, const T* packed, 
       kernel_for<T, K>(rows)(x + m0 * lda, lda, packed + p * panel_elems, k_len, acc);
       for (int r = 0; r < rows; ++r) {
         Out* dst = out + (m0 + r) * ldc + col0;
-        for (int64_t j = 0; j < cols; ++j)
-          store(dst + j, bias ? acc[r * NR + j] + bias[col0 + j] : acc[r * NR + j]);
+        const Out* res = residual ? residual + (m0 + r) * ldc + col0 : nullptr;
+        for (int64_t j = 0; j < cols; ++j) {
+          const float v = bias ? acc[r * NR + j] + bias[col0 + j] : acc[r * NR + j];
+          store(dst + j, res ? tokenmill::round_to(v, dst) + tokenmill::load(res + j) : v);
+        }
       }
     }
   }
@@ -157,22 +162,26 @@ void linear(const T* x, int64_t m, int64_t k_len, int64_t lda, const T* packed, 
 extern "C" {
 
 // x [m, k] (row stride lda), packed: W [n, k] packed as above, bias [n] float32 or null,
-// out [m, n] (row stride ldc). dtype: 0 = float32 x and W, 1 = bfloat16 x and W;
-// out_dtype: 0 = float32, 1 = bfloat16. Returns 0, or -1 for an unsupported combination.
+// out [m, n] (row stride ldc), residual [m, n] in out's dtype and row stride, or null.
+// dtype: 0 = float32 x and W, 1 = bfloat16 x and W; out_dtype: 0 = float32, 1 = bfloat16.
+// Returns 0, or -1 for an unsupported combination.
 int tm_linear(const void* x, int64_t m, int64_t k, int64_t lda, const void* packed, int64_t n,
-              const float* bias, void* out, int64_t ldc, int dtype, int out_dtype) {
+              const float* bias, void* out, int64_t ldc, int dtype, int out_dtype,
+              const void* residual) {
   if (dtype == 0 && out_dtype == 0) {
     linear<float, float, F32>(static_cast<const float*>(x), m, k, lda,
                               static_cast<const float*>(packed), n, bias,
-                              static_cast<float*>(out), ldc);
+                              static_cast<float*>(out), ldc, static_cast<const float*>(residual));
   } else if (dtype == 1 && out_dtype == 1) {
     linear<uint16_t, uint16_t, BF16>(static_cast<const uint16_t*>(x), m, k, lda,
                                      static_cast<const uint16_t*>(packed), n, bias,
-                                     static_cast<uint16_t*>(out), ldc);
+                                     static_cast<uint16_t*>(out), ldc,
+                                     static_cast<const uint16_t*>(residual));
   } else if (dtype == 1 && out_dtype == 0) {
     linear<uint16_t, float, BF16>(static_cast<const uint16_t*>(x), m, k, lda,
                                   static_cast<const uint16_t*>(packed), n, bias,
-                                  static_cast<float*>(out), ldc);
+                                  static_cast<float*>(out), ldc,
+                                  static_cast<const float*>(residual));
   } else {
     return -1;
   }

@@ -74,19 +74,25 @@ void block(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t k_pad,
   }
 }
 
+// acc (+ bias) (+ residual, as linear.cpp adds it) into rows of out.
 template <typename Out>
 void write_rows(const float* acc, int rows, int64_t cols, const float* bias, Out* out,
-                int64_t ldc) {
+                int64_t ldc, const Out* residual) {
   for (int r = 0; r < rows; ++r) {
     const float* a = acc + r * NR;
     Out* dst = out + r * ldc;
+    const Out* res = residual ? residual + r * ldc : nullptr;
     int64_t j = 0;
     for (; j + 16 <= cols; j += 16) {  // the same float adds and rounding as the tail's
       __m512 v = _mm512_loadu_ps(a + j);
       if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + j));
+      if (res) v = _mm512_add_ps(tokenmill::round16(v, dst), tokenmill::load16(res + j));
       tokenmill::store16(dst + j, v);
     }
-    for (; j < cols; ++j) tokenmill::store(dst + j, bias ? a[j] + bias[j] : a[j]);
+    for (; j < cols; ++j) {
+      const float v = bias ? a[j] + bias[j] : a[j];
+      tokenmill::store(dst + j, res ? tokenmill::round_to(v, dst) + tokenmill::load(res + j) : v);
+    }
   }
 }
 
@@ -124,7 +130,7 @@ class Rows {
 
 template <typename Out>
 void linear_amx(const uint16_t* x, int64_t m, int64_t k, int64_t lda, const uint16_t* packed,
-                int64_t n, const float* bias, Out* out, int64_t ldc) {
+                int64_t n, const float* bias, Out* out, int64_t ldc, const Out* residual) {
   const int64_t k_pad = (k + TILE_K - 1) / TILE_K * TILE_K;
   const int64_t num_panels = (n + NR - 1) / NR, panel_elems = k_pad * NR;
   const Rows rows(x, m, k, lda, k_pad);
@@ -150,7 +156,8 @@ void linear_amx(const uint16_t* x, int64_t m, int64_t k, int64_t lda, const uint
           } else {
             block<1>(rows.at(r0), rows.stride(r0), panel, k_pad, acc, next);
           }
-          write_rows(acc, count, cols, bias ? bias + col0 : nullptr, out + r0 * ldc + col0, ldc);
+          write_rows(acc, count, cols, bias ? bias + col0 : nullptr, out + r0 * ldc + col0, ldc,
+                     residual ? residual + r0 * ldc + col0 : nullptr);
         }
       }
     }
@@ -178,22 +185,25 @@ int tm_amx_ready() {
 // tm_linear's bfloat16 cases on AMX tiles (same arguments; dtype must be 1). Returns 0, or -1
 // where this build or process has no AMX or the combination is unsupported.
 int tm_linear_amx(const void* x, int64_t m, int64_t k, int64_t lda, const void* packed,
-                  int64_t n, const float* bias, void* out, int64_t ldc, int dtype, int out_dtype) {
+                  int64_t n, const float* bias, void* out, int64_t ldc, int dtype, int out_dtype,
+                  const void* residual) {
 #if defined(TOKENMILL_AMX)
   if (dtype != 1 || !tm_amx_ready()) return -1;
   const auto* xs = static_cast<const uint16_t*>(x);
   const auto* w = static_cast<const uint16_t*>(packed);
   if (out_dtype == 1) {
-    linear_amx(xs, m, k, lda, w, n, bias, static_cast<uint16_t*>(out), ldc);
+    linear_amx(xs, m, k, lda, w, n, bias, static_cast<uint16_t*>(out), ldc,
+               static_cast<const uint16_t*>(residual));
   } else if (out_dtype == 0) {
-    linear_amx(xs, m, k, lda, w, n, bias, static_cast<float*>(out), ldc);
+    linear_amx(xs, m, k, lda, w, n, bias, static_cast<float*>(out), ldc,
+               static_cast<const float*>(residual));
   } else {
     return -1;
   }
   return 0;
 #else
   (void)x, (void)m, (void)k, (void)lda, (void)packed, (void)n, (void)bias, (void)out;
-  (void)ldc, (void)dtype, (void)out_dtype;
+  (void)ldc, (void)dtype, (void)out_dtype, (void)residual;
   return -1;
 #endif
 }
