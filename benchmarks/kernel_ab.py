@@ -98,9 +98,10 @@ def linear_runs(libs: list[ctypes.CDLL]) -> dict[str, list[Callable[[], torch.Te
         ) -> torch.Tensor:
             rows, k = x.shape
             out = torch.empty(rows, n, dtype=torch.bfloat16)
-            # NOTE: the residual (last, null) is one argument past older builds' signature:
-            # they ignore it.
-            args = (x.data_ptr(), rows, k, k, w.data_ptr(), n, None, out.data_ptr(), n, 1, 1, None)
+            # NOTE: the residual (null) and glu (0) are past older builds' signature: they
+            # ignore them.
+            args = (x.data_ptr(), rows, k, k, w.data_ptr(), n, None, out.data_ptr(), n, 1, 1)
+            args += (None, 0)
             assert lib.tm_linear_amx(*args) == 0, "this machine or build has no AMX tiles"
             return out
 

@@ -63,6 +63,23 @@ def test_a_residual_added_by_the_kernel_has_the_bits_of_torchs_add(
     assert not torch.equal(fused, layer(x, out_dtype))
 
 
+@pytest.mark.parametrize(("m", "k"), [(1, 64), (13, 33), (37, 256), (300, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_fused_gate_up_has_the_bits_of_silu_mul_after_the_product(
+    m: int, k: int, dtype: torch.dtype, bias: bool, cpu_kernel: str
+) -> None:
+    """An MLP's gate_up with the silu(gate) x up epilogue (panels of 16 gate and 16 up
+    features) gives what silu_mul_cpu gives over the plain product's [M, 2 x 96] output."""
+    x, weight, b = _case(m, k, 192, dtype)
+    b = b if bias else None
+    fused = PackedLinear(weight, b, glu=True)
+    assert fused.amx == (cpu_kernel == "amx" and dtype == torch.bfloat16)
+    out = fused(x)
+    assert out.shape == (m, 96) and out.dtype == dtype
+    assert torch.equal(out, silu_mul_cpu(PackedLinear(weight, b)(x)))
+
+
 @pytest.mark.parametrize(
     ("k", "dtype"), [(160, torch.float32), (160, torch.bfloat16), (200, torch.bfloat16)]
 )
@@ -162,6 +179,8 @@ def test_a_build_without_avx_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch
         (_case(m, k, n, dtype), dtype) for m, k, n in SHAPES[:3] for dtype in cpu_ops.DTYPE_CODES
     ]
     native = [PackedLinear(w, b)(x, torch.float32) for (x, w, b), _ in cases]
+    glu_cases = [_case(13, 33, 64, dtype) for dtype in cpu_ops.DTYPE_CODES]
+    glus = [PackedLinear(w, b, glu=True)(x) for x, w, b in glu_cases]
     norms = [rms_norm_cpu(x, w[0], 1e-6) for (x, w, _), _ in cases]
     activations = [silu_mul_cpu(4 * x[:, :32]) for (x, _, _), _ in cases]
     ropes = [_rope_store(*_rope_case(dtype)) for dtype in cpu_ops.DTYPE_CODES]
@@ -180,6 +199,8 @@ def test_a_build_without_avx_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch
         assert torch.equal(rms_norm_cpu(x, w[0], 1e-6), norm)
     for ((x, _, _), _), activation in zip(cases, activations, strict=True):
         assert torch.equal(silu_mul_cpu(4 * x[:, :32]), activation)
+    for (x, w, b), glu in zip(glu_cases, glus, strict=True):
+        assert torch.equal(PackedLinear(w, b, glu=True)(x), glu)
     for dtype, rope in zip(cpu_ops.DTYPE_CODES, ropes, strict=True):
         for ours, native in zip(_rope_store(*_rope_case(dtype)), rope, strict=True):
             assert torch.equal(ours, native)

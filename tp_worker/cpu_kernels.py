@@ -38,7 +38,7 @@ SOURCES = tuple(
     )
 )
 HEADERS = tuple(
-    CSRC / name for name in ("amx.h", "argmax.h", "attention_common.h", "bf16.h", "exp.h")
+    CSRC / name for name in ("amx.h", "argmax.h", "attention_common.h", "bf16.h", "exp.h", "silu.h")
 )
 # NOTE: -ffp-contract=off and no -ffast-math: the compiler may vectorise but never fuse or
 # reassociate, so the reduction order written in the source is the one that runs.
@@ -117,7 +117,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.tm_paged_attention.restype = ctypes.c_int
     lib.tm_paged_attention_amx.argtypes = lib.tm_paged_attention.argtypes
     lib.tm_paged_attention_amx.restype = ctypes.c_int
-    lib.tm_linear.argtypes = [_P, _I, _I, _I, _P, _I, _P, _P, _I, ctypes.c_int, ctypes.c_int, _P]
+    _C = ctypes.c_int
+    lib.tm_linear.argtypes = [_P, _I, _I, _I, _P, _I, _P, _P, _I, _C, _C, _P, _C]
     lib.tm_linear.restype = ctypes.c_int
     lib.tm_linear_amx.argtypes = lib.tm_linear.argtypes
     lib.tm_linear_amx.restype = ctypes.c_int

@@ -63,12 +63,31 @@ def _amx_ready(lib: ctypes.CDLL) -> bool:
     return bool(lib.tm_amx_ready())
 
 
-class PackedLinear:
-    """y = x W^T (+ b) for x [M, K] in the weight's dtype."""
+def gate_up_panels(rows: torch.Tensor) -> torch.Tensor:
+    """An MLP's gate_up rows [2 * inter, ...] (gate, then up) reordered so that each panel of
+    32 holds 16 gate features and the same 16 up features (the kernels' `glu` epilogue)."""
+    gate, up = rows.view(2, -1, PANEL // 2, *rows.shape[1:]).unbind(0)
+    return torch.stack([gate, up], dim=1).reshape(rows.shape)
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+
+def fuses_gate_up(out_features: int) -> bool:
+    """Whether a gate_up product of this width can run with the silu(gate) x up epilogue."""
+    return out_features % PANEL == 0
+
+
+class PackedLinear:
+    """y = x W^T (+ b) for x [M, K] in the weight's dtype; with `glu` (W an MLP's gate_up,
+    gate rows then up rows, fuses_gate_up), y = silu(x Wg^T) * (x Wu^T) [M, N / 2], with the
+    bits of silu_mul_cpu over the unfused product."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, glu: bool = False) -> None:
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
+        self.glu = glu
+        if glu:
+            assert fuses_gate_up(self.out_features), self.out_features
+            weight = gate_up_panels(weight)
+            bias = None if bias is None else gate_up_panels(bias)
         self.packed = pack(weight)
         self.bias = None if bias is None else bias.float().contiguous()
         # NOTE: chosen once per layer, so every call of a layer runs the same kernel.
@@ -83,8 +102,10 @@ class PackedLinear:
         """With `residual` [M, N] (the output's dtype): residual + y, with the bits of that
         add in torch, in the kernel's epilogue (no second pass over the output)."""
         assert x.dtype == self.dtype and x.shape[-1] == self.in_features, (x.dtype, x.shape)
+        assert not (self.glu and residual is not None), "a glu product takes no residual"
         x = x.contiguous()
-        out = x.new_empty(x.shape[0], self.out_features, dtype=out_dtype or self.dtype)
+        width = self.out_features // 2 if self.glu else self.out_features
+        out = x.new_empty(x.shape[0], width, dtype=out_dtype or self.dtype)
         if residual is not None:
             assert residual.shape == out.shape and residual.dtype == out.dtype, residual.shape
             residual = residual.contiguous()
@@ -100,10 +121,11 @@ class PackedLinear:
             self.out_features,
             None if self.bias is None else self.bias.data_ptr(),
             out.data_ptr(),
-            self.out_features,
+            width,
             DTYPE_CODES[x.dtype],
             DTYPE_CODES[out.dtype],
             None if residual is None else residual.data_ptr(),
+            int(self.glu),
         )
         assert status == 0, f"tm_linear: unsupported {x.dtype} -> {out.dtype}"
         return out

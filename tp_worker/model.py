@@ -8,11 +8,10 @@ sliding window, RoPE scaling), so one module runs them all. Layers are tensor-pa
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.tp_worker.attention import Attention
-from tokenmill.tp_worker.cpu_ops import PackedLinear, rms_norm_cpu, silu_mul_cpu
+from tokenmill.tp_worker.cpu_ops import PackedLinear, rms_norm_cpu
 from tokenmill.tp_worker.model_config import ModelConfig
 from tokenmill.tp_worker.parallel import ShardedLinear, TpGroup, VocabEmbedding, invariant_linear
 from tokenmill.tp_worker.rope import Rotary
@@ -62,9 +61,10 @@ class DecoderLayer(nn.Module):
             self.num_heads * head_dim, hidden, False, True, group, dtype, device
         )
         self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps, dtype, device)
-        self.gate_up_proj = ShardedLinear(hidden, 2 * inter, False, False, group, dtype, device)
+        self.gate_up_proj = ShardedLinear(
+            hidden, 2 * inter, False, False, group, dtype, device, glu=True
+        )
         self.down_proj = ShardedLinear(inter, hidden, False, True, group, dtype, device)
-        self.cpu_kernel = False  # SiLU x up by csrc/activation.cpp (CausalLM.use_cpu_kernels)
 
     def forward(
         self,
@@ -83,11 +83,8 @@ class DecoderLayer(nn.Module):
         if keep is not None:
             x = x[keep]
         x = self.o_proj(attended, residual=x)
-        gate_up = self.gate_up_proj(self.post_attention_layernorm(x))
-        if self.cpu_kernel:
-            return self.down_proj(silu_mul_cpu(gate_up), residual=x)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up, residual=x)
+        activated = self.gate_up_proj(self.post_attention_layernorm(x))  # silu(gate) * up
+        return self.down_proj(activated, residual=x)
 
 
 class CausalLM(nn.Module):
@@ -118,7 +115,7 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, ShardedLinear):
                 module.use_cpu_kernel()
-            elif isinstance(module, (RMSNorm, DecoderLayer)):
+            elif isinstance(module, RMSNorm):
                 module.cpu_kernel = True
         self.lm_head_kernel = PackedLinear(self.lm_head.weight.data, None)
         if self.lm_head is not self.embed_tokens:

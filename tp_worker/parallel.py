@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.tp_worker.cpu_ops import PackedLinear
+from tokenmill.tp_worker.cpu_ops import PackedLinear, fuses_gate_up, silu_mul_cpu
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,9 @@ class TpGroup:
 
 class ShardedLinear(nn.Module):
     """y = x W^T (+ b) with W holding this rank's rows (column-parallel) or columns
-    (row-parallel). Row-parallel layers all-reduce, and add the bias once, after the sum."""
+    (row-parallel). Row-parallel layers all-reduce, and add the bias once, after the sum.
+    `glu` (an MLP's column-parallel gate_up, gate rows then up rows): y = silu(gate) * up,
+    in the CPU kernel's epilogue where it can."""
 
     def __init__(
         self,
@@ -69,9 +71,12 @@ class ShardedLinear(nn.Module):
         group: TpGroup,
         dtype: torch.dtype,
         device: torch.device,
+        glu: bool = False,
     ) -> None:
         super().__init__()
+        assert not (glu and row_parallel), "a glu layer is column-parallel"
         self.row_parallel = row_parallel
+        self.glu = glu
         self.group = group
         self.weight = nn.Parameter(
             torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False
@@ -85,12 +90,23 @@ class ShardedLinear(nn.Module):
 
     def use_cpu_kernel(self) -> None:
         """Multiply through csrc/linear.cpp from now on; the unpacked weight is freed."""
-        self.kernel = PackedLinear(self.weight.data, None if self.row_parallel else self.bias)
+        fused = self.glu and fuses_gate_up(self.weight.shape[0])
+        bias = None if self.row_parallel else self.bias
+        self.kernel = PackedLinear(self.weight.data, bias, glu=fused)
         self.weight.data = self.weight.data.new_empty(0)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T (+ b), plus `residual` where given (the bits of `residual + y` either way:
         the CPU kernel adds it in its epilogue, except where a rank holds part of the sum)."""
+        if self.glu:
+            assert residual is None, "a glu layer takes no residual"
+            if self.kernel is not None and self.kernel.glu:
+                return self.kernel(x)
+            gate_up = self._matmul(x, self.bias)
+            if self.kernel is not None:
+                return silu_mul_cpu(gate_up)
+            gate, up = gate_up.chunk(2, dim=-1)
+            return F.silu(gate) * up
         whole = not self.row_parallel or (self.group.size == 1 and self.bias is None)
         if self.kernel is not None and residual is not None and whole:
             return self.kernel(x, residual=residual)

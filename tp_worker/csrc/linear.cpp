@@ -1,6 +1,9 @@
 // y = x W^T (+ b) (+ r) on the CPU with a reduction order fixed by this file (tp_worker, via
 // ctypes). r, a residual added in the epilogue, gives the bits of `r + y` in torch: y rounded
-// to the output dtype first, then one float32 add, rounded again.
+// to the output dtype first, then one float32 add, rounded again. With `glu`, each panel holds
+// 16 gate and then the same 16 up features (cpu_ops.pack's order for an MLP's gate_up) and the
+// epilogue writes silu(gate) * up for those 16 columns instead, with the bits of silu.h's
+// silu_times over the rounded gate and up (activation.cpp on the unfused output).
 //
 // The rule: every output element is one accumulator that sums its K products in ascending k
 // (bfloat16: ascending pairs of k, each pair as one VDPBF16PS lane does it), in float32,
@@ -27,6 +30,7 @@
 #endif
 
 #include "bf16.h"
+#include "silu.h"
 
 namespace {
 
@@ -133,9 +137,20 @@ Kernel<T> kernel_for(int rows) {
   return table[rows];
 }
 
+// One row of a glu panel's accumulators (gate, then up) as 16 columns of silu(gate) * up.
+template <typename Out>
+void write_glu(const float* acc, const float* bias, Out* dst) {
+  for (int j = 0; j < NR / 2; ++j) {
+    const float g = bias ? acc[j] + bias[j] : acc[j];
+    const float u = bias ? acc[j + NR / 2] + bias[j + NR / 2] : acc[j + NR / 2];
+    store(dst + j, tokenmill::silu_times(tokenmill::round_to(g, dst),
+                                         tokenmill::round_to(u, dst), dst));
+  }
+}
+
 template <typename T, typename Out, template <int> class K>
 void linear(const T* x, int64_t m, int64_t k_len, int64_t lda, const T* packed, int64_t n,
-            const float* bias, Out* out, int64_t ldc, const Out* residual) {
+            const float* bias, Out* out, int64_t ldc, const Out* residual, bool glu) {
   const int64_t num_panels = (n + NR - 1) / NR;
   const int64_t panel_elems = (std::is_same<T, float>::value ? k_len : (k_len + 31) / 32 * 32) * NR;
 #pragma omp parallel for schedule(static)
@@ -146,6 +161,10 @@ void linear(const T* x, int64_t m, int64_t k_len, int64_t lda, const T* packed, 
       const int rows = static_cast<int>(std::min<int64_t>(MR, m - m0));
       kernel_for<T, K>(rows)(x + m0 * lda, lda, packed + p * panel_elems, k_len, acc);
       for (int r = 0; r < rows; ++r) {
+        if (glu) {
+          write_glu(acc + r * NR, bias ? bias + col0 : nullptr, out + (m0 + r) * ldc + p * NR / 2);
+          continue;
+        }
         Out* dst = out + (m0 + r) * ldc + col0;
         const Out* res = residual ? residual + (m0 + r) * ldc + col0 : nullptr;
         for (int64_t j = 0; j < cols; ++j) {
@@ -164,24 +183,27 @@ extern "C" {
 // x [m, k] (row stride lda), packed: W [n, k] packed as above, bias [n] float32 or null,
 // out [m, n] (row stride ldc), residual [m, n] in out's dtype and row stride, or null.
 // dtype: 0 = float32 x and W, 1 = bfloat16 x and W; out_dtype: 0 = float32, 1 = bfloat16.
+// glu: W packed as gate/up panels (n a multiple of 32, no residual): out [m, n / 2].
 // Returns 0, or -1 for an unsupported combination.
 int tm_linear(const void* x, int64_t m, int64_t k, int64_t lda, const void* packed, int64_t n,
               const float* bias, void* out, int64_t ldc, int dtype, int out_dtype,
-              const void* residual) {
+              const void* residual, int glu) {
+  if (glu && (n % NR != 0 || residual != nullptr)) return -1;
   if (dtype == 0 && out_dtype == 0) {
     linear<float, float, F32>(static_cast<const float*>(x), m, k, lda,
                               static_cast<const float*>(packed), n, bias,
-                              static_cast<float*>(out), ldc, static_cast<const float*>(residual));
+                              static_cast<float*>(out), ldc, static_cast<const float*>(residual),
+                              glu != 0);
   } else if (dtype == 1 && out_dtype == 1) {
     linear<uint16_t, uint16_t, BF16>(static_cast<const uint16_t*>(x), m, k, lda,
                                      static_cast<const uint16_t*>(packed), n, bias,
                                      static_cast<uint16_t*>(out), ldc,
-                                     static_cast<const uint16_t*>(residual));
+                                     static_cast<const uint16_t*>(residual), glu != 0);
   } else if (dtype == 1 && out_dtype == 0) {
     linear<uint16_t, float, BF16>(static_cast<const uint16_t*>(x), m, k, lda,
                                   static_cast<const uint16_t*>(packed), n, bias,
                                   static_cast<float*>(out), ldc,
-                                  static_cast<const float*>(residual));
+                                  static_cast<const float*>(residual), glu != 0);
   } else {
     return -1;
   }

@@ -22,6 +22,7 @@
 
 #include "amx.h"
 #include "bf16.h"
+#include "silu.h"
 
 #if defined(TOKENMILL_AMX)
 #include <sys/syscall.h>
@@ -128,9 +129,27 @@ class Rows {
   uint16_t* tail_;
 };
 
+// A glu panel's rows (gate, then up) as 16 columns of silu(gate) * up, as linear.cpp writes
+// them.
+template <typename Out>
+void write_glu_rows(const float* acc, int rows, const float* bias, Out* out, int64_t ldc) {
+  for (int r = 0; r < rows; ++r) {
+    __m512 g = _mm512_loadu_ps(acc + r * NR), u = _mm512_loadu_ps(acc + r * NR + NR / 2);
+    if (bias) {
+      g = _mm512_add_ps(g, _mm512_loadu_ps(bias));
+      u = _mm512_add_ps(u, _mm512_loadu_ps(bias + NR / 2));
+    }
+    Out* dst = out + r * ldc;
+    const __m512 act = tokenmill::silu_times16(tokenmill::round16(g, dst),
+                                               tokenmill::round16(u, dst), dst);
+    tokenmill::store16(dst, act);
+  }
+}
+
 template <typename Out>
 void linear_amx(const uint16_t* x, int64_t m, int64_t k, int64_t lda, const uint16_t* packed,
-                int64_t n, const float* bias, Out* out, int64_t ldc, const Out* residual) {
+                int64_t n, const float* bias, Out* out, int64_t ldc, const Out* residual,
+                bool glu) {
   const int64_t k_pad = (k + TILE_K - 1) / TILE_K * TILE_K;
   const int64_t num_panels = (n + NR - 1) / NR, panel_elems = k_pad * NR;
   const Rows rows(x, m, k, lda, k_pad);
@@ -156,8 +175,13 @@ void linear_amx(const uint16_t* x, int64_t m, int64_t k, int64_t lda, const uint
           } else {
             block<1>(rows.at(r0), rows.stride(r0), panel, k_pad, acc, next);
           }
-          write_rows(acc, count, cols, bias ? bias + col0 : nullptr, out + r0 * ldc + col0, ldc,
-                     residual ? residual + r0 * ldc + col0 : nullptr);
+          if (glu) {
+            write_glu_rows(acc, count, bias ? bias + col0 : nullptr, out + r0 * ldc + p * NR / 2,
+                           ldc);
+          } else {
+            write_rows(acc, count, cols, bias ? bias + col0 : nullptr, out + r0 * ldc + col0,
+                       ldc, residual ? residual + r0 * ldc + col0 : nullptr);
+          }
         }
       }
     }
@@ -186,24 +210,25 @@ int tm_amx_ready() {
 // where this build or process has no AMX or the combination is unsupported.
 int tm_linear_amx(const void* x, int64_t m, int64_t k, int64_t lda, const void* packed,
                   int64_t n, const float* bias, void* out, int64_t ldc, int dtype, int out_dtype,
-                  const void* residual) {
+                  const void* residual, int glu) {
 #if defined(TOKENMILL_AMX)
   if (dtype != 1 || !tm_amx_ready()) return -1;
+  if (glu && (n % NR != 0 || residual != nullptr)) return -1;
   const auto* xs = static_cast<const uint16_t*>(x);
   const auto* w = static_cast<const uint16_t*>(packed);
   if (out_dtype == 1) {
     linear_amx(xs, m, k, lda, w, n, bias, static_cast<uint16_t*>(out), ldc,
-               static_cast<const uint16_t*>(residual));
+               static_cast<const uint16_t*>(residual), glu != 0);
   } else if (out_dtype == 0) {
     linear_amx(xs, m, k, lda, w, n, bias, static_cast<float*>(out), ldc,
-               static_cast<const float*>(residual));
+               static_cast<const float*>(residual), glu != 0);
   } else {
     return -1;
   }
   return 0;
 #else
   (void)x, (void)m, (void)k, (void)lda, (void)packed, (void)n, (void)bias, (void)out;
-  (void)ldc, (void)dtype, (void)out_dtype, (void)residual;
+  (void)ldc, (void)dtype, (void)out_dtype, (void)residual, (void)glu;
   return -1;
 #endif
 }
