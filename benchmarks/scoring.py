@@ -190,12 +190,12 @@ def distances(
     exact = transformers_logprobs(model, work, "float32")
     theirs = {f"transformers {args.dtype}": transformers_logprobs(model, work, args.dtype)}
     theirs.update({k: [math.log(p) for p in v] for k, v in servers.items()})
-    parts = [
-        f"{name} {max(abs(a - b) for a, b in zip(values, exact, strict=True)):.3f}"
-        for name, values in theirs.items()
-    ]
-    print("log P(first label) on 8 check prompts, largest distance from transformers float32: "
-          + ", ".join(parts), flush=True)  # fmt: skip
+    parts = []
+    for name, values in theirs.items():
+        errors = [abs(a - b) for a, b in zip(values, exact, strict=True)]
+        parts.append(f"{name} {sum(errors) / len(errors):.3f} ({max(errors):.3f})")
+    print("log P(first label) on 8 check prompts, mean (largest) distance from transformers "
+          "float32: " + ", ".join(parts), flush=True)  # fmt: skip
 
 
 def main() -> int:
