@@ -87,13 +87,15 @@ def test_matches_float64_reference(dtype: torch.dtype, window: int, cpu_kernel: 
     caches = _cache(table.numel(), dtype)
     rows = [r for r, n in enumerate(lens) for _ in range(min(n, 9))]
     positions = [p for n in lens for p in range(n - min(n, 9), n)]
-    q = torch.randn(len(rows), HEADS, DIM).to(dtype)
+    q = torch.randn(len(rows), HEADS, DIM, generator=torch.Generator().manual_seed(3)).to(dtype)
     out = _run(q, caches, table, rows, positions, window).view(len(rows), HEADS, DIM)
-    atol = 2e-6 if dtype == torch.float32 else 1e-2
+    # NOTE: in bfloat16 the output's own rounding is up to 2^-9 of it (0.0156 at 4 and more,
+    # which an output of a window of 5 keys can reach): a relative part on top of the kernel's.
+    atol, rtol = (2e-6, 0.0) if dtype == torch.float32 else (1e-2, 2**-8)
     for i, (row, pos) in enumerate(zip(rows, positions, strict=True)):
         slots = table[row, : pos + 1].tolist()
         expected = _reference(q[i].float(), caches[0], caches[1], slots, window, DIM**-0.5)
-        torch.testing.assert_close(out[i].double(), expected, atol=atol, rtol=0)
+        torch.testing.assert_close(out[i].double(), expected, atol=atol, rtol=rtol)
 
 
 def test_bfloat16_is_no_further_from_float64_than_torch_bfloat16(cpu_kernel: str) -> None:
