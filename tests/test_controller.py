@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Callable
 
 import msgspec
 import numpy as np
@@ -415,30 +416,26 @@ def test_a_shared_prefix_is_computed_once_even_when_short() -> None:
     assert run(hint=0).kv.hit_tokens == 0
 
 
-def test_items_after_a_cached_query_go_in_one_step() -> None:
-    """The query already cached (an earlier request computed it): every item of a scoring
-    request is admitted into the same prefill step, none waits for another's."""
-    query = list(range(3, 35))  # 32 tokens, more than half of each prompt
-    items = [list(range(40 + 8 * i, 48 + 8 * i)) for i in range(6)]
-    controller, sockets = make_controller(kv_tokens=512, max_prefill=256)
-    sockets.inbox.append(request("q", query, max_tokens=1))
-    run_until_idle(controller)
-    first = len(sockets.batches)
-    for i, item in enumerate(items):
-        message = request(f"s{i}", query + item, max_tokens=1, token_ids=(5, 6))
-        sockets.inbox.append(msgspec.structs.replace(message, shared_prefix_len=len(query)))
-    run_until_idle(controller)
-    assert all(tokens_of(sockets.outputs, f"s{i}") for i in range(6))
-    assert len(sockets.batches) - first == 1
-    assert controller.kv.hit_tokens == 6 * len(query)
+def _distinct_items() -> list[list[int]]:
+    return [list(range(40 + 8 * i, 48 + 8 * i)) for i in range(6)]
 
 
-def test_items_that_begin_alike_after_a_cached_query_go_in_one_step() -> None:
-    """Items that share their first tokens past the cached query (documents that begin with
-    the same word) do not wait for one another: a few shared tokens are not worth a step."""
-    query = list(range(3, 35))
+def _items_that_begin_alike() -> list[list[int]]:
+    """Documents that begin with the same word: two shared tokens, three for the first two."""
     items = [[40, 41, 50 + 8 * i] + list(range(100 + 8 * i, 105 + 8 * i)) for i in range(6)]
     items[1][:3] = items[0][:3]
+    return items
+
+
+@pytest.mark.parametrize("make_items", [_distinct_items, _items_that_begin_alike])
+def test_items_after_a_cached_query_go_in_one_step(
+    make_items: Callable[[], list[list[int]]],
+) -> None:
+    """The query already cached (an earlier request computed it): every item of a scoring
+    request is admitted into the same prefill step, none waits for another's, even where
+    items share their first few tokens past the query (not worth a step)."""
+    query = list(range(3, 35))  # 32 tokens, more than half of each prompt
+    items = make_items()
     controller, sockets = make_controller(kv_tokens=512, max_prefill=256)
     sockets.inbox.append(request("q", query, max_tokens=1))
     run_until_idle(controller)
