@@ -81,13 +81,15 @@ def test_a_fused_gate_up_has_the_bits_of_silu_mul_after_the_product(
 
 
 @pytest.mark.parametrize(
-    ("k", "dtype"), [(160, torch.float32), (160, torch.bfloat16), (200, torch.bfloat16)]
+    ("k", "dtype"),
+    [(160, torch.float32), (160, torch.bfloat16), (200, torch.bfloat16), (2048, torch.bfloat16)],
 )
 def test_a_row_is_bitwise_the_same_in_any_company(
     k: int, dtype: torch.dtype, cpu_kernel: str
 ) -> None:
     """Every row count around the kernels' blocks (12 rows; AMX: 16-row tiles, 32-row blocks,
-    256-row chunks), x read in place or copied (AMX, K = 200 is not a multiple of 32)."""
+    chunks of up to 1 MiB of x: K = 2,048 splits 300 rows into two), x read in place or
+    copied (AMX, K = 200 is not a multiple of 32)."""
     x, weight, bias = _case(300, k, 72, dtype)
     layer = PackedLinear(weight, bias)
     together = layer(x)

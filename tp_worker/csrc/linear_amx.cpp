@@ -35,9 +35,17 @@ namespace {
 constexpr int NR = 32;        // output features per panel: two tiles of 16
 constexpr int TILE_K = 32;    // bfloat16 k per TDPBF16PS
 constexpr int BLOCK_M = 32;   // rows per block: two tiles of 16
-constexpr int CHUNK_M = 256;  // rows whose x stays in L2 while the panels stream past
+constexpr int64_t CHUNK_BYTES = 1 << 20;  // of x, staying in L2 while the panels stream past
 
 using tokenmill::configure_tiles;
+
+// Rows of x per chunk: as many whole blocks as keep the chunk within CHUNK_BYTES, the same
+// number in every chunk (a short last chunk would stream every panel again for few rows).
+int64_t chunk_rows(int64_t m, int64_t k_pad) {
+  const int64_t most = std::max<int64_t>(BLOCK_M, CHUNK_BYTES / (k_pad * 2) / BLOCK_M * BLOCK_M);
+  const int64_t chunks = (m + most - 1) / most;
+  return ((m + chunks - 1) / chunks + BLOCK_M - 1) / BLOCK_M * BLOCK_M;
+}
 
 // Tiles 0-3 accumulate, 4-5 hold x, 6-7 weights.
 // acc [16 * RB][NR] = a [16 * RB rows, k_pad] . panel, one row tile (RB = 1) or two. With
@@ -153,12 +161,13 @@ void linear_amx(const uint16_t* x, int64_t m, int64_t k, int64_t lda, const uint
   const int64_t k_pad = (k + TILE_K - 1) / TILE_K * TILE_K;
   const int64_t num_panels = (n + NR - 1) / NR, panel_elems = k_pad * NR;
   const Rows rows(x, m, k, lda, k_pad);
+  const int64_t chunk = chunk_rows(m, k_pad);
 #pragma omp parallel
   {
     configure_tiles();
     alignas(64) float acc[BLOCK_M * NR];
-    for (int64_t c0 = 0; c0 < m; c0 += CHUNK_M) {
-      const int64_t c1 = std::min<int64_t>(m, c0 + CHUNK_M);
+    for (int64_t c0 = 0; c0 < m; c0 += chunk) {
+      const int64_t c1 = std::min<int64_t>(m, c0 + chunk);
       // NOTE: static, so a thread keeps the same panels from one chunk to the next.
 #pragma omp for schedule(static) nowait
       for (int64_t p = 0; p < num_panels; ++p) {
