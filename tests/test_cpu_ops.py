@@ -11,7 +11,10 @@ import torch
 
 from tokenmill.tp_worker import attention_cpu, cpu_kernels, cpu_ops
 from tokenmill.tp_worker.cpu_ops import PackedLinear, rms_norm_cpu, rope_store_cpu, silu_mul_cpu
+from tokenmill.tp_worker.parallel import ShardedLinear, TpGroup
 from tokenmill.tp_worker.rope import Rotary, apply_rotary
+
+CPU = torch.device("cpu")
 
 SHAPES = [(1, 64, 40), (13, 33, 70), (37, 256, 96), (300, 128, 64)]  # (M, K, N)
 
@@ -78,6 +81,18 @@ def test_a_fused_gate_up_has_the_bits_of_silu_mul_after_the_product(
     out = fused(x)
     assert out.shape == (m, 96) and out.dtype == dtype
     assert torch.equal(out, silu_mul_cpu(PackedLinear(weight, b)(x)))
+
+
+@pytest.mark.parametrize("inter", [24, 32])
+def test_a_gate_up_layer_gives_silu_mul_whether_or_not_it_fuses(inter: int) -> None:
+    """ShardedLinear(glu=True) through the CPU kernel: fused where 2 x inter is a multiple of
+    32 (inter 32), the product then silu_mul_cpu elsewhere (inter 24), the same numbers."""
+    x, weight, _ = _case(13, 40, 2 * inter, torch.bfloat16)
+    layer = ShardedLinear(40, 2 * inter, False, False, TpGroup(), torch.bfloat16, CPU, glu=True)
+    layer.weight.data.copy_(weight)
+    layer.use_cpu_kernel()
+    assert layer.kernel is not None and layer.kernel.glu == (inter == 32)
+    assert torch.equal(layer(x), silu_mul_cpu(PackedLinear(weight, None)(x)))
 
 
 @pytest.mark.parametrize(

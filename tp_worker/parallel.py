@@ -100,13 +100,7 @@ class ShardedLinear(nn.Module):
         the CPU kernel adds it in its epilogue, except where a rank holds part of the sum)."""
         if self.glu:
             assert residual is None, "a glu layer takes no residual"
-            if self.kernel is not None and self.kernel.glu:
-                return self.kernel(x)
-            gate_up = self._matmul(x, self.bias)
-            if self.kernel is not None:
-                return silu_mul_cpu(gate_up)
-            gate, up = gate_up.chunk(2, dim=-1)
-            return F.silu(gate) * up
+            return self._gated(x)
         whole = not self.row_parallel or (self.group.size == 1 and self.bias is None)
         if self.kernel is not None and residual is not None and whole:
             return self.kernel(x, residual=residual)
@@ -116,6 +110,17 @@ class ShardedLinear(nn.Module):
             out = self.group.all_reduce(self._matmul(x, None))
             out = out if self.bias is None else out + self.bias
         return out if residual is None else residual + out
+
+    def _gated(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up: in the kernel's epilogue, else after the product (the same bits
+        on the CPU: csrc/silu.h either way)."""
+        if self.kernel is not None and self.kernel.glu:
+            return self.kernel(x)
+        gate_up = self._matmul(x, self.bias)
+        if self.kernel is not None:
+            return silu_mul_cpu(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.kernel is not None:
