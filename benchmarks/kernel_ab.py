@@ -38,20 +38,24 @@ ATTENTION_CASES = {
 
 
 def sources_at(rev: str, into: Path) -> Path:
-    """csrc/ as it is at `rev`, written under `into`."""
+    """csrc/ as it is at `rev` (every file it had then: headers come and go), under `into`."""
     root = subprocess.run(
         ["git", "rev-parse", "--show-toplevel"], cwd=CSRC, capture_output=True, text=True
     ).stdout.strip()
     prefix = CSRC.relative_to(root).as_posix()
     into.mkdir(parents=True)
-    for path in [*cpu_kernels.SOURCES, *cpu_kernels.HEADERS]:
+    names = subprocess.run(
+        ["git", "ls-tree", "--name-only", f"{rev}:{prefix}"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    for name in names:
         text = subprocess.run(
-            ["git", "show", f"{rev}:{prefix}/{path.name}"],
-            cwd=root,
-            capture_output=True,
-            check=True,
+            ["git", "show", f"{rev}:{prefix}/{name}"], cwd=root, capture_output=True, check=True
         ).stdout
-        (into / path.name).write_bytes(text)
+        (into / name).write_bytes(text)
     return into
 
 

@@ -17,6 +17,12 @@ from tokenmill.tp_worker.rope import Rotary, apply_rotary
 CPU = torch.device("cpu")
 
 SHAPES = [(1, 64, 40), (13, 33, 70), (37, 256, 96), (300, 128, 64)]  # (M, K, N)
+# (x and W, output; None = the same): every combination the linear kernels take.
+DTYPE_PAIRS = [
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.float32),
+    (torch.bfloat16, None),
+]
 
 
 def _case(m: int, k: int, n: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -28,10 +34,7 @@ def _case(m: int, k: int, n: int, dtype: torch.dtype, seed: int = 0) -> tuple[to
 
 
 @pytest.mark.parametrize(("m", "k", "n"), SHAPES)
-@pytest.mark.parametrize(
-    ("dtype", "out_dtype"),
-    [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, None)],
-)
+@pytest.mark.parametrize(("dtype", "out_dtype"), DTYPE_PAIRS)
 def test_matches_float64_reference(
     m: int, k: int, n: int, dtype: torch.dtype, out_dtype: torch.dtype | None, cpu_kernel: str
 ) -> None:
@@ -48,10 +51,7 @@ def test_matches_float64_reference(
 
 
 @pytest.mark.parametrize(("m", "k", "n"), SHAPES)
-@pytest.mark.parametrize(
-    ("dtype", "out_dtype"),
-    [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, None)],
-)
+@pytest.mark.parametrize(("dtype", "out_dtype"), DTYPE_PAIRS)
 def test_a_residual_added_by_the_kernel_has_the_bits_of_torchs_add(
     m: int, k: int, n: int, dtype: torch.dtype, out_dtype: torch.dtype | None, cpu_kernel: str
 ) -> None:
@@ -196,6 +196,11 @@ def test_a_build_without_avx_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch
         (_case(m, k, n, dtype), dtype) for m, k, n in SHAPES[:3] for dtype in cpu_ops.DTYPE_CODES
     ]
     native = [PackedLinear(w, b)(x, torch.float32) for (x, w, b), _ in cases]
+    residuals = [torch.randn(x.shape[0], w.shape[0]).to(dtype) for (x, w, _), dtype in cases]
+    added = [
+        PackedLinear(w, b)(x, residual=r)
+        for ((x, w, b), _), r in zip(cases, residuals, strict=True)
+    ]
     glu_cases = [_case(13, 33, 64, dtype) for dtype in cpu_ops.DTYPE_CODES]
     glus = [PackedLinear(w, b, glu=True)(x) for x, w, b in glu_cases]
     norms = [rms_norm_cpu(x, w[0], 1e-6) for (x, w, _), _ in cases]
@@ -214,6 +219,8 @@ def test_a_build_without_avx_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch
     for ((x, w, b), _), expected, norm in zip(cases, native, norms, strict=True):
         assert torch.equal(PackedLinear(w, b)(x, torch.float32), expected)
         assert torch.equal(rms_norm_cpu(x, w[0], 1e-6), norm)
+    for ((x, w, b), _), r, expected in zip(cases, residuals, added, strict=True):
+        assert torch.equal(PackedLinear(w, b)(x, residual=r), expected)
     for ((x, _, _), _), activation in zip(cases, activations, strict=True):
         assert torch.equal(silu_mul_cpu(4 * x[:, :32]), activation)
     for (x, w, b), glu in zip(glu_cases, glus, strict=True):

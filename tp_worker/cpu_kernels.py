@@ -38,7 +38,16 @@ SOURCES = tuple(
     )
 )
 HEADERS = tuple(
-    CSRC / name for name in ("amx.h", "argmax.h", "attention_common.h", "bf16.h", "exp.h", "silu.h")
+    CSRC / name
+    for name in (
+        "amx.h",
+        "argmax.h",
+        "attention_common.h",
+        "bf16.h",
+        "epilogue.h",
+        "exp.h",
+        "silu.h",
+    )
 )
 # NOTE: -ffp-contract=off and no -ffast-math: the compiler may vectorise but never fuse or
 # reassociate, so the reduction order written in the source is the one that runs.
@@ -103,6 +112,7 @@ def build(arch: str = "native") -> Path:
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
+_C = ctypes.c_int
 
 
 @functools.cache
@@ -117,7 +127,6 @@ def load(path: Path) -> ctypes.CDLL:
     lib.tm_paged_attention.restype = ctypes.c_int
     lib.tm_paged_attention_amx.argtypes = lib.tm_paged_attention.argtypes
     lib.tm_paged_attention_amx.restype = ctypes.c_int
-    _C = ctypes.c_int
     lib.tm_linear.argtypes = [_P, _I, _I, _I, _P, _I, _P, _P, _I, _C, _C, _P, _C]
     lib.tm_linear.restype = ctypes.c_int
     lib.tm_linear_amx.argtypes = lib.tm_linear.argtypes

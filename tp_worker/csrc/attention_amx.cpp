@@ -133,8 +133,9 @@ __mmask16 seen(int64_t j0, Visible v) {
 // padded row of keys (float32 into the denominator; into hi and lo as bf16(e) and
 // bf16(e - bf16(e))), +0.0 for keys it does not see; returns the denominator: lane i of 16
 // sums the keys j = i (mod 16) ascending, then tree_sum16, so the sum does not depend on how
-// many keys past the lane's last the row holds. NOTE: the hardware conversion to bfloat16 flushes a subnormal lo to zero, as the
-// tile products would flush it anyway (AMX takes no subnormal inputs).
+// many keys past the lane's last the row holds. NOTE: the hardware conversion to bfloat16
+// flushes a subnormal lo to zero, as the tile products would flush it anyway (AMX takes no
+// subnormal inputs).
 float lane_weights(const float* scores, uint16_t* hi, uint16_t* lo, Visible v, int64_t padded,
                    float scale) {
   const __m512 sc = _mm512_set1_ps(scale * 1.44269504f);  // scores to base 2

@@ -1,9 +1,9 @@
 // y = x W^T (+ b) (+ r) on the CPU with a reduction order fixed by this file (tp_worker, via
 // ctypes). r, a residual added in the epilogue, gives the bits of `r + y` in torch: y rounded
 // to the output dtype first, then one float32 add, rounded again. With `glu`, each panel holds
-// 16 gate and then the same 16 up features (cpu_ops.pack's order for an MLP's gate_up) and the
-// epilogue writes silu(gate) * up for those 16 columns instead, with the bits of silu.h's
-// silu_times over the rounded gate and up (activation.cpp on the unfused output).
+// 16 gate and then the same 16 up features (cpu_ops.gate_up_panels' order for an MLP's
+// gate_up) and the epilogue writes silu(gate) * up for those 16 columns instead, with the bits
+// of activation.cpp over the unfused output (epilogue.h, shared with linear_amx.cpp).
 //
 // The rule: every output element is one accumulator that sums its K products in ascending k
 // (bfloat16: ascending pairs of k, each pair as one VDPBF16PS lane does it), in float32,
@@ -30,7 +30,7 @@
 #endif
 
 #include "bf16.h"
-#include "silu.h"
+#include "epilogue.h"
 
 namespace {
 
@@ -137,17 +137,6 @@ Kernel<T> kernel_for(int rows) {
   return table[rows];
 }
 
-// One row of a glu panel's accumulators (gate, then up) as 16 columns of silu(gate) * up.
-template <typename Out>
-void write_glu(const float* acc, const float* bias, Out* dst) {
-  for (int j = 0; j < NR / 2; ++j) {
-    const float g = bias ? acc[j] + bias[j] : acc[j];
-    const float u = bias ? acc[j + NR / 2] + bias[j + NR / 2] : acc[j + NR / 2];
-    store(dst + j, tokenmill::silu_times(tokenmill::round_to(g, dst),
-                                         tokenmill::round_to(u, dst), dst));
-  }
-}
-
 template <typename T, typename Out, template <int> class K>
 void linear(const T* x, int64_t m, int64_t k_len, int64_t lda, const T* packed, int64_t n,
             const float* bias, Out* out, int64_t ldc, const Out* residual, bool glu) {
@@ -161,15 +150,13 @@ void linear(const T* x, int64_t m, int64_t k_len, int64_t lda, const T* packed, 
       const int rows = static_cast<int>(std::min<int64_t>(MR, m - m0));
       kernel_for<T, K>(rows)(x + m0 * lda, lda, packed + p * panel_elems, k_len, acc);
       for (int r = 0; r < rows; ++r) {
+        const int64_t row = m0 + r;
+        const float* b = bias ? bias + col0 : nullptr;
         if (glu) {
-          write_glu(acc + r * NR, bias ? bias + col0 : nullptr, out + (m0 + r) * ldc + p * NR / 2);
-          continue;
-        }
-        Out* dst = out + (m0 + r) * ldc + col0;
-        const Out* res = residual ? residual + (m0 + r) * ldc + col0 : nullptr;
-        for (int64_t j = 0; j < cols; ++j) {
-          const float v = bias ? acc[r * NR + j] + bias[col0 + j] : acc[r * NR + j];
-          store(dst + j, res ? tokenmill::round_to(v, dst) + tokenmill::load(res + j) : v);
+          tokenmill::write_glu_row(acc + r * NR, b, out + row * ldc + p * NR / 2);
+        } else {
+          tokenmill::write_row(acc + r * NR, cols, b, out + row * ldc + col0,
+                               residual ? residual + row * ldc + col0 : nullptr);
         }
       }
     }

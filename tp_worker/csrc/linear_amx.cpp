@@ -22,7 +22,7 @@
 
 #include "amx.h"
 #include "bf16.h"
-#include "silu.h"
+#include "epilogue.h"
 
 #if defined(TOKENMILL_AMX)
 #include <sys/syscall.h>
@@ -83,26 +83,18 @@ void block(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t k_pad,
   }
 }
 
-// acc (+ bias) (+ residual, as linear.cpp adds it) into rows of out.
+// A block's rows of sums into out (epilogue.h's rows; residual and out `ldc` apart).
 template <typename Out>
 void write_rows(const float* acc, int rows, int64_t cols, const float* bias, Out* out,
                 int64_t ldc, const Out* residual) {
-  for (int r = 0; r < rows; ++r) {
-    const float* a = acc + r * NR;
-    Out* dst = out + r * ldc;
-    const Out* res = residual ? residual + r * ldc : nullptr;
-    int64_t j = 0;
-    for (; j + 16 <= cols; j += 16) {  // the same float adds and rounding as the tail's
-      __m512 v = _mm512_loadu_ps(a + j);
-      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + j));
-      if (res) v = _mm512_add_ps(tokenmill::round16(v, dst), tokenmill::load16(res + j));
-      tokenmill::store16(dst + j, v);
-    }
-    for (; j < cols; ++j) {
-      const float v = bias ? a[j] + bias[j] : a[j];
-      tokenmill::store(dst + j, res ? tokenmill::round_to(v, dst) + tokenmill::load(res + j) : v);
-    }
-  }
+  for (int r = 0; r < rows; ++r)
+    tokenmill::write_row(acc + r * NR, cols, bias, out + r * ldc,
+                         residual ? residual + r * ldc : nullptr);
+}
+
+template <typename Out>
+void write_glu_rows(const float* acc, int rows, const float* bias, Out* out, int64_t ldc) {
+  for (int r = 0; r < rows; ++r) tokenmill::write_glu_row(acc + r * NR, bias, out + r * ldc);
 }
 
 // The rows a tile may not read from x in place (past the last whole block, or every row when
@@ -137,23 +129,6 @@ class Rows {
   uint16_t* tail_;
 };
 
-// A glu panel's rows (gate, then up) as 16 columns of silu(gate) * up, as linear.cpp writes
-// them.
-template <typename Out>
-void write_glu_rows(const float* acc, int rows, const float* bias, Out* out, int64_t ldc) {
-  for (int r = 0; r < rows; ++r) {
-    __m512 g = _mm512_loadu_ps(acc + r * NR), u = _mm512_loadu_ps(acc + r * NR + NR / 2);
-    if (bias) {
-      g = _mm512_add_ps(g, _mm512_loadu_ps(bias));
-      u = _mm512_add_ps(u, _mm512_loadu_ps(bias + NR / 2));
-    }
-    Out* dst = out + r * ldc;
-    const __m512 act = tokenmill::silu_times16(tokenmill::round16(g, dst),
-                                               tokenmill::round16(u, dst), dst);
-    tokenmill::store16(dst, act);
-  }
-}
-
 template <typename Out>
 void linear_amx(const uint16_t* x, int64_t m, int64_t k, int64_t lda, const uint16_t* packed,
                 int64_t n, const float* bias, Out* out, int64_t ldc, const Out* residual,
@@ -184,12 +159,12 @@ void linear_amx(const uint16_t* x, int64_t m, int64_t k, int64_t lda, const uint
           } else {
             block<1>(rows.at(r0), rows.stride(r0), panel, k_pad, acc, next);
           }
+          const float* b = bias ? bias + col0 : nullptr;
           if (glu) {
-            write_glu_rows(acc, count, bias ? bias + col0 : nullptr, out + r0 * ldc + p * NR / 2,
-                           ldc);
+            write_glu_rows(acc, count, b, out + r0 * ldc + p * NR / 2, ldc);
           } else {
-            write_rows(acc, count, cols, bias ? bias + col0 : nullptr, out + r0 * ldc + col0,
-                       ldc, residual ? residual + r0 * ldc + col0 : nullptr);
+            write_rows(acc, count, cols, b, out + r0 * ldc + col0, ldc,
+                       residual ? residual + r0 * ldc + col0 : nullptr);
           }
         }
       }
