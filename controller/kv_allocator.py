@@ -8,7 +8,7 @@ Without a cache (--disable-prefix-cache) the same calls simply allocate and free
 
 from __future__ import annotations
 
-from tokenmill.controller.radix_cache import RadixCache
+from tokenmill.controller.radix_cache import Match, RadixCache
 from tokenmill.controller.request import Request
 from tokenmill.controller.slot_pool import IndexPool
 
@@ -25,14 +25,17 @@ class KvAllocator:
         """Slots an allocation can get: free ones plus unlocked cached ones."""
         return self.pool.num_free + (self.cache.num_evictable if self.cache else 0)
 
-    def admit(self, request: Request, headroom: int) -> bool:
-        """Gives a waiting request its cached prefix and slots for every other known token,
-        if that leaves `headroom` slots available; else changes nothing."""
-        match = (
-            self.cache.match(request.tokens(0, request.max_cached_prefix))
-            if (self.cache and request.max_cached_prefix > 0)
-            else None
-        )
+    def lookup(self, request: Request) -> Match | None:
+        """The cached prefix of a waiting request's tokens (None without a cache, or where
+        nothing may be reused), for admit."""
+        if self.cache is None or request.max_cached_prefix <= 0:
+            return None
+        return self.cache.match(request.tokens(0, request.max_cached_prefix))
+
+    def admit(self, request: Request, headroom: int, match: Match | None) -> bool:
+        """Gives a waiting request its cached prefix (`match`, lookup's, the tree unchanged
+        since) and slots for every other known token, if that leaves `headroom` slots
+        available; else changes nothing."""
         cached = match.slots if match else []
         if match:
             self.cache.lock(match.node)  # type: ignore[union-attr]

@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from tokenmill.controller.kv_allocator import KvAllocator
+from tokenmill.controller.radix_cache import Match
 from tokenmill.controller.request import PromptScores, Request
 from tokenmill.controller.slot_pool import IndexPool
 
@@ -82,14 +83,18 @@ class Scheduler:
                 budget -= row.num_new
                 prefill.append(row)
         # NOTE: a request that waits for a running prefill to fill the cache lets the ones
-        # behind it in; one that waits for room stops the queue (first come, first served).
+        # behind it in, up to as many as could still run (each costs a cache lookup a step);
+        # one that waits for room stops the queue (first come, first served).
         deferred: list[Request] = []
         while budget > 0 and self.waiting and self._has_room():
+            if len(deferred) >= self.max_running - len(self.running):
+                break
             request = self.waiting.popleft()
-            if self._shares_a_running_prefill(request):
+            match = self.kv.lookup(request)
+            if match is not None and self._shares_a_running_prefill(request, len(match.slots)):
                 deferred.append(request)
                 continue
-            if not self._admit(request):
+            if not self._admit(request, match):
                 self.waiting.appendleft(request)
                 break
             if request.is_prefill:  # else its cached prefix covers the prompt: it decodes
@@ -157,26 +162,23 @@ class Scheduler:
     def _has_room(self) -> bool:
         return len(self.running) < self.max_running and self.rows.num_free > 0
 
-    def _admit(self, request: Request) -> bool:
-        if not self.kv.admit(request, headroom=len(self.running)):
+    def _admit(self, request: Request, match: Match | None) -> bool:
+        if not self.kv.admit(request, len(self.running), match):
             return False
         request.row = self.rows.alloc(1)[0]
         self.running.append(request)
         return True
 
-    def _shares_a_running_prefill(self, request: Request) -> bool:
+    def _shares_a_running_prefill(self, request: Request, cached: int) -> bool:
         """True when a request still prefilling computes more than half of what this one
-        would compute beyond the cache, or all of the prefix it says it shares with requests
-        sent alongside it. NOTE: a prefix already cached is no reason to wait, nor are a few
-        shared tokens past it: scoring items after a cached query go in together, even where
-        many of them begin with the same word."""
-        if self.kv.cache is None or request.max_cached_prefix <= 0:
-            return False
+        would compute beyond its `cached` tokens, or all of the prefix it says it shares
+        with requests sent alongside it. NOTE: a prefix already cached is no reason to wait,
+        nor are a few shared tokens past it: scoring items after a cached query go in
+        together, even where many of them begin with the same word."""
         prefills = [o for o in self.running if o.is_prefill]
         if not prefills:
             return False
         tokens = request.tokens(0, request.max_cached_prefix)
-        cached = len(self.kv.cache.match(tokens).slots)
         need = cached + (len(tokens) - cached) // 2 + 1
         shared = min(request.message.shared_prefix_len, len(tokens))
         if shared > cached:
