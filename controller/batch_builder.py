@@ -11,6 +11,7 @@ from tokenmill.controller.scheduler import ScheduledRow
 from tokenmill.protocol.arrays import pack
 from tokenmill.protocol.requests import SamplingParams
 from tokenmill.protocol.step import (
+    FED_LAST_SAMPLE,
     ForwardBatch,
     LogitBias,
     LogprobAsks,
@@ -25,14 +26,18 @@ def build_forward_batch(step_id: int, rows: list[ScheduledRow], num_steps: int =
     slots: list[int] = []
     for row in rows:
         request = row.request
-        ids += request.tokens(row.start, row.end)
+        known = request.tokens(row.start, row.end)
+        ids += known
+        if len(known) < row.num_new:  # NOTE: a decode row's token, sampled by a step in flight
+            ids.append(FED_LAST_SAMPLE)
         slots += request.slots[row.start : row.end]
     params = [row.request.message.sampling for row in rows]
     asks = [row.request.message.logprobs for row in rows]
-    fills = [row.request for row in rows if row.request.fill_table]
+    # NOTE: a table row (re)fills with the slots of what the request computed before this step
+    filled = [row for row in rows if row.request.fill_table]
     penalties = _penalties(rows)  # reads fill_table: before it is cleared
-    for request in fills:
-        request.fill_table = False
+    for row in filled:
+        row.request.fill_table = False
     return ForwardBatch(
         step_id=step_id,
         input_ids=_i32(ids),
@@ -41,9 +46,9 @@ def build_forward_batch(step_id: int, rows: list[ScheduledRow], num_steps: int =
         prefix_lens=_i32([row.start for row in rows]),
         extend_lens=_i32([row.num_new for row in rows]),
         is_prefill=pack(np.array([row.is_prefill for row in rows], dtype=bool)),
-        fill_rows=_i32([r.row for r in fills]),
-        fill_lens=_i32([r.num_computed_tokens for r in fills]),
-        fill_slots=_i32([s for r in fills for s in r.slots[: r.num_computed_tokens]]),
+        fill_rows=_i32([row.request.row for row in filled]),
+        fill_lens=_i32([row.start for row in filled]),
+        fill_slots=_i32([s for row in filled for s in row.request.slots[: row.start]]),
         sampling=SamplingBatch(
             temperature=_f32([p.temperature for p in params]),
             top_k=_i32([p.top_k for p in params]),
@@ -116,10 +121,10 @@ def _logit_bias(params: list[SamplingParams]) -> LogitBias | None:
 
 def _stop_ban(rows: list[ScheduledRow]) -> StopBan | None:
     """Decode iterations whose sample must not end the request: output index
-    len(output_ids) + i is banned from stop ids while it is below min_tokens."""
+    row.num_outputs + i is banned from stop ids while it is below min_tokens."""
     params = [row.request.message.sampling for row in rows]
     steps = [
-        max(0, p.min_tokens - len(row.request.output_ids)) if row.samples else 0
+        max(0, p.min_tokens - row.num_outputs) if row.samples else 0
         for row, p in zip(rows, params, strict=True)
     ]
     if not any(steps):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 
 import msgspec
 import zmq
@@ -61,47 +62,71 @@ class Controller:
         self.next_expiry_check = 0.0
         self.handlers = {GenerateRequest: self.handle_generate, AbortRequest: self.handle_abort}
         self.pending_outputs: list[RequestOutput] = []  # emitted, not yet sent (flush_outputs)
+        self.in_flight: deque[tuple[int, list[ScheduledRow]]] = deque()  # sent, not back
 
     def run(self) -> None:
         while True:
             self.run_once()
 
     def run_once(self) -> None:
-        self.receive(block=not self.scheduler.has_work())
+        """With overlap scheduling the next step goes out before the result of the one in
+        flight is back, so the workers never wait for this process: its scheduling, batch
+        building and output processing run while they compute. The rows of requests that
+        the step in flight stops are wasted (one position each); no step waits for them."""
+        self.receive(block=not self.has_work())
         self.expire_waiting()
-        rows = self.scheduler.schedule()
+        rows = self.scheduler.schedule(ahead=bool(self.in_flight))
+        if rows is None:  # NOTE: the scheduler needs the step in flight back first
+            self.complete_steps(keep=0)
+            rows = self.scheduler.schedule()
+            assert rows is not None, "scheduling with no step in flight always decides"
         if rows:
-            result = self.step(rows)
-            outputs = self.outputs.apply(rows, result)
-            self.cache_finished_prefills(rows)
-            self.emit(outputs)
-        if not rows or not self.scheduler.has_work():
+            self.send_step(rows)
+        self.complete_steps(keep=1 if rows and self.config.overlap_schedule else 0)
+        if not rows or not self.has_work():
             self.flush_outputs()  # NOTE: no step will carry them out
         self.report()
 
-    def cache_finished_prefills(self, rows: list[ScheduledRow]) -> None:
-        for row in rows:
-            request = row.request
-            if row.is_prefill and not request.is_prefill and not request.finished:
-                self.kv.cache_computed(request)
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self.in_flight)
 
     def receive(self, block: bool) -> None:
         for message in self.sockets.receive_requests(timeout_ms=100 if block else 0):
             self.handlers[type(message)](message)
 
-    def step(self, rows: list[ScheduledRow]) -> StepResult:
+    def send_step(self, rows: list[ScheduledRow]) -> None:
         self.num_steps += 1
         self.last_busy = time.monotonic()
         batch = build_forward_batch(self.num_steps, rows, self.scheduler.num_steps)
-        self.timing.on_send(decode_only=not any(row.is_prefill for row in rows))
         self.sockets.send_batch(batch)
+        self.in_flight.append((self.num_steps, rows))
         self.flush_outputs()
+        self.cache_finished_prefills(rows)
+
+    def cache_finished_prefills(self, rows: list[ScheduledRow]) -> None:
+        """NOTE: at once, not when the step is back: every later step runs after it."""
+        for row in rows:
+            request = row.request
+            if row.is_prefill and not request.is_prefill and not request.finished:
+                self.kv.cache_computed(request)
+
+    def complete_steps(self, keep: int) -> None:
+        """Applies the results of the steps in flight, all but the `keep` newest."""
+        while len(self.in_flight) > keep:
+            step_id, rows = self.in_flight.popleft()
+            result = self.receive_result(step_id)
+            decode_only = not any(row.is_prefill for row in rows)
+            self.timing.on_result(step_id, decode_only, result.busy_s, result.forward_s, len(rows))
+            self.emit(self.outputs.apply(rows, result))
+            if keep:
+                self.flush_outputs()  # NOTE: while the workers run the next step
+
+    def receive_result(self, step_id: int) -> StepResult:
         result = self.sockets.receive_result()
         if isinstance(result, WorkerFailed):
             raise RuntimeError(f"tp_worker failed step {result.step_id}: {result.message}")
-        if not isinstance(result, StepResult) or result.step_id != self.num_steps:
-            raise RuntimeError(f"expected StepResult {self.num_steps}, got {result!r:.200}")
-        self.timing.on_result(result.busy_s, result.forward_s, len(rows))
+        if not isinstance(result, StepResult) or result.step_id != step_id:
+            raise RuntimeError(f"expected StepResult {step_id}, got {result!r:.200}")
         return result
 
     def emit(self, outputs: list[RequestOutput]) -> None:
@@ -178,9 +203,7 @@ class Controller:
         # (integrity_idle_s): run in the gap between back-to-back requests (one user at a
         # time), it delayed the next one's first token by as much (256-token prompts,
         # max_tokens 1: median latency 75-100 ms with it, 50 ms without).
-        idle = (
-            not self.scheduler.has_work() and now - self.last_busy >= self.config.integrity_idle_s
-        )
+        idle = not self.has_work() and now - self.last_busy >= self.config.integrity_idle_s
         if idle and self.num_steps != self.checked_at_step:
             self.checked_at_step = self.num_steps
             self.kv.check_integrity([])

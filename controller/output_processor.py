@@ -61,10 +61,13 @@ class OutputProcessor:
         outputs = []
         for b, row in enumerate(rows):
             request = row.request
-            request.num_computed_tokens = row.end
+            if request.finished:
+                continue  # NOTE: stopped (or aborted) after this step was sent: nothing to say
             self._gather_prompt_scores(request, arrays, b)
-            if row.samples and not self._ends_at_prompt(request):
-                self._append_sampled(request, row, arrays.next_ids[:, b])
+            if row.samples:
+                request.pending -= len(arrays.next_ids)
+                if not self._ends_at_prompt(request):
+                    self._append_sampled(request, arrays.next_ids[:, b])
             if row.samples or request.finished:
                 outputs.append(self._output(request, arrays, b))
         return outputs
@@ -86,14 +89,13 @@ class OutputProcessor:
         scores.top_ids.append(arrays.prompt_top_ids[lo:hi, :k])
         scores.top_logprobs.append(arrays.prompt_top_logprobs[lo:hi, :k])
 
-    def _append_sampled(self, request: Request, row: ScheduledRow, sampled: np.ndarray) -> None:
+    def _append_sampled(self, request: Request, sampled: np.ndarray) -> None:
         """Appends one sampled token per decode iteration until the request stops; tokens
-        past a stop are dropped. Iteration i > 0 computed the token of iteration i - 1."""
+        past a stop are dropped (and the positions computed from them, when it is freed)."""
         for token in sampled:
             self._append(request, int(token))
             if request.finished:
                 break
-        request.num_computed_tokens = min(row.end + len(sampled) - 1, request.num_tokens)
 
     def _append(self, request: Request, token: int) -> None:
         request.output_ids.append(token)

@@ -31,6 +31,8 @@ class Request:
     prompt_ids: list[int]
     arrival: int  # admission order, for preemption (latest first)
     output_ids: list[int] = field(default_factory=list)
+    # NOTE: counts what the steps sent so far will have computed, also while one is in flight
+    # (overlap scheduling); see `pending`.
     num_computed_tokens: int = 0
     slots: list[int] = field(default_factory=list)  # KV slot of each computed/allocated position
     row: int = -1  # row of the worker's request->slot table, -1 while waiting
@@ -45,6 +47,7 @@ class Request:
     prompt_scores: PromptScores | None = None
     prompt_scores_sent: bool = False
     queued_at: float = 0.0  # time.monotonic() when it arrived
+    pending: int = 0  # tokens the steps in flight sample for it (not in output_ids yet)
 
     @staticmethod
     def from_message(message: GenerateRequest, arrival: int) -> Request:
@@ -69,6 +72,15 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_tokens_ahead(self) -> int:
+        """Tokens it will have once the steps in flight are back (unless one stops it)."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.pending
+
+    @property
+    def num_outputs_ahead(self) -> int:
+        return len(self.output_ids) + self.pending
 
     @property
     def is_prefill(self) -> bool:

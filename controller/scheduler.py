@@ -34,6 +34,7 @@ class ScheduledRow:
     num_new: int  # positions computed this step
     is_prefill: bool
     samples: bool  # the row reaches the request's last token: its sampled token is kept
+    num_outputs: int  # outputs before this step's (including those of a step in flight)
 
     @property
     def end(self) -> int:
@@ -42,9 +43,8 @@ class ScheduledRow:
     @staticmethod
     def of(request: Request, num_new: int, is_prefill: bool) -> ScheduledRow:
         start = request.num_computed_tokens
-        return ScheduledRow(
-            request, start, num_new, is_prefill, samples=start + num_new == request.num_tokens
-        )
+        samples = start + num_new == request.num_tokens_ahead
+        return ScheduledRow(request, start, num_new, is_prefill, samples, request.num_outputs_ahead)
 
 
 class Scheduler:
@@ -71,10 +71,29 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> list[ScheduledRow]:
-        """The next step's rows; `self.num_steps` says how many decode iterations it runs."""
+    def schedule(self, ahead: bool = False) -> list[ScheduledRow] | None:
+        """The next step's rows; `self.num_steps` says how many decode iterations it runs.
+        The requests count the rows as computed and their samples as pending from here on.
+
+        ahead: a step is in flight (overlap scheduling), so rows that sample in it do not
+        know their last token yet and may stop with it. None (nothing changed) where the
+        step needs that result first: a preemption (it recomputes known tokens only)."""
         self.num_steps = self._num_steps()
-        decode = self._schedule_decode(self.num_steps)
+        decode = self._schedule_decode(self.num_steps, ahead)
+        if decode is None:
+            return None
+        rows = self._schedule_prefill(decode)
+        for row in rows:
+            self._advance(row)
+        return rows
+
+    def _advance(self, row: ScheduledRow) -> None:
+        request, steps = row.request, 1 if row.is_prefill else self.num_steps
+        request.num_computed_tokens = row.end + steps - 1
+        if row.samples:
+            request.pending += steps
+
+    def _schedule_prefill(self, decode: list[Request]) -> list[ScheduledRow]:
         budget = self.max_prefill_tokens
         prefill = []
         for request in self.running:
@@ -110,6 +129,8 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        # NOTE: a step in flight computes positions past a stop; the tree takes known ones.
+        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
         self._release(request)
 
     def _num_steps(self) -> int:
@@ -119,23 +140,29 @@ class Scheduler:
             return 1
         if any(r.is_prefill or r.is_replaying for r in self.running):
             return 1  # NOTE: a replayed step feeds a known token, not the last sample
-        steps = self.decode_steps
-        for request in self.running:
-            left = request.message.sampling.max_tokens - len(request.output_ids)
-            if self.max_model_len is not None:
-                left = min(left, self.max_model_len - request.num_tokens + 1)
-            steps = min(steps, left)
-        return max(1, steps)
+        lefts = [self._outputs_left(r) for r in self.running]
+        return max(1, min([self.decode_steps] + [n for n in lefts if n > 0]))
 
-    def _schedule_decode(self, steps: int) -> list[Request]:
+    def _outputs_left(self, request: Request) -> int:
+        """Tokens it may still sample past those of the steps sent (0: a step in flight
+        ends it by length; it gets no row)."""
+        left = request.message.sampling.max_tokens - request.num_outputs_ahead
+        if self.max_model_len is not None:
+            left = min(left, self.max_model_len - request.num_tokens_ahead + 1)
+        return left
+
+    def _schedule_decode(self, steps: int, ahead: bool) -> list[Request] | None:
         """Decode rows, each with slots for `steps` positions from its pending token;
-        preempts the latest-admitted requests while the pool cannot give them."""
-        decoding = [r for r in self.running if not r.is_prefill]
+        preempts the latest-admitted requests while the pool cannot give them (None, when
+        ahead: the caller waits for the step in flight first)."""
+        decoding = [r for r in self.running if not r.is_prefill and self._outputs_left(r) > 0]
 
         def missing(r: Request) -> int:
-            return max(0, r.num_tokens - 1 + steps - len(r.slots))
+            return max(0, r.num_tokens_ahead - 1 + steps - len(r.slots))
 
         needed = sum(missing(r) for r in decoding)
+        if ahead and needed > self.kv.num_available:
+            return None
         while needed > self.kv.num_available:
             victim = max(self.running, key=lambda r: r.arrival)
             if victim in decoding:

@@ -1,11 +1,12 @@
 """Where a decode step's wall time goes, measured when the server runs with --step-timing
 (controller process).
 
-The period of a step is the time from sending it to sending the next; the worker says how
-long it was busy and how much of that was the model forward. What is not forward is
-overhead: the controller, IPC, and any stall the detokenizer or frontend cause. Totals are
-reported, so that a benchmark can difference two readings around its own workload.
-"""
+The period of a step is the time from the result of the step before to its own: one cycle
+of the workers, whatever this process does while they compute (overlap scheduling) or
+between their steps (one step at a time). The worker says how long it was busy and how much
+of that was the model forward. What is not forward is overhead: the controller, IPC, and
+any stall the detokenizer or frontend cause. Totals are reported, so that a benchmark can
+difference two readings around its own workload."""
 
 from __future__ import annotations
 
@@ -21,27 +22,24 @@ class StepTiming:
     busy_s: float = 0.0
     forward_s: float = 0.0
     rows: int = 0
-    _last_send: float | None = None  # when the last decode-only step was sent
-    _pending: tuple[float, float, int] | None = None  # its worker figures, once back
+    _last: tuple[int, float, bool] | None = None  # the last result: (step id, when, decode only)
 
-    def on_send(self, decode_only: bool) -> None:
-        """A step goes out: the previous decode-only step's period ends here."""
+    def on_result(
+        self, step_id: int, decode_only: bool, busy_s: float, forward_s: float, num_rows: int
+    ) -> None:
+        """A step's result is back: its period, from the result of the step before, counts
+        when both steps decoded only."""
         if not self.enabled:
             return
         now = time.perf_counter()
-        if self._pending is not None and self._last_send is not None and decode_only:
-            busy, forward, rows = self._pending
-            self.num_steps += 1
-            self.period_s += now - self._last_send
-            self.busy_s += busy
-            self.forward_s += forward
-            self.rows += rows
-        self._pending = None
-        self._last_send = now if decode_only else None
-
-    def on_result(self, busy_s: float, forward_s: float, num_rows: int) -> None:
-        if self.enabled and self._last_send is not None:
-            self._pending = (busy_s, forward_s, num_rows)
+        last, self._last = self._last, (step_id, now, decode_only)
+        if last is None or last[0] != step_id - 1 or not (last[2] and decode_only):
+            return
+        self.num_steps += 1
+        self.period_s += now - last[1]
+        self.busy_s += busy_s
+        self.forward_s += forward_s
+        self.rows += num_rows
 
     def totals(self) -> dict[str, float]:
         if not self.enabled:

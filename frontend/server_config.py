@@ -59,6 +59,9 @@ class SchedulerArgs:
     (multi-step decoding: fewer round trips, the same tokens and logprobs)."""
     disable_prefix_cache: bool = False
     """Turn off the radix prefix cache (every prompt is computed in full)."""
+    disable_overlap_schedule: bool = False
+    """Schedule each step only once the last one is back, instead of while the workers run
+    it (the same tokens and logprobs; overlap hides the controller's time per step)."""
     max_queued_requests: int = 8192
     """Requests (each choice, each scoring item) an engine keeps waiting at most; more get
     429 with Retry-After."""

@@ -78,9 +78,15 @@ class LogprobAsks(msgspec.Struct, frozen=True, array_like=True):
     prompt_next_id: Array  # [B] int32
 
 
+# NOTE: an input id the controller does not know yet (overlap scheduling: it sends step N + 1
+# before step N's result is back). A decode row's token FED_LAST_SAMPLE is the last id the
+# worker sampled for that table row, in the step before.
+FED_LAST_SAMPLE = -1
+
+
 class ForwardBatch(msgspec.Struct, frozen=True, tag="forward"):
     step_id: int
-    input_ids: Array  # [T] int32 new tokens, rows concatenated in batch order
+    input_ids: Array  # [T] int32 new tokens, rows concatenated in batch order; FED_LAST_SAMPLE
     out_slots: Array  # [T] int32 KV slot each new token writes
     req_rows: Array  # [B] int32 rows of the worker's request->slot table
     prefix_lens: Array  # [B] int32 tokens of the row already in the KV cache

@@ -14,6 +14,7 @@ import pytest
 from tokenmill.controller.config import ControllerConfig
 from tokenmill.controller.controller import Controller
 from tokenmill.controller.scheduler import DECODE_SLOT_RUN
+from tokenmill.controller.step_timing import StepTiming
 from tokenmill.controller.token_prefix import common_prefix_len
 from tokenmill.protocol.arrays import pack, unpack
 from tokenmill.protocol.outputs import BatchOutput, RequestOutput
@@ -25,7 +26,8 @@ from tokenmill.protocol.requests import (
     SamplingParams,
 )
 from tokenmill.protocol.stats import EngineReport
-from tokenmill.protocol.step import ForwardBatch, StepResult, WorkerReady
+from tokenmill.protocol.step import FED_LAST_SAMPLE, ForwardBatch, StepResult, WorkerReady
+from tokenmill.tp_worker.fed_samples import LastSamples
 from tokenmill.tp_worker.offline import LocalSockets
 
 VOCAB = 50
@@ -36,9 +38,9 @@ def fake_step(batch: ForwardBatch) -> StepResult:
     """A deterministic 'model': next id = (last input id + 1) mod VOCAB (skipping EOS unless
     the input is 40), logprob = -0.1 * next id; prompt position p scores -p / 100."""
     ids, ext = unpack(batch.input_ids), unpack(batch.extend_lens)
-    steps = [_next(ids[np.cumsum(ext) - 1])]
-    for _ in range(batch.num_steps - 1):  # multi-step: each iteration feeds the last sample
-        steps.append(_next(steps[-1]))
+    steps = [_ban_stops(_next(ids[np.cumsum(ext) - 1]), batch, 0)]
+    for i in range(1, batch.num_steps):  # multi-step: each iteration feeds the last sample
+        steps.append(_ban_stops(_next(steps[-1]), batch, i))
     next_ids = np.stack(steps)  # [N, B]
     n = batch.num_steps
     num_top = unpack(batch.logprobs.num_top)
@@ -61,6 +63,22 @@ def fake_step(batch: ForwardBatch) -> StepResult:
         prompt_top_ids=pack(np.zeros((len(positions), kp), np.int32)),
         prompt_top_logprobs=pack(np.zeros((len(positions), kp), np.float32)),
     )
+
+
+def _ban_stops(next_ids: np.ndarray, batch: ForwardBatch, step: int) -> np.ndarray:
+    """min_tokens, as the worker does it: in decode iteration `step`, a row's banned stop id
+    is replaced (here by 3)."""
+    ban = batch.sampling.stop_ban
+    if ban is None:
+        return next_ids
+    num_steps, offsets, stop_ids = unpack(ban.num_steps), unpack(ban.offsets), unpack(ban.ids)
+    out = next_ids.copy()
+    for b, n in enumerate(num_steps):
+        banned = set(stop_ids[offsets[b] : offsets[b + 1]].tolist())
+        banned |= {EOS} if unpack(ban.ban_eos)[b] else set()
+        if step < n and int(out[b]) in banned:
+            out[b] = 3
+    return out
 
 
 def _next(last: np.ndarray) -> np.ndarray:
@@ -88,8 +106,9 @@ def _prompt_positions(batch: ForwardBatch) -> list[np.ndarray]:
 class FakeSockets(LocalSockets):
     """The in-process sockets over the fake model, keeping what went out for the asserts."""
 
-    def __init__(self) -> None:
-        super().__init__(fake_step)
+    def __init__(self, num_rows: int = 64) -> None:
+        super().__init__(self._step)
+        self.last_samples = LastSamples(num_rows)  # NOTE: the worker's, for FED_LAST_SAMPLE
         self.batches: list[ForwardBatch] = []
         self.reports: list[EngineReport] = []
 
@@ -99,6 +118,12 @@ class FakeSockets(LocalSockets):
 
     def send_report(self, report: EngineReport) -> None:
         self.reports.append(report)
+
+    def _step(self, batch: ForwardBatch) -> StepResult:
+        batch = self.last_samples.feed(batch)
+        result = fake_step(batch)
+        self.last_samples.record(batch, result)
+        return result
 
 
 def make_controller(
@@ -130,12 +155,16 @@ def make_controller(
 
 
 def request(
-    req_id: str, prompt: list[int], max_tokens: int = 4, **logprobs: object
+    req_id: str,
+    prompt: list[int],
+    max_tokens: int = 4,
+    sampling: dict[str, object] | None = None,
+    **logprobs: object,
 ) -> GenerateRequest:
     return GenerateRequest(
         req_id,
         pack(np.array(prompt, np.int32)),
-        SamplingParams(max_tokens=max_tokens, temperature=0.0),
+        SamplingParams(max_tokens=max_tokens, temperature=0.0, **(sampling or {})),  # type: ignore[arg-type]
         LogprobParams(**logprobs),
         DetokenizeParams(),
     )
@@ -465,11 +494,13 @@ def test_a_prompt_mostly_shared_past_the_cache_waits_and_lets_others_by() -> Non
     assert first_step == [len(prompt), 20] and len(sockets.batches) == 2
 
 
-def test_a_steps_outputs_leave_after_the_next_step_and_in_order() -> None:
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_steps_outputs_leave_after_the_next_step_and_in_order(overlap: bool) -> None:
     """Each step's outputs go to the detokenizer right after the next step goes to the
     workers (the detokenizer works while the model does), every one of them, in order; an
-    abort's output follows the tokens emitted before it."""
-    controller, sockets = make_controller()
+    abort's output follows the tokens emitted before it. With overlap scheduling the third
+    step is still in flight when the abort comes: its token is dropped with the request."""
+    controller, sockets = make_controller(overlap_schedule=overlap)
     events: list[str] = []
     send_batch, send_outputs = sockets.send_batch, sockets.send_outputs
 
@@ -489,7 +520,7 @@ def test_a_steps_outputs_leave_after_the_next_step_and_in_order() -> None:
     assert tokens_of(sockets.outputs, "a") == [6, 7]  # the third step's token is not out yet
     sockets.inbox.append(AbortRequest("a"))
     run_until_idle(controller)
-    assert tokens_of(sockets.outputs, "a") == [6, 7, 8]
+    assert tokens_of(sockets.outputs, "a") == ([6, 7] if overlap else [6, 7, 8])
     assert sockets.outputs[-1].finish_reason == "abort"
 
 
@@ -526,3 +557,88 @@ def test_the_leak_check_waits_for_a_pause(monkeypatch: pytest.MonkeyPatch) -> No
     controller.run_once()
     controller.run_once()
     assert checks == [1]  # once per pause
+
+
+def _mixed_workload(seed: int) -> list[GenerateRequest]:
+    """Prompts that run into EOS (after 40), stop ids, min_tokens, max_tokens 0, prompt and
+    top logprobs, prompts that share a prefix."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 30) for _ in range(9)]
+    messages = []
+    for i in range(24):
+        start = rng.choice([5, 20, 33, 36, 38])
+        prompt = ([] if i % 3 else shared) + [start + j for j in range(rng.randrange(1, 12))]
+        prompt = [t % VOCAB if t % VOCAB > EOS else 3 for t in prompt]
+        sampling: dict[str, object] = {}
+        if i % 4 == 1:
+            sampling["stop_token_ids"] = (rng.randrange(10, 45),)
+        if i % 5 == 2:
+            sampling["min_tokens"] = rng.randrange(1, 8)
+        logprobs: dict[str, object] = {"return_logprob": True, "num_top": i % 3}
+        if i % 6 == 0:
+            logprobs["prompt_start"] = rng.randrange(0, len(prompt))
+        max_tokens = 0 if i % 11 == 7 else rng.randrange(1, 24)
+        messages.append(request(f"r{i}", prompt, max_tokens, sampling, **logprobs))
+    # NOTE: EOS as output 4: min_tokens 4 lets it stop there, min_tokens 5 bans it.
+    for min_tokens in (4, 5):
+        sampling = {"min_tokens": min_tokens}
+        messages.append(request(f"min{min_tokens}", [35, 36], 12, sampling))
+    return messages
+
+
+def _by_request(outputs: list[RequestOutput]) -> dict[str, list[object]]:
+    got: dict[str, list[object]] = {}
+    for o in outputs:
+        entry = got.setdefault(o.req_id, [[], [], [], [], None])
+        entry[0] += unpack(o.new_ids).tolist()
+        entry[1] += unpack(o.logprobs).tolist() if o.logprobs is not None else []
+        entry[2] += unpack(o.top_ids).tolist() if o.top_ids is not None else []
+        entry[3] += unpack(o.prompt.logprobs).tolist() if o.prompt is not None else []
+        entry[4] = o.finish_reason
+    return got
+
+
+@pytest.mark.parametrize("decode_steps", [1, 3])
+@pytest.mark.parametrize("kv_tokens", [512, 96])
+def test_overlap_scheduling_gives_what_one_step_at_a_time_gives(
+    decode_steps: int, kv_tokens: int
+) -> None:
+    """The same tokens, logprobs, prompt logprobs and finish reasons with the next step sent
+    before the last one is back, on a roomy pool and on one tight enough to preempt; the rows
+    the step in flight stopped are wasted, nothing leaks."""
+    runs = {}
+    for overlap in (False, True):
+        controller, sockets = make_controller(
+            kv_tokens=kv_tokens,
+            max_prefill=32,
+            decode_steps=decode_steps,
+            overlap_schedule=overlap,
+        )
+        sockets.inbox.extend(_mixed_workload(seed=7))
+        run_until_idle(controller)
+        assert controller.kv.num_available == kv_tokens and controller.rows.num_free == 8
+        runs[overlap] = (controller, sockets)
+    (sync, sync_sockets), (ahead, ahead_sockets) = runs[False], runs[True]
+    want, got = _by_request(sync_sockets.outputs), _by_request(ahead_sockets.outputs)
+    assert got == want
+    assert want["min4"][0] == [37, 38, 39, 40, EOS] and want["min5"][0][4] == 3
+    fed = [(unpack(b.input_ids) == FED_LAST_SAMPLE).sum() for b in ahead_sockets.batches]
+    assert sum(fed) > 0 and not any(
+        (unpack(b.input_ids) == FED_LAST_SAMPLE).any() for b in sync_sockets.batches
+    )
+    if kv_tokens == 96:
+        assert sync.scheduler.num_preemptions > 0 and ahead.scheduler.num_preemptions > 0
+
+
+def test_step_timing_counts_decode_steps_from_result_to_result() -> None:
+    """A step's period runs from the result of the step before to its own (the workers'
+    cycle, in either scheduling mode), counted where both steps decoded only: the prefill's
+    figures never count, nor does a step after a gap in the step ids."""
+    timing = StepTiming(enabled=True)
+    steps = [(1, False, 0.5), (2, True, 0.01), (3, True, 0.02), (4, True, 0.04), (6, True, 0.08)]
+    for step_id, decode_only, forward in steps:
+        timing.on_result(step_id, decode_only, 1.0, forward, 2)
+    totals = timing.totals()
+    assert totals["step_timing_decode_steps"] == 2  # steps 3 and 4
+    assert totals["step_timing_forward_seconds"] == pytest.approx(0.06)
+    assert totals["step_timing_period_seconds"] > 0

@@ -18,6 +18,7 @@ from tokenmill.tp_worker import attention_triton, cpu_ops
 from tokenmill.tp_worker.attention import plan_attention, plan_last_layer
 from tokenmill.tp_worker.config import RunnerConfig
 from tokenmill.tp_worker.device import auto_kv_cache_tokens, resolve_device, resolve_dtype
+from tokenmill.tp_worker.fed_samples import LastSamples
 from tokenmill.tp_worker.logprobs import ScoredPositions, default_chunk_size, score_prompt
 from tokenmill.tp_worker.model import CausalLM, local_kv_heads
 from tokenmill.tp_worker.model_config import ModelConfig, load_model_config
@@ -58,6 +59,7 @@ class ModelRunner:
             self.device,
         )
         self.processed_logprobs = config.logprobs_mode == "processed"
+        self.last_samples = LastSamples(config.max_running_requests)
         # NOTE: every rank must address the same slots: the smallest free memory decides.
         self.kv_cache_tokens = config.kv_cache_tokens or self.group.min_over_ranks(
             auto_kv_cache_tokens(
@@ -100,6 +102,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def step(self, batch: ForwardBatch) -> StepResult:
+        batch = self.last_samples.feed(batch)
         inputs = StepInputs.from_batch(batch, self.device)
         self._fill_table(inputs)
         self.adjuster.begin(inputs.adjust)
@@ -115,7 +118,9 @@ class ModelRunner:
             outputs.add(
                 score_sampled(logits, inputs, adjusted, self.processed_logprobs, self.cpu_kernels)
             )
-        return outputs.to_result(batch.step_id)
+        result = outputs.to_result(batch.step_id)
+        self.last_samples.record(batch, result)
+        return result
 
     def _fill_table(self, inputs: StepInputs) -> None:
         if inputs.fill_rows.numel():

@@ -105,7 +105,7 @@ class LocalSockets:
         self.step = step
         self.inbox: deque[FrontendMessage] = deque()
         self.outputs: list[RequestOutput] = []
-        self._result: StepResult | None = None
+        self._results: deque[StepResult] = deque()  # NOTE: computed at once, read in order
 
     def receive_requests(self, timeout_ms: int) -> list[FrontendMessage]:
         messages = list(self.inbox)
@@ -113,11 +113,11 @@ class LocalSockets:
         return messages
 
     def send_batch(self, batch: ForwardBatch) -> None:
-        self._result = self.step(batch)
+        self._results.append(self.step(batch))
 
     def receive_result(self) -> StepResult:
-        assert self._result is not None, "no step was sent"
-        return self._result
+        assert self._results, "no step was sent"
+        return self._results.popleft()
 
     def send_outputs(self, batch: BatchOutput) -> None:
         self.outputs += batch.outputs
@@ -160,7 +160,7 @@ class OfflineEngine:
         self.num_requests += len(requests)
         self.sockets.inbox.extend(r.message(i) for r, i in zip(requests, ids, strict=True))
         outputs = {i: OfflineOutput() for i in ids}
-        while self.sockets.inbox or self.controller.scheduler.has_work():
+        while self.sockets.inbox or self.controller.has_work():
             self.controller.run_once()
             for out in self.sockets.outputs:
                 outputs[out.req_id].add(out)

@@ -1,0 +1,34 @@
+"""The last id each table row sampled, fed where a step says FED_LAST_SAMPLE (tp_worker).
+
+With overlap scheduling the controller sends step N + 1 before step N's result is back, so
+a row decoding in both does not know its input token yet: the worker does, it sampled it.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+
+from tokenmill.protocol.arrays import pack, unpack
+from tokenmill.protocol.step import FED_LAST_SAMPLE, ForwardBatch, StepResult
+
+
+class LastSamples:
+    def __init__(self, num_rows: int) -> None:
+        self.ids = np.zeros(num_rows, np.int32)  # [table rows] last id sampled for each
+
+    def feed(self, batch: ForwardBatch) -> ForwardBatch:
+        """The batch with each FED_LAST_SAMPLE replaced by its row's last sampled id."""
+        ids = unpack(batch.input_ids)
+        unknown = ids == FED_LAST_SAMPLE
+        if not unknown.any():
+            return batch
+        rows = np.repeat(unpack(batch.req_rows), unpack(batch.extend_lens))
+        fed = ids.astype(np.int32)  # NOTE: a copy (the message's bytes are read-only)
+        fed[unknown] = self.ids[rows[unknown]]
+        return msgspec.structs.replace(batch, input_ids=pack(fed))
+
+    def record(self, batch: ForwardBatch, result: StepResult) -> None:
+        """NOTE: rows mid-prompt record an id nobody reads: the controller sends
+        FED_LAST_SAMPLE only for a row whose step before sampled for real."""
+        self.ids[unpack(batch.req_rows)] = unpack(result.next_ids)[-1]
