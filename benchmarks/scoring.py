@@ -9,7 +9,7 @@ sent to the last received. The completions way sends one request per item at onc
 scoring endpoint would.
 
     python benchmarks/scoring.py [--preset medium | --model DIR] [--dtype bfloat16]
-        [--rounds 3] [--vllm] [--peer-url URL]
+        [--rounds 3] [--vllm] [--peer-url URL] [--tm-extra "FLAGS"]
 
 --vllm starts vLLM CPU (../shared/peers: its venv from install_vllm_cpu.sh, VLLM_PY, and
 vllm_cli.py) on the same checkpoint after tokenmill has stopped, with the settings
@@ -26,6 +26,7 @@ import importlib.util
 import math
 import os
 import random
+import shlex
 import signal
 import subprocess
 import sys
@@ -52,6 +53,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--item-len", type=int, default=32, help="tokens per item (32)")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds per way (3)")
     p.add_argument("--vllm", action="store_true", help="also start and measure vLLM CPU")
+    p.add_argument(
+        "--tm-extra", default="", help='more `tokenmill serve` flags, e.g. "--decode-steps 4"'
+    )
     p.add_argument("--peers", type=Path, default=PEERS, help=f"peers folder ({PEERS})")
     p.add_argument("--peer-url", help="measure this running server's /generative_scoring")
     return p.parse_args()
@@ -207,7 +211,8 @@ def main() -> int:
           f"{model} ({args.dtype}); logs in {logs}", flush=True)  # fmt: skip
     proc, url = start_server(
         model,
-        ["--dtype", args.dtype, "--served-model-name", "m", "--max-model-len", "2048"],
+        ["--dtype", args.dtype, "--served-model-name", "m", "--max-model-len", "2048"]
+        + shlex.split(args.tm_extra),
         logs / "tokenmill.log",
     )
     try:
