@@ -6,7 +6,8 @@ of the workers, whatever this process does while they compute (overlap schedulin
 between their steps (one step at a time). The worker says how long it was busy and how much
 of that was the model forward. What is not forward is overhead: the controller, IPC, and
 any stall the detokenizer or frontend cause. Totals are reported, so that a benchmark can
-difference two readings around its own workload."""
+difference two readings around its own workload.
+"""
 
 from __future__ import annotations
 
