@@ -14,7 +14,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from tokenmill.protocol.arrays import Array, empty, pack, unpack
+from tokenmill.protocol.arrays import Array, empty, pack, pack_each, unpack
 from tokenmill.protocol.cluster import NodeBeat, NodeDown, NodeHello, NodeMessage
 from tokenmill.protocol.step import (
     ForwardBatch,
@@ -65,6 +65,15 @@ def test_array_round_trip(dtype: str, shape: tuple[int, ...]) -> None:
 def test_pack_makes_non_contiguous_arrays_contiguous() -> None:
     original = np.arange(24, dtype=np.int32).reshape(4, 6)[:, ::2].T
     _assert_same(unpack(pack(original)), original)
+
+
+@pytest.mark.parametrize("axis", [0, 1, 2])
+@pytest.mark.parametrize("dtype", ["int32", ">f4", "float32", "bool"])
+def test_pack_each_packs_every_slice_as_pack_does(axis: int, dtype: str) -> None:
+    array = (np.arange(2 * 3 * 4) % 5).astype(dtype).reshape(2, 3, 4)
+    packed = pack_each(array, axis)
+    assert packed == [pack(array.take(i, axis)) for i in range(array.shape[axis])]
+    assert all(unpack(p).dtype.byteorder in "<=|" for p in packed)
 
 
 def test_zero_dim_array_keeps_its_shape() -> None:
