@@ -13,7 +13,7 @@ only each prompt's last token) against a bare torch F.linear of [prefill-tokens 
 intermediate] on the same machine and dtype, the speed a GEMM library reaches on that shape.
 
     python benchmarks/step_overhead.py [--preset small|medium | --model DIR]
-        [--batch 32] [--decode-steps 1] [--disable-overlap-schedule]
+        [--batch 32] [--decode-steps 1] [--overlap-schedule]
 """
 
 from __future__ import annotations
@@ -48,9 +48,9 @@ def parse_args() -> argparse.Namespace:
         "--decode-steps", type=int, default=1, help="the server's --decode-steps (default 1)"
     )
     p.add_argument(
-        "--disable-overlap-schedule",
+        "--overlap-schedule",
         action="store_true",
-        help="the server's --disable-overlap-schedule (each step scheduled after the last)",
+        help="the server's --overlap-schedule (the next step scheduled while this one runs)",
     )
     p.add_argument(
         "--prefill-tokens", type=int, default=2048, help="tokens of the prefill step (2048)"
@@ -91,7 +91,7 @@ def main() -> int:
         args.dtype,
         "--decode-steps",
         str(args.decode_steps),
-    ] + (["--disable-overlap-schedule"] if args.disable_overlap_schedule else [])
+    ] + (["--overlap-schedule"] if args.overlap_schedule else [])
     print(f"serving {model} (log: {log_path}) ...", flush=True)
     proc, base_url = start_server(model, server_args, log_path)
     try:

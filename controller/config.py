@@ -21,7 +21,7 @@ class ControllerConfig:
     max_prefill_tokens: int
     decode_steps: int = 1
     """Decode iterations per step when every row decodes (multi-step decoding)."""
-    overlap_schedule: bool = True
+    overlap_schedule: bool = False
     """Send the next step before the result of the one in flight is back (see run_once)."""
     step_timing: bool = False
     """Measure decode steps (period, worker time, model forward) and report the means."""

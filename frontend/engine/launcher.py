@@ -153,7 +153,7 @@ def controller_config(
         max_prefill_tokens=s.max_prefill_tokens,
         decode_steps=s.decode_steps,
         enable_prefix_cache=not s.disable_prefix_cache,
-        overlap_schedule=not s.disable_overlap_schedule,
+        overlap_schedule=s.overlap_schedule,
         step_timing=s.step_timing,
         parent_pid=os.getpid(),
         cluster_key_file=layout.key_file,
