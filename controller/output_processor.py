@@ -6,8 +6,7 @@ and slices the step's arrays into one RequestOutput per request that has news.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -32,23 +31,18 @@ class StepArrays:
     prompt_top_ids: np.ndarray
     prompt_top_logprobs: np.ndarray
 
-    # NOTE: each row's share, packed for all rows at once where a request takes every
-    # iteration's entry (most do): one conversion a step instead of one pack per request.
-    @cached_property
-    def row_ids(self) -> list[Array]:
-        return pack_each(self.next_ids, axis=1)
+    _packed: dict[str, list[Array]] = field(default_factory=dict, compare=False)
 
-    @cached_property
-    def row_logprobs(self) -> list[Array]:
-        return pack_each(self.logprobs, axis=1)
-
-    @cached_property
-    def row_top_ids(self) -> list[Array]:  # by top row, all K
-        return pack_each(self.top_ids, axis=1)
-
-    @cached_property
-    def row_top_logprobs(self) -> list[Array]:
-        return pack_each(self.top_logprobs, axis=1)
+    def share(self, name: str, index: int, n: int, k: int | None = None) -> Array:
+        """pack(array[:n, index, ..., :k]) of the [N, ...] array `name`. NOTE: where a
+        request takes all N iterations (and all K), its share comes from one pack_each
+        of the whole array a step instead of one conversion per request."""
+        array = getattr(self, name)
+        if n == len(array) and (k is None or k == array.shape[-1]):
+            if name not in self._packed:
+                self._packed[name] = pack_each(array, axis=1)
+            return self._packed[name][index]
+        return pack(array[:n, index] if k is None else array[:n, index, :k])
 
     @staticmethod
     def from_result(result: StepResult, rows: list[ScheduledRow]) -> StepArrays:
@@ -138,25 +132,12 @@ class OutputProcessor:
         # NOTE: the chosen tokens' logprobs come with any per-position logprobs (top or
         # token_ids): the detokenizer's entries are built around them (computed for every row).
         positions = asks.return_logprob or k > 0 or bool(asks.token_ids)
-        # NOTE: every output is sent the step it is sampled, so n == N means this step's all
-        every = n == len(arrays.next_ids)
-        whole_top = every and k == arrays.top_ids.shape[2]
         return RequestOutput(
             req_id=request.req_id,
-            new_ids=arrays.row_ids[b] if every else pack(np.asarray(new_ids, np.int32)),
-            logprobs=(arrays.row_logprobs[b] if every else pack(arrays.logprobs[:n, b]))
-            if positions
-            else None,
-            top_ids=(arrays.row_top_ids[row] if whole_top else pack(arrays.top_ids[:n, row, :k]))
-            if k
-            else None,
-            top_logprobs=(
-                arrays.row_top_logprobs[row]
-                if whole_top
-                else pack(arrays.top_logprobs[:n, row, :k])
-            )
-            if k
-            else None,
+            new_ids=arrays.share("next_ids", b, n),  # NOTE: the step's first n samples
+            logprobs=arrays.share("logprobs", b, n) if positions else None,
+            top_ids=arrays.share("top_ids", row, n, k) if k else None,
+            top_logprobs=arrays.share("top_logprobs", row, n, k) if k else None,
             token_ids_logprobs=pack(arrays.token_ids_logprobs[:n, lo:hi])
             if asks.token_ids
             else None,
