@@ -433,6 +433,82 @@ def test_small_kv_cache_evicts_and_stays_right(tiny_checkpoint, tmp_path) -> Non
         assert small.stop() == 0
 
 
+@pytest.mark.parametrize("decode_steps", ["1", "3"])
+def test_overlap_scheduling_under_load_serves_what_the_runner_computes(
+    tiny_checkpoint, tmp_path, decode_steps: str
+) -> None:
+    """--overlap-schedule with 8 clients at once against a 400-slot pool (prefixes evicted,
+    requests preempted): greedy requests of 1-20 tokens after shared prefixes, half of them
+    stopped early by a stop id, with top logprobs. Each answer equals the in-process runner's
+    (one request at a time, cut after the stop id's first appearance) and the pool ends
+    empty."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from server_process import start_server
+
+    model = tiny_checkpoint("llama")
+    engine = make_engine(model)
+    rng = np.random.default_rng(11)
+    prefixes = [rng.integers(5, 1000, 100).tolist() for _ in range(6)]
+    jobs = []
+    for _ in range(160):
+        prompt = prefixes[rng.integers(6)] + rng.integers(5, 1000, rng.integers(1, 60)).tolist()
+        ref = engine.generate(
+            [OfflineRequest(prompt, max_tokens=int(rng.integers(1, 21)), num_top=2)]
+        )[0]
+        cut = int(rng.integers(len(ref.output_ids))) if rng.random() < 0.5 else None
+        jobs.append((prompt, ref, cut))
+    busy = start_server(
+        model,
+        tmp_path / "log",
+        "--overlap-schedule",
+        "--decode-steps",
+        decode_steps,
+        "--kv-cache-tokens",
+        "400",
+        "--max-model-len",
+        "320",
+        "--max-running-requests",
+        "3",
+    )
+
+    def check(job: tuple[list[int], object, int | None]) -> None:
+        prompt, ref, cut = job
+        params = {"max_new_tokens": len(ref.output_ids), "temperature": 0, "ignore_eos": True}
+        want = len(ref.output_ids)
+        if cut is not None:
+            params["stop_token_ids"] = [ref.output_ids[cut]]
+            want = ref.output_ids.index(ref.output_ids[cut]) + 1
+        status, body = busy.post(
+            "/generate",
+            {
+                "input_ids": prompt,
+                "return_logprob": True,
+                "top_logprobs_num": 2,
+                "sampling_params": params,
+            },
+        )
+        assert status == 200, body
+        meta = body["meta_info"]
+        assert body["output_ids"] == ref.output_ids[:want]
+        np.testing.assert_allclose(
+            [e[0] for e in meta["output_token_logprobs"]], ref.logprobs[:want], atol=1e-5, rtol=0
+        )
+        assert [[e[1] for e in top] for top in meta["output_top_logprobs"]] == [
+            t.tolist() for t in ref.top_ids[:want]
+        ]
+
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(check, jobs))
+        metrics = wait_idle(busy)
+        assert metrics["tokenmill_num_preemptions"] > 0
+        assert metrics["tokenmill_prefix_cache_hit_tokens_total"] > 0
+        assert metrics["tokenmill_kv_slots_used"] == 0
+    finally:
+        assert busy.stop() == 0
+
+
 def test_multi_step_decoding_equals_single_step(server, tiny_checkpoint, tmp_path) -> None:
     """--decode-steps 4: the same tokens and logprobs as one step per round trip, with
     sampling, penalties, min_tokens and several requests decoding together."""
