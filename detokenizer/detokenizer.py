@@ -20,7 +20,7 @@ from tokenmill.detokenizer.config import DetokenizerConfig
 from tokenmill.detokenizer.incremental import IncrementalDetokenizer
 from tokenmill.detokenizer.logprob_format import LogprobFormatter
 from tokenmill.detokenizer.token_table import TokenTable
-from tokenmill.protocol.arrays import unpack
+from tokenmill.protocol.arrays import unpack_list
 from tokenmill.protocol.outputs import (
     BatchOutput,
     DetokenizedBatch,
@@ -87,7 +87,7 @@ class Detokenizer:
                 self._stopped.discard(out.req_id)
             return None
         state = self._state(out)
-        ids = unpack(out.new_ids).tolist()
+        ids = unpack_list(out.new_ids)
         delta = state.decoder.feed(ids)
         kept = ids[: delta.num_ids]
         text, reason, detail = delta.text, out.finish_reason, out.finish_detail

@@ -7,6 +7,8 @@ never pickled. Every process that puts an array on a socket goes through `pack` 
 from __future__ import annotations
 
 import math
+import sys
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -16,6 +18,10 @@ _DTYPES = frozenset({"bool", "int8", "int32", "int64", "float16", "float32", "fl
 # NOTE: looked up, not rebuilt per call: a step packs a few arrays per request.
 _LITTLE = {name: np.dtype(name).newbyteorder("<") for name in _DTYPES}
 _NAME_OF = {dtype: name for name, dtype in _LITTLE.items()}
+# NOTE: memoryview's format codes of the dtypes it can read natively (not float16).
+_FORMATS = {"bool": "?", "int8": "b", "int32": "i", "int64": "q", "float32": "f", "float64": "d"}
+_FORMATS |= {"uint8": "B"}
+_NATIVE_IS_LITTLE = sys.byteorder == "little"
 
 
 class Array(msgspec.Struct, frozen=True, array_like=True):
@@ -59,6 +65,20 @@ def unpack(message: Array) -> np.ndarray:
     if count < 0 or count * dtype.itemsize != len(message.data):
         raise ValueError(f"{len(message.data)} bytes do not fill shape {message.shape} of {dtype}")
     return np.frombuffer(message.data, dtype=dtype, count=count).reshape(message.shape)
+
+
+def unpack_list(message: Array) -> Any:
+    """unpack(message).tolist(), the same Python values, read without building an array: for
+    the handful of values of one request's step output, where numpy's per-call cost is most
+    of the time."""
+    fmt = _FORMATS.get(message.dtype)
+    count = math.prod(message.shape)
+    if fmt is None or count <= 0 or not _NATIVE_IS_LITTLE:
+        return unpack(message).tolist()
+    if count * _LITTLE[message.dtype].itemsize != len(message.data):
+        raise ValueError(f"{len(message.data)} bytes do not fill shape {message.shape}")
+    view: Any = memoryview(message.data)  # NOTE: typeshed's cast takes literal formats only
+    return view.cast(fmt, message.shape).tolist()
 
 
 def empty(dtype: str, *shape: int) -> Array:

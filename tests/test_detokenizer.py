@@ -17,7 +17,7 @@ from tokenmill.detokenizer.detokenizer import Detokenizer, decode_frame, run_det
 from tokenmill.detokenizer.incremental import IncrementalDetokenizer
 from tokenmill.detokenizer.logprob_format import LogprobFormatter, clamp
 from tokenmill.detokenizer.token_table import TokenTable, display_string
-from tokenmill.protocol.arrays import pack
+from tokenmill.protocol.arrays import pack, unpack
 from tokenmill.protocol.outputs import (
     BatchOutput,
     DetokenizedBatch,
@@ -236,6 +236,35 @@ def test_positions_cut_top_and_entries() -> None:
     assert [e.token for e in wide[0].top] == ["", "", ""]
     assert [e.bytes for e in wide[0].top] == [b" \xf0\x9f", b"Hel", b"lo"]
     assert [e.logprob for e in wide[0].top][1] == -9999.0
+
+
+@pytest.mark.parametrize("num_top", [None, 2])
+def test_output_entries_equal_those_of_the_unpacked_arrays(num_top: int | None) -> None:
+    """A step's output (read as lists) gives the entries `positions` builds from the arrays:
+    the same values, -inf and NaN clamped, top cut to num_top, rows past the kept ids cut."""
+    formatter = LogprobFormatter(fake_table(PIECES), num_top=num_top, text_in_logprobs=True)
+    out = wire_output(
+        RequestOutput(
+            "r",
+            pack(np.array([5, 6, 0], np.int32)),
+            pack(np.array([-0.1, -np.inf, np.nan], np.float32)),
+            pack(np.array([[5, 0, 1], [6, 2, 3], [0, 1, 2]], np.int32)),
+            pack(np.array([[-0.1, -np.inf, -3], [-0.2, -1, np.nan], [0, 0, 0]], np.float32)),
+            pack(np.array([[-1.25, np.nan], [-np.inf, -2.5], [0, 0]], np.float32)),
+        )
+    )
+    kept = [5, 6]  # a stop string cut the third
+    arrays = [unpack(a) for a in (out.logprobs, out.top_ids, out.top_logprobs)]
+    want = formatter.positions(kept, *arrays, unpack(out.token_ids_logprobs))
+    got = formatter.output(out, kept)
+    assert got == want
+    assert [len(p.top) for p in got] == [num_top or 3] * 2
+    assert got[1].chosen.logprob == -9999.0 and got[0].token_ids_logprobs == [-1.25, -9999.0]
+    assert all(type(e.logprob) is float for p in got for e in [p.chosen, *p.top])
+
+
+def wire_output(out: RequestOutput) -> RequestOutput:
+    return msgspec.msgpack.Decoder(RequestOutput).decode(msgspec.msgpack.encode(out))
 
 
 @pytest.mark.parametrize("start", [0, 1, 2])

@@ -14,7 +14,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from tokenmill.protocol.arrays import Array, empty, pack, pack_each, unpack
+from tokenmill.protocol.arrays import Array, empty, pack, pack_each, unpack, unpack_list
 from tokenmill.protocol.cluster import NodeBeat, NodeDown, NodeHello, NodeMessage
 from tokenmill.protocol.step import (
     ForwardBatch,
@@ -74,6 +74,24 @@ def test_pack_each_packs_every_slice_as_pack_does(axis: int, dtype: str) -> None
     packed = pack_each(array, axis)
     assert packed == [pack(array.take(i, axis)) for i in range(array.shape[axis])]
     assert all(unpack(p).dtype.byteorder in "<=|" for p in packed)
+
+
+@pytest.mark.parametrize("shape", [(), (0,), (3,), (2, 3), (0, 5), (1, 5), (2, 1, 3)])
+@pytest.mark.parametrize(
+    "dtype", ["bool", "int8", "uint8", "int32", "int64", "float16", "float32", "float64"]
+)
+def test_unpack_list_reads_what_unpack_tolist_reads(shape: tuple[int, ...], dtype: str) -> None:
+    values = np.array([-np.inf, np.nan, -0.0, 1.5, -7.25, 1e-40, 3e38, 2.0])
+    with np.errstate(invalid="ignore", over="ignore"):  # nan and inf into integers
+        array = np.resize(values, shape).astype(dtype)
+    got, want = unpack_list(pack(array)), unpack(pack(array)).tolist()
+    assert repr(got) == repr(want)  # the same Python types and values, nan and -0.0 too
+
+
+def test_unpack_list_refuses_a_short_buffer() -> None:
+    short = Array("float32", (2, 3), b"\0" * 20)
+    with pytest.raises(ValueError):
+        unpack_list(short)
 
 
 def test_zero_dim_array_keeps_its_shape() -> None:
