@@ -89,7 +89,7 @@ class LogprobFormatter:
         entry = self.entry
         top_entries: list[list[TokenEntry]] | None = None
         if tops is not None:
-            width = None if self._num_top is None else self._num_top
+            width = self._num_top  # None: as wide as the arrays
             top_entries = [
                 [entry(t, v) for t, v in zip(ids[:width], row[:width], strict=True)]
                 for ids, row in zip(*tops, strict=True)

@@ -19,8 +19,15 @@ _DTYPES = frozenset({"bool", "int8", "int32", "int64", "float16", "float32", "fl
 _LITTLE = {name: np.dtype(name).newbyteorder("<") for name in _DTYPES}
 _NAME_OF = {dtype: name for name, dtype in _LITTLE.items()}
 # NOTE: memoryview's format codes of the dtypes it can read natively (not float16).
-_FORMATS = {"bool": "?", "int8": "b", "int32": "i", "int64": "q", "float32": "f", "float64": "d"}
-_FORMATS |= {"uint8": "B"}
+_FORMATS = {
+    "bool": "?",
+    "int8": "b",
+    "uint8": "B",
+    "int32": "i",
+    "int64": "q",
+    "float32": "f",
+    "float64": "d",
+}
 _NATIVE_IS_LITTLE = sys.byteorder == "little"
 
 
