@@ -19,7 +19,7 @@ import transformers
 from helpers import assert_same_tp_answer, make_engine, oracle
 
 from tokenmill.detokenizer.token_table import TokenTable
-from tokenmill.tp_worker.offline import OfflineRequest
+from tokenmill.tp_worker.offline import OfflineOutput, OfflineRequest
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
@@ -472,7 +472,7 @@ def test_overlap_scheduling_under_load_serves_what_the_runner_computes(
         "3",
     )
 
-    def check(job: tuple[list[int], object, int | None]) -> None:
+    def check(job: tuple[list[int], OfflineOutput, int | None]) -> None:
         prompt, ref, cut = job
         params = {"max_new_tokens": len(ref.output_ids), "temperature": 0, "ignore_eos": True}
         want = len(ref.output_ids)
