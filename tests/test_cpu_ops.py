@@ -6,13 +6,14 @@ included."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from tokenmill.tp_worker import attention_cpu, cpu_kernels, cpu_ops
 from tokenmill.tp_worker.cpu_ops import PackedLinear, rms_norm_cpu, rope_store_cpu, silu_mul_cpu
 from tokenmill.tp_worker.parallel import ShardedLinear, TpGroup
-from tokenmill.tp_worker.rope import Rotary, apply_rotary
+from tokenmill.tp_worker.rope import Rotary, apply_rotary, float32_cos_sin
 
 CPU = torch.device("cpu")
 
@@ -145,6 +146,29 @@ def test_silu_mul_matches_torch(dtype: torch.dtype) -> None:
     expected = torch.nn.functional.silu(gate) * up
     tol = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else {"atol": 0, "rtol": 2**-7}
     torch.testing.assert_close(silu_mul_cpu(gate_up), expected, **tol)
+
+
+def test_rotary_tables_are_this_threads_float32_cos_and_sin() -> None:
+    """cos / sin of any positions, in any order and step: the bits of one thread computing
+    transformers' float32 formula, and within 1e-6 of float64 (torch's two-thread cos
+    once returned 1.5e-4 errors from its second thread: rope.py's _table)."""
+    rotary = Rotary(64, 500000.0, {}, torch.device("cpu"))
+    positions = torch.tensor([4095, 0, 100, 7, 2048, 100, 1])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        want = float32_cos_sin(torch.arange(4096), rotary.inv_freq)
+    finally:
+        torch.set_num_threads(threads)
+    for dtype in (torch.float32, torch.bfloat16):
+        cos, sin = rotary.cos_sin(positions, dtype)
+        assert torch.equal(cos[:, 0], want[0][positions].to(dtype))
+        assert torch.equal(sin[:, 0], want[1][positions].to(dtype))
+    grown = rotary.cos_sin(torch.tensor([9000, 3]), torch.float32)  # past the table: it grows
+    angles = torch.tensor([9000.0, 3.0], dtype=torch.float64)[:, None] * rotary.inv_freq.double()
+    angles = torch.cat((angles, angles), -1).float().double()  # the float32 angle, exactly
+    np.testing.assert_allclose(grown[0][:, 0].double(), angles.cos(), atol=1e-6, rtol=0)
+    np.testing.assert_allclose(grown[1][:, 0].double(), angles.sin(), atol=1e-6, rtol=0)
 
 
 def _rope_case(dtype: torch.dtype) -> tuple:

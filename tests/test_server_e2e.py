@@ -411,7 +411,7 @@ def test_small_kv_cache_evicts_and_stays_right(tiny_checkpoint, tmp_path, overla
         prefixes = [rng.integers(5, 1000, 150).tolist() for _ in range(4)]
         prompts = [p + rng.integers(5, 1000, 50).tolist() for p in prefixes for _ in range(2)]
         prompts += prompts[:3]  # revisit: some prefixes were evicted, some not
-        for prompt in prompts:
+        for i, prompt in enumerate(prompts):
             status, body = small.post(
                 "/generate",
                 {
@@ -422,12 +422,13 @@ def test_small_kv_cache_evicts_and_stays_right(tiny_checkpoint, tmp_path, overla
             )
             assert status == 200, body
             ref = engine.generate([OfflineRequest(prompt, max_tokens=8)])[0]
-            assert body["output_ids"] == ref.output_ids
+            assert body["output_ids"] == ref.output_ids, f"request {i}"
             np.testing.assert_allclose(
                 [e[0] for e in body["meta_info"]["output_token_logprobs"]],
                 ref.logprobs,
                 atol=1e-5,
                 rtol=0,
+                err_msg=f"request {i}, {body['meta_info'].get('cached_tokens')} tokens cached",
             )
         metrics = wait_idle(small)
         assert metrics["tokenmill_prefix_cache_hit_tokens_total"] > 0

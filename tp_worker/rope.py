@@ -41,12 +41,43 @@ class Rotary:
         self, head_dim: int, theta: float, scaling: dict[str, Any], device: torch.device
     ) -> None:
         self.inv_freq = inverse_frequencies(head_dim, theta, scaling).to(device)
+        # NOTE: on the CPU, cos and sin of every position so far, float32 [N, D]; see _table.
+        self._cos = self._sin = torch.empty(0, head_dim)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """positions [T] -> cos, sin [T, 1, D] in the model's dtype."""
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)
+        if positions.device.type != "cpu":
+            cos, sin = float32_cos_sin(positions, self.inv_freq)
+        else:
+            cos, sin = self._table(int(positions.max()) + 1 if positions.numel() else 0)
+            cos, sin = cos[positions], sin[positions]
+        return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
+
+    def _table(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The CPU's table, grown to hold `size` positions. NOTE: computed on one thread:
+        torch 2.13's CPU cos, split over two threads, sometimes returned values off by up to
+        1.5e-4 from the second thread (cos(100) = 0.862375 instead of 0.862319, in about one
+        fresh process in eight whose first step came after a pause), and every logprob of a
+        prompt that long moved by ~1e-3. A table built once per size by this thread gives
+        the same bits every time."""
+        if size > len(self._cos):
+            size = max(size, 2 * len(self._cos), 1024)
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                self._cos, self._sin = float32_cos_sin(torch.arange(size), self.inv_freq.cpu())
+            finally:
+                torch.set_num_threads(threads)
+        return self._cos, self._sin
+
+
+def float32_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 cos and sin [T, D] of positions [T], as transformers computes them."""
+    freqs = positions[:, None].float() * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
