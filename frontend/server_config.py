@@ -61,8 +61,9 @@ class SchedulerArgs:
     """Turn off the radix prefix cache (every prompt is computed in full)."""
     overlap_schedule: bool = False
     """Schedule the next step while the workers run this one (overlap), instead of once it
-    is back: hides the controller's time per step where a core is free. Off by default
-    until an intermittent logprob mismatch seen with it is explained (see the README)."""
+    is back: hides the controller's time per step where a core is free (a GPU, or cores the
+    model's threads leave free); off by default, since on a 2-core CPU it gains nothing
+    measurable."""
     max_queued_requests: int = 8192
     """Requests (each choice, each scoring item) an engine keeps waiting at most; more get
     429 with Retry-After."""
