@@ -148,7 +148,7 @@ def test_silu_mul_matches_torch(dtype: torch.dtype) -> None:
     torch.testing.assert_close(silu_mul_cpu(gate_up), expected, **tol)
 
 
-def test_rotary_tables_are_this_threads_float32_cos_and_sin() -> None:
+def test_rotary_tables_are_this_threads_float32_cos_and_sin(monkeypatch) -> None:
     """cos / sin of any positions, in any order and step: the bits of one thread computing
     transformers' float32 formula, and within 1e-6 of float64 (torch's two-thread cos
     once returned 1.5e-4 errors from its second thread: rope.py's _table)."""
@@ -164,7 +164,15 @@ def test_rotary_tables_are_this_threads_float32_cos_and_sin() -> None:
         cos, sin = rotary.cos_sin(positions, dtype)
         assert torch.equal(cos[:, 0], want[0][positions].to(dtype))
         assert torch.equal(sin[:, 0], want[1][positions].to(dtype))
+    built_with: list[int] = []
+
+    def spy(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple:
+        built_with.append(torch.get_num_threads())
+        return float32_cos_sin(positions, inv_freq)
+
+    monkeypatch.setattr("tokenmill.tp_worker.rope.float32_cos_sin", spy)
     grown = rotary.cos_sin(torch.tensor([9000, 3]), torch.float32)  # past the table: it grows
+    assert built_with == [1] and torch.get_num_threads() == threads
     angles = torch.tensor([9000.0, 3.0], dtype=torch.float64)[:, None] * rotary.inv_freq.double()
     angles = torch.cat((angles, angles), -1).float().double()  # the float32 angle, exactly
     np.testing.assert_allclose(grown[0][:, 0].double(), angles.cos(), atol=1e-6, rtol=0)
