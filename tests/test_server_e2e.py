@@ -438,7 +438,7 @@ def test_small_kv_cache_evicts_and_stays_right(tiny_checkpoint, tmp_path) -> Non
 def test_overlap_scheduling_under_load_serves_what_the_runner_computes(
     tiny_checkpoint, tmp_path, decode_steps: str
 ) -> None:
-    """--overlap-schedule with 8 clients at once against a 400-slot pool (prefixes evicted,
+    """--overlap-schedule with 8 clients at once against a 300-slot pool (prefixes evicted,
     requests preempted): greedy requests of 1-20 tokens after shared prefixes, half of them
     stopped early by a stop id, with top logprobs. Each answer equals the in-process runner's
     (one request at a time, cut after the stop id's first appearance) and the pool ends
@@ -466,7 +466,7 @@ def test_overlap_scheduling_under_load_serves_what_the_runner_computes(
         "--decode-steps",
         decode_steps,
         "--kv-cache-tokens",
-        "400",
+        "300",
         "--max-model-len",
         "320",
         "--max-running-requests",
