@@ -47,19 +47,65 @@ int64_t chunk_rows(int64_t m, int64_t k_pad) {
   return ((m + chunks - 1) / chunks + BLOCK_M - 1) / BLOCK_M * BLOCK_M;
 }
 
+// A block's float32 sums on their way out (epilogue.h's rows: + bias, + residual, or glu):
+// written a share at a time while the next block's tiles multiply, so that the tile unit does
+// not wait for the epilogue's vector work. Each row is written once, as it would be at once.
+template <typename Out>
+class PendingRows {
+ public:
+  PendingRows(Out* out, int64_t ldc, const Out* residual, bool glu)
+      : out_(out), residual_(residual), ldc_(ldc), glu_(glu) {}
+
+  // The block of rows r0.. (count of them) of panel p, whose sums are in acc.
+  void set(const float* acc, int count, int64_t r0, int64_t p, int64_t cols, const float* bias) {
+    acc_ = acc, count_ = count, done_ = 0, cols_ = cols, bias_ = bias ? bias + p * NR : nullptr;
+    dst_ = out_ + r0 * ldc_ + (glu_ ? p * NR / 2 : p * NR);
+    res_ = residual_ ? residual_ + r0 * ldc_ + p * NR : nullptr;
+  }
+  // The rows up to share / shares of the block.
+  void write(int64_t share, int64_t shares) {
+    const int upto = static_cast<int>((count_ * share + shares - 1) / shares);
+    for (; done_ < upto; ++done_) {
+      const float* sums = acc_ + done_ * NR;
+      if (glu_) {
+        tokenmill::write_glu_row(sums, bias_, dst_ + done_ * ldc_);
+      } else {
+        tokenmill::write_row(sums, cols_, bias_, dst_ + done_ * ldc_,
+                             res_ ? res_ + done_ * ldc_ : nullptr);
+      }
+    }
+  }
+  void finish() { write(1, 1); }
+
+ private:
+  Out* out_;
+  const Out* residual_;
+  int64_t ldc_;
+  bool glu_;
+  const float* acc_ = nullptr;
+  int count_ = 0, done_ = 0;
+  int64_t cols_ = 0;
+  const float* bias_ = nullptr;
+  Out* dst_ = nullptr;
+  const Out* res_ = nullptr;
+};
+
 // Tiles 0-3 accumulate, 4-5 hold x, 6-7 weights.
-// acc [16 * RB][NR] = a [16 * RB rows, k_pad] . panel, one row tile (RB = 1) or two. With
-// `next` (the panel this thread multiplies next), its bytes are pulled into L2 meanwhile.
-template <int RB>
+// acc [16 * RB][NR] = a [16 * RB rows, k_pad] . panel, one row tile (RB = 1) or two, while
+// `pending` (the block before, if any) is written out. With `next` (the panel this thread
+// multiplies next), its bytes are pulled into L2 meanwhile.
+template <int RB, typename Out>
 void block(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t k_pad, float* acc,
-           const uint16_t* next) {
+           const uint16_t* next, PendingRows<Out>& pending) {
   _tile_zero(0);
   _tile_zero(1);
   if (RB == 2) {
     _tile_zero(2);
     _tile_zero(3);
   }
-  for (int64_t k0 = 0; k0 < k_pad; k0 += TILE_K) {
+  const int64_t steps = k_pad / TILE_K;
+  for (int64_t step = 0; step < steps; ++step) {
+    const int64_t k0 = step * TILE_K;
     const uint16_t* b = panel + k0 * NR;
     if (next != nullptr)
       for (int line = 0; line < TILE_K * NR * 2; line += 64)
@@ -74,7 +120,9 @@ void block(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t k_pad,
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
+    pending.write(step + 1, steps);
   }
+  pending.finish();
   _tile_stored(0, acc, NR * 4);
   _tile_stored(1, acc + 16, NR * 4);
   if (RB == 2) {
@@ -83,18 +131,15 @@ void block(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t k_pad,
   }
 }
 
-// A block's rows of sums into out (epilogue.h's rows; residual and out `ldc` apart).
+// The output (and residual) lines of a block's rows into L2 while its tiles multiply: rows
+// ldc apart miss every cache otherwise, and a store that waits for its line stalls the
+// epilogue.
 template <typename Out>
-void write_rows(const float* acc, int rows, int64_t cols, const float* bias, Out* out,
-                int64_t ldc, const Out* residual) {
+void prefetch_rows(const Out* first, int rows, int64_t ldc, int64_t cols) {
+  const int64_t bytes = cols * static_cast<int64_t>(sizeof(Out));
   for (int r = 0; r < rows; ++r)
-    tokenmill::write_row(acc + r * NR, cols, bias, out + r * ldc,
-                         residual ? residual + r * ldc : nullptr);
-}
-
-template <typename Out>
-void write_glu_rows(const float* acc, int rows, const float* bias, Out* out, int64_t ldc) {
-  for (int r = 0; r < rows; ++r) tokenmill::write_glu_row(acc + r * NR, bias, out + r * ldc);
+    for (int64_t b = 0; b < bytes; b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(first + r * ldc) + b, _MM_HINT_T1);
 }
 
 // The rows a tile may not read from x in place (past the last whole block, or every row when
@@ -140,7 +185,9 @@ void linear_amx(const uint16_t* x, int64_t m, int64_t k, int64_t lda, const uint
 #pragma omp parallel
   {
     configure_tiles();
-    alignas(64) float acc[BLOCK_M * NR];
+    alignas(64) float acc[2][BLOCK_M * NR];
+    PendingRows<Out> pending(out, ldc, residual, glu);
+    int which = 0;
     for (int64_t c0 = 0; c0 < m; c0 += chunk) {
       const int64_t c1 = std::min<int64_t>(m, c0 + chunk);
       // NOTE: static, so a thread keeps the same panels from one chunk to the next.
@@ -154,21 +201,24 @@ void linear_amx(const uint16_t* x, int64_t m, int64_t k, int64_t lda, const uint
           // streams in from memory (a decode step reads every weight once).
           const uint16_t* next =
               r0 + BLOCK_M >= c1 && p + 1 < num_panels ? panel + panel_elems : nullptr;
-          if (count > 16) {
-            block<2>(rows.at(r0), rows.stride(r0), panel, k_pad, acc, next);
-          } else {
-            block<1>(rows.at(r0), rows.stride(r0), panel, k_pad, acc, next);
-          }
-          const float* b = bias ? bias + col0 : nullptr;
           if (glu) {
-            write_glu_rows(acc, count, b, out + r0 * ldc + p * NR / 2, ldc);
+            prefetch_rows(out + r0 * ldc + p * NR / 2, count, ldc, NR / 2);
           } else {
-            write_rows(acc, count, cols, b, out + r0 * ldc + col0, ldc,
-                       residual ? residual + r0 * ldc + col0 : nullptr);
+            prefetch_rows(out + r0 * ldc + col0, count, ldc, cols);
+            if (residual) prefetch_rows(residual + r0 * ldc + col0, count, ldc, cols);
           }
+          float* sums = acc[which];
+          if (count > 16) {
+            block<2>(rows.at(r0), rows.stride(r0), panel, k_pad, sums, next, pending);
+          } else {
+            block<1>(rows.at(r0), rows.stride(r0), panel, k_pad, sums, next, pending);
+          }
+          pending.set(sums, count, r0, p, cols, bias);
+          which ^= 1;
         }
       }
     }
+    pending.finish();
     _tile_release();
   }
 }
