@@ -6,7 +6,8 @@ On a shared host whose speed swings 2x within minutes, two runs of a benchmark c
 two builds called in turn within one run compare the code. Cases: bfloat16 attention at the
 medium checkpoint's shapes (64 scoring items of 32 tokens after one shared 1,024-token query,
 64 decode rows at a context of 300, 8 prompts of 256) and bfloat16 linear layers (a prefill's
-gate/up and down products, a 64-row decode product).
+gate/up and down products, each gate/up also with its fused silu(gate) x up epilogue, a
+64-row decode product).
 
     python benchmarks/kernel_ab.py [--against HEAD] [--rounds 20] [--only attention|linear]
 """
@@ -26,10 +27,17 @@ from cpu_kernels import attention_case
 
 import tokenmill.tp_worker.attention_cpu as attention_cpu
 from tokenmill.tp_worker import cpu_kernels
-from tokenmill.tp_worker.cpu_ops import pack
+from tokenmill.tp_worker.cpu_ops import gate_up_panels, pack
 
 CSRC = Path(cpu_kernels.__file__).parent / "csrc"
-LINEAR_SHAPES = [(2048, 768, 4096), (2048, 2048, 768), (64, 768, 4096)]  # (M, K, N)
+# (M, K, N, glu): glu is an MLP's gate_up with the silu(gate) x up epilogue (N / 2 columns out)
+LINEAR_SHAPES = [
+    (2048, 768, 4096, False),
+    (2048, 768, 4096, True),
+    (2048, 2048, 768, False),
+    (64, 768, 4096, False),
+    (64, 768, 4096, True),
+]
 ATTENTION_CASES = {
     "attention, 64 x 32 after a shared 1024": (64, 1024, 32, True),
     "attention, 64 decode rows x 300": (64, 300, 1, False),
@@ -93,23 +101,33 @@ def attention_runs(libs: list[ctypes.CDLL]) -> dict[str, list[Callable[[], torch
 def linear_runs(libs: list[ctypes.CDLL]) -> dict[str, list[Callable[[], torch.Tensor]]]:
     gen = torch.Generator().manual_seed(0)
     runs = {}
-    for m, k, n in LINEAR_SHAPES:
+    for m, k, n, glu in LINEAR_SHAPES:
         x = torch.randn(m, k, generator=gen).bfloat16()
-        w = pack((torch.randn(n, k, generator=gen) * k**-0.5).bfloat16())
+        weight = (torch.randn(n, k, generator=gen) * k**-0.5).bfloat16()
+        w = pack(gate_up_panels(weight) if glu else weight)
+        cols = n // 2 if glu else n
 
         def call(
-            lib: ctypes.CDLL, x: torch.Tensor = x, w: torch.Tensor = w, n: int = n
+            lib: ctypes.CDLL,
+            out: torch.Tensor,
+            x: torch.Tensor = x,
+            w: torch.Tensor = w,
+            n: int = n,
+            glu: bool = glu,
         ) -> torch.Tensor:
             rows, k = x.shape
-            out = torch.empty(rows, n, dtype=torch.bfloat16)
-            # NOTE: the residual (null) and glu (0) are past older builds' signature: they
-            # ignore them.
-            args = (x.data_ptr(), rows, k, k, w.data_ptr(), n, None, out.data_ptr(), n, 1, 1)
-            args += (None, 0)
+            # NOTE: the residual (null) and glu are past older builds' signature: they
+            # ignore them (a glu case needs a build that has it).
+            args = (x.data_ptr(), rows, k, k, w.data_ptr(), n, None, out.data_ptr(), out.shape[1])
+            args += (1, 1, None, int(glu))
             assert lib.tm_linear_amx(*args) == 0, "this machine or build has no AMX tiles"
             return out
 
-        runs[f"linear (AMX) [{m} x {k} x {n}]"] = [lambda lib=lib, f=call: f(lib) for lib in libs]
+        name = f"{'gate_up + silu' if glu else 'linear'} (AMX) [{m} x {k} x {n}]"
+        # NOTE: an output per build, allocated once: page faults are not the kernel's time.
+        outs = [torch.empty(m, cols, dtype=torch.bfloat16) for _ in libs]
+        pairs = zip(libs, outs, strict=True)
+        runs[name] = [lambda lib=lib, out=out, f=call: f(lib, out) for lib, out in pairs]
     return runs
 
 
