@@ -123,6 +123,7 @@ def prefill_gflops(model: Path, args: argparse.Namespace) -> None:
     import torch.nn.functional as F
 
     from tokenmill.tp_worker.config import RunnerConfig
+    from tokenmill.tp_worker.host_memory import keep_freed_memory
     from tokenmill.tp_worker.model_runner import ModelRunner
     from tokenmill.tp_worker.offline import OfflineEngine, OfflineRequest
 
@@ -136,6 +137,7 @@ def prefill_gflops(model: Path, args: argparse.Namespace) -> None:
         dtype=args.dtype,
         device="cpu",
     )
+    keep_freed_memory()  # NOTE: as the worker process does (no page faults per step)
     runner = ModelRunner(config)
     engine = OfflineEngine(runner, max_prefill_tokens=tokens, enable_prefix_cache=False)
     rng = torch.Generator().manual_seed(0)

@@ -24,6 +24,7 @@ from tokenmill.protocol.process import exit_with_parent, setup_process
 from tokenmill.protocol.step import ForwardBatch, WorkerFailed, WorkerReady
 from tokenmill.tp_worker.config import RunnerConfig, WorkerConfig
 from tokenmill.tp_worker.device import resolve_device
+from tokenmill.tp_worker.host_memory import keep_freed_memory
 from tokenmill.tp_worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -40,8 +41,10 @@ def init_distributed(config: WorkerConfig) -> RunnerConfig:
             device = torch.device(f"cuda:{local_rank % torch.cuda.device_count()}")
         runner = replace(runner, device=str(device))
         torch.cuda.set_device(device)
-    elif "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    else:
+        keep_freed_memory()
+        if "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     if config.world_size > 1:
         try:
             dist.init_process_group(
