@@ -6,8 +6,10 @@
 //
 // The sum's order is fixed here: lane l of 16 sums exp(x_j - max) over the columns
 // j = l (mod 16) below the last whole block of 16, in ascending order; the lanes combine by
-// tree_sum16; the leftover columns follow one by one, ascending. exp is exp.h's; the log is
-// taken in double and rounded to float. So a row's numbers depend on the row alone, and are
+// tree_sum16; the leftover columns follow one by one, ascending. exp(d) is exp.h's
+// exp2_nonpositive(d * log2(e)) (d = x_j - max, so the max itself adds exactly 1; terms below
+// 2^-125 add +0.0, which no sum of at least 1 would notice); the log is taken in double and
+// rounded to float. So a row's numbers depend on the row alone, and are
 // the same in the AVX-512 and the portable form. A row whose max is not finite (a NaN or a
 // +inf logit, or every logit -inf) gets logsum NaN, as torch's log_softmax gives NaN there.
 
@@ -25,14 +27,15 @@
 
 namespace {
 
-using tokenmill::exp_nonpositive;
+using tokenmill::exp2_nonpositive;
 using tokenmill::row_max;
 using tokenmill::tree_sum16;
 #if defined(__AVX512F__)
-using tokenmill::exp_nonpositive16;
+using tokenmill::exp2_nonpositive16;
 #endif
 
 constexpr int LANES = 16;
+constexpr float LOG2E = 1.44269504f;
 
 float row_logsum(const float* x, int64_t n, float max) {
   if (!std::isfinite(max)) return std::numeric_limits<float>::quiet_NaN();
@@ -40,16 +43,19 @@ float row_logsum(const float* x, int64_t n, float max) {
   alignas(64) float lane[LANES] = {};
 #if defined(__AVX512F__)
   __m512 acc = _mm512_setzero_ps();
-  const __m512 m = _mm512_set1_ps(max);
-  for (int64_t j = 0; j < whole; j += LANES)
-    acc = _mm512_add_ps(acc, exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(x + j), m)));
+  const __m512 m = _mm512_set1_ps(max), to_base2 = _mm512_set1_ps(LOG2E);
+  for (int64_t j = 0; j < whole; j += LANES) {
+    const __m512 d = _mm512_sub_ps(_mm512_loadu_ps(x + j), m);
+    acc = _mm512_add_ps(acc, exp2_nonpositive16(_mm512_mul_ps(d, to_base2)));
+  }
   _mm512_store_ps(lane, acc);
 #else
   for (int64_t j = 0; j < whole; j += LANES)
-    for (int l = 0; l < LANES; ++l) lane[l] = lane[l] + exp_nonpositive(x[j + l] - max);
+    for (int l = 0; l < LANES; ++l)
+      lane[l] = lane[l] + exp2_nonpositive((x[j + l] - max) * LOG2E);
 #endif
   float sum = tree_sum16(lane);
-  for (int64_t j = whole; j < n; ++j) sum = sum + exp_nonpositive(x[j] - max);
+  for (int64_t j = whole; j < n; ++j) sum = sum + exp2_nonpositive((x[j] - max) * LOG2E);
   return static_cast<float>(std::log(static_cast<double>(sum)));
 }
 
