@@ -55,23 +55,38 @@ inline __m512 exp_nonpositive16(__m512 x) {
 }
 #endif
 
-// 2^x for x <= 0: 2^n * q(f) with n = round(x) and f = x - n in [-1/2, 1/2], q the Taylor
-// series of 2^f to degree 6 in fused multiply-adds (relative error below 2e-7, as
-// exp2_16_fused's below); +0.0 for x < -125, so that 2^n is a normal number and the product
-// p * 2^n is exact: no rounding that a CPU or a form could do differently. Scalar and 16 lanes,
-// the same operations in the same order, the same bits (the log-softmax's sum; ~half the
-// work of exp_nonpositive, whose bits its other users keep).
+// 2^f for f in [-1/2, 1/2]: its Taylor series to degree 6 in fused multiply-adds (relative
+// error below 2e-7), the half of 2^x = 2^n * 2^f (n = round(x), f = x - n exact) that both
+// exp2 forms below share; scalar and 16 lanes, the same operations in the same order.
+constexpr float EXP2_SERIES[7] = {1.5403530393381606e-4f, 1.3333558146428443e-3f,
+                                  9.6181291076284772e-3f, 5.5504108664821580e-2f,
+                                  2.4022650695910071e-1f, 6.9314718055994531e-1f, 1.0f};
+
+inline float exp2_fraction(float f) {
+  float p = EXP2_SERIES[0];
+  for (int i = 1; i < 7; ++i) p = std::fma(p, f, EXP2_SERIES[i]);
+  return p;
+}
+
+#if defined(__AVX512F__)
+// n = round(x) into *n, and 2^(x - n).
+inline __m512 exp2_split16(__m512 x, __m512* n) {
+  *n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, *n);
+  __m512 p = _mm512_set1_ps(EXP2_SERIES[0]);
+  for (int i = 1; i < 7; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_SERIES[i]));
+  return p;
+}
+#endif
+
+// 2^x for x <= 0: 2^n * 2^f as above; +0.0 for x < -125, so that 2^n is a normal number and
+// the product is exact: no rounding that a CPU or a form could do differently. Scalar and 16
+// lanes, the same bits (the log-softmax's sum; ~half the work of exp_nonpositive, whose bits
+// its other users keep).
 inline float exp2_nonpositive(float x) {
   if (!(x >= -125.0f)) return 0.0f;  // NOTE: NaN too, as the lanes' mask has it
   const float n = std::nearbyint(x);
-  const float f = x - n;
-  float p = 1.5403530393381606e-4f;
-  p = std::fma(p, f, 1.3333558146428443e-3f);
-  p = std::fma(p, f, 9.6181291076284772e-3f);
-  p = std::fma(p, f, 5.5504108664821580e-2f);
-  p = std::fma(p, f, 2.4022650695910071e-1f);
-  p = std::fma(p, f, 6.9314718055994531e-1f);
-  p = std::fma(p, f, 1.0f);
+  const float p = exp2_fraction(x - n);
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, 4);
@@ -80,39 +95,20 @@ inline float exp2_nonpositive(float x) {
 
 #if defined(__AVX512F__)
 inline __m512 exp2_nonpositive16(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  __m512 n;
+  const __m512 p = exp2_split16(x, &n);
   const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-125.0f), _CMP_GE_OQ);
   const __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_maskz_mov_ps(keep, n)),
                                      _mm512_set1_epi32(127));
   return _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(_mm512_slli_epi32(e, 23)));
 }
-#endif
 
-#if defined(__AVX512F__)
-// 2^x in the lanes of `keep` (+0.0 in the others) for x <= ~127, with fused multiply-adds and
-// VSCALEFPS: half of exp_nonpositive16's operations, and not its bits. For kernels whose
-// bits are their CPU's own anyway (attention_amx.cpp). 2^x = 2^n * 2^f with n = round(x)
-// and f = x - n (exact) in [-1/2, 1/2]; 2^f by its Taylor series to degree 6 (relative error
-// below 2e-7 there).
+// 2^x in the lanes of `keep` (+0.0 in the others) for x <= ~127, 2^n * 2^f as above scaled
+// by VSCALEFPS: half of exp_nonpositive16's operations, and not its bits. For kernels whose
+// bits are their CPU's own anyway (attention_amx.cpp).
 inline __m512 exp2_16_fused(__m512 x, __mmask16 keep) {
-  const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));  // 2^-150 scales to +0.0
-  const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(xc, n);
-  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  __m512 n;  // NOTE: from -150, where 2^-150 scales to +0.0
+  const __m512 p = exp2_split16(_mm512_max_ps(x, _mm512_set1_ps(-150.0f)), &n);
   return _mm512_maskz_scalef_ps(keep, p, n);
 }
 #endif
