@@ -7,9 +7,11 @@ two builds called in turn within one run compare the code. Cases: bfloat16 atten
 medium checkpoint's shapes (64 scoring items of 32 tokens after one shared 1,024-token query,
 64 decode rows at a context of 300, 8 prompts of 256) and bfloat16 linear layers (a prefill's
 gate/up and down products, each gate/up also with its fused silu(gate) x up epilogue, a
-64-row decode product).
+64-row decode product) and a decode step's small ones (RMSNorm of 32 and 64 rows, RoPE with
+the KV write of 32 and 64 tokens).
 
-    python benchmarks/kernel_ab.py [--against HEAD] [--rounds 20] [--only attention|linear]
+    python benchmarks/kernel_ab.py [--against HEAD] [--rounds 20]
+        [--only attention|linear|small]
 """
 
 from __future__ import annotations
@@ -23,11 +25,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from cpu_kernels import attention_case
+from cpu_kernels import DIM, HEADS, HIDDEN, KV_HEADS, attention_case
 
 import tokenmill.tp_worker.attention_cpu as attention_cpu
 from tokenmill.tp_worker import cpu_kernels
-from tokenmill.tp_worker.cpu_ops import gate_up_panels, pack
+from tokenmill.tp_worker.cpu_ops import DTYPE_CODES, gate_up_panels, pack
+from tokenmill.tp_worker.rope import Rotary
 
 CSRC = Path(cpu_kernels.__file__).parent / "csrc"
 # (M, K, N, glu): glu is an MLP's gate_up with the silu(gate) x up epilogue (N / 2 columns out)
@@ -38,6 +41,7 @@ LINEAR_SHAPES = [
     (64, 768, 4096, False),
     (64, 768, 4096, True),
 ]
+SMALL_ROWS = (32, 64)  # a decode step's batch
 ATTENTION_CASES = {
     "attention, 64 x 32 after a shared 1024": (64, 1024, 32, True),
     "attention, 64 decode rows x 300": (64, 300, 1, False),
@@ -131,11 +135,58 @@ def linear_runs(libs: list[ctypes.CDLL]) -> dict[str, list[Callable[[], torch.Te
     return runs
 
 
+def norm_runs(libs: list[ctypes.CDLL], rows: int) -> list[Callable[[], torch.Tensor]]:
+    """RMSNorm of `rows` bfloat16 rows; each build writes its own output, allocated once."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, HIDDEN, generator=gen).bfloat16()
+    weight = torch.randn(HIDDEN, generator=gen).bfloat16()
+    code = DTYPE_CODES[x.dtype]
+
+    def call(lib: ctypes.CDLL, out: torch.Tensor) -> torch.Tensor:
+        lib.tm_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, HIDDEN, 1e-5, code)
+        return out
+
+    outs = [torch.empty_like(x) for _ in libs]
+    return [lambda lib=lib, out=out: call(lib, out) for lib, out in zip(libs, outs, strict=True)]
+
+
+def rope_runs(libs: list[ctypes.CDLL], rows: int) -> list[Callable[[], torch.Tensor]]:
+    """RoPE of `rows` tokens' fused q/k/v with the keys and values written to their slots;
+    each build writes its own queries and cache, allocated once."""
+    gen = torch.Generator().manual_seed(rows)
+    qkv = torch.randn(rows, (HEADS + 2 * KV_HEADS) * DIM, generator=gen).bfloat16()
+    positions = torch.randint(0, 300, (rows,), generator=gen)
+    cos_sin = Rotary(DIM, 500000.0, {}, torch.device("cpu")).cos_sin(positions, qkv.dtype)
+    cos, sin = (c.reshape(rows, DIM).contiguous() for c in cos_sin)
+    slots = torch.randperm(8192, generator=gen)[:rows].contiguous()
+    code = DTYPE_CODES[qkv.dtype]
+
+    def call(lib: ctypes.CDLL, out: torch.Tensor) -> torch.Tensor:
+        # NOTE: one buffer holds the queries and the cache, so the result is a single tensor.
+        q, kv = out[: rows * HEADS * DIM], out[rows * HEADS * DIM :].view(2, KV_HEADS, -1, DIM)
+        k, v = kv.unbind(0)
+        ptrs = [t.data_ptr() for t in (qkv, cos, sin, slots, q, k, v)]
+        lib.tm_rope_store(*ptrs, rows, HEADS, KV_HEADS, DIM, k.stride(0), k.stride(1), code)
+        return out
+
+    size = rows * HEADS * DIM + 2 * KV_HEADS * 8192 * DIM
+    outs = [torch.zeros(size, dtype=qkv.dtype) for _ in libs]
+    return [lambda lib=lib, out=out: call(lib, out) for lib, out in zip(libs, outs, strict=True)]
+
+
+def small_runs(libs: list[ctypes.CDLL]) -> dict[str, list[Callable[[], torch.Tensor]]]:
+    runs = {}
+    for rows in SMALL_ROWS:
+        runs[f"rms_norm [{rows} x {HIDDEN}]"] = norm_runs(libs, rows)
+        runs[f"rope + KV write [{rows} tokens]"] = rope_runs(libs, rows)
+    return runs
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--against", default="HEAD", help="git revision to compare with (HEAD)")
     p.add_argument("--rounds", type=int, default=20, help="alternating rounds (default 20)")
-    p.add_argument("--only", choices=["attention", "linear"], help="one kind of case")
+    p.add_argument("--only", choices=["attention", "linear", "small"], help="one kind of case")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         base = build(sources_at(args.against, Path(tmp) / "base"), Path(tmp) / "base.so")
@@ -149,6 +200,8 @@ def main() -> int:
             cases.update(attention_runs(libs))
         if args.only in (None, "linear"):
             cases.update(linear_runs(libs))
+        if args.only in (None, "small"):
+            cases.update(small_runs(libs))
         print(f"{args.against} against the working tree, {args.rounds} rounds, alternating")
         for name, (theirs, mine) in cases.items():
             times: tuple[list[float], list[float]] = ([], [])
@@ -159,8 +212,8 @@ def main() -> int:
             a, b = (sorted(t) for t in times)
             q = args.rounds // 4
             print(
-                f"{name:<40} {args.against} {a[0] * 1e3:8.2f} ms (p25 {a[q] * 1e3:.2f})"
-                f"  tree {b[0] * 1e3:8.2f} ms (p25 {b[q] * 1e3:.2f})"
+                f"{name:<40} {args.against} {a[0] * 1e3:8.3f} ms (p25 {a[q] * 1e3:.3f})"
+                f"  tree {b[0] * 1e3:8.3f} ms (p25 {b[q] * 1e3:.3f})"
                 f"  {a[0] / b[0]:5.2f}x  same bits: {torch.equal(first, second)}"
             )
     return 0
