@@ -65,6 +65,7 @@ def build_forward_batch(step_id: int, rows: list[ScheduledRow], num_steps: int =
             token_ids=_i32([t for a in asks for t in a.token_ids]),
             prompt_start=_i32([_prompt_start(row) for row in rows]),
             prompt_next_id=_i32([_prompt_next_id(row) for row in rows]),
+            sampled=any(a.reads_samples for a in asks),
         ),
         num_steps=num_steps,
         decode_slots=_decode_slots(rows, num_steps),

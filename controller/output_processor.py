@@ -130,8 +130,8 @@ class OutputProcessor:
         lo, hi = arrays.token_ids_offsets[b], arrays.token_ids_offsets[b + 1]
         row = arrays.top_row[b]
         # NOTE: the chosen tokens' logprobs come with any per-position logprobs (top or
-        # token_ids): the detokenizer's entries are built around them (computed for every row).
-        positions = asks.return_logprob or k > 0 or bool(asks.token_ids)
+        # token_ids): the detokenizer's entries are built around them.
+        positions = asks.reads_samples
         return RequestOutput(
             req_id=request.req_id,
             new_ids=arrays.share("next_ids", b, n),  # NOTE: the step's first n samples

@@ -33,6 +33,12 @@ class LogprobParams(msgspec.Struct, frozen=True):
     token_ids: tuple[int, ...] = ()  # ids scored at every generated position
     prompt_start: int = -1  # score prompt tokens from this position; -1 = none
 
+    @property
+    def reads_samples(self) -> bool:
+        """Whether any logprob of the generated positions is read: the chosen token's, the
+        top or the given ids' (each comes with the chosen token's)."""
+        return self.return_logprob or self.num_top > 0 or bool(self.token_ids)
+
 
 class DetokenizeParams(msgspec.Struct, frozen=True):
     stop: tuple[str, ...] = ()  # stop strings, matched across token boundaries

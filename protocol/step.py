@@ -76,6 +76,9 @@ class LogprobAsks(msgspec.Struct, frozen=True, array_like=True):
     # the chunk (the target of its last position), -1 when the chunk ends the prompt.
     prompt_start: Array  # [B] int32
     prompt_next_id: Array  # [B] int32
+    # NOTE: False when no row reads a logprob of its sampled tokens (LogprobParams.
+    # reads_samples): the worker then skips their log-softmax and sends NaN for them.
+    sampled: bool = True
 
 
 # NOTE: an input id the controller does not know yet (overlap scheduling: it sends step N + 1

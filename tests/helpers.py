@@ -22,6 +22,7 @@ def make_engine(
     prefix_cache: bool = True,
     dtype: str = "float32",
     cpu_kernels: bool = True,
+    logprobs_mode: str = "raw",
 ) -> OfflineEngine:
     config = RunnerConfig(
         model=str(model),
@@ -32,6 +33,7 @@ def make_engine(
         device="cpu",
         prompt_logprob_chunk=prompt_chunk,
         cpu_kernels=cpu_kernels,
+        logprobs_mode=logprobs_mode,
     )
     return OfflineEngine(
         ModelRunner(config),

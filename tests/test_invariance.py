@@ -7,11 +7,15 @@ counts, so a change that holds only on the developer's own CPU fails there too."
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
 from helpers import make_engine
 
+from tokenmill.protocol.arrays import unpack
+from tokenmill.protocol.step import ForwardBatch, StepResult
 from tokenmill.tp_worker import model_runner
 from tokenmill.tp_worker.offline import OfflineOutput, OfflineRequest
 from tokenmill.tp_worker.step_inputs import LastLayerRows
@@ -60,6 +64,38 @@ def test_batch_of_8_equals_each_alone(tiny_checkpoint, sampled: bool, dtype: str
         _assert_same(cold.generate([request])[0], together, atol=0.0)
         _assert_same(warm.generate([request])[0], together, atol=0.0)
     assert warm.controller.kv.hit_tokens > 0 and cold.controller.kv.hit_tokens == 0
+
+
+@pytest.mark.parametrize("processed", [False, True], ids=["raw", "processed"])
+def test_the_same_tokens_whether_or_not_a_batch_reads_logprobs(
+    tiny_checkpoint, processed: bool
+) -> None:
+    """A batch where no row asks for logprobs skips their log-softmax (NaN comes back, and no
+    row shows any): its tokens are those of a batch that reads them, greedy and sampled."""
+    engine = make_engine(
+        tiny_checkpoint("llama"), logprobs_mode="processed" if processed else "raw"
+    )
+    scored = [replace(r, num_top=0, prompt_logprob_start=-1) for r in _requests(sampled=True)]
+    scored[0::2] = [replace(r, temperature=0.0) for r in scored[0::2]]
+    unscored = [replace(r, logprobs=False) for r in scored]
+    steps: list[tuple[bool, np.ndarray]] = []  # per step: whether it read them, and theirs
+    original = engine.sockets.step
+
+    def step(batch: ForwardBatch) -> StepResult:
+        result = original(batch)
+        steps.append((batch.logprobs.sampled, unpack(result.logprobs)))
+        return result
+
+    engine.sockets.step = step
+    without = engine.generate(unscored)
+    assert steps and all(not read and np.isnan(lp).all() for read, lp in steps)
+    steps.clear()
+    with_them = engine.generate(scored)
+    assert steps and all(read and np.isfinite(lp).all() for read, lp in steps)
+    for a, b in zip(without, with_them, strict=True):
+        assert a.output_ids == b.output_ids and a.logprobs == [] and len(b.logprobs) == 12
+    mixed = engine.generate([unscored[0], *scored[1:]])
+    assert [m.output_ids for m in mixed] == [b.output_ids for b in with_them]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

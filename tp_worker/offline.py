@@ -43,6 +43,9 @@ class OfflineRequest:
     prompt_logprob_start: int = -1
     """Score prompt tokens from this position (-1 = none); position 0 is never scored."""
     stop_at_eos: bool = False
+    logprobs: bool = True
+    """The generated tokens' logprobs (OpenAI `logprobs: true`); num_top and token_ids
+    ask for them too."""
 
     def message(self, req_id: str) -> GenerateRequest:
         sampling = SamplingParams(
@@ -55,7 +58,7 @@ class OfflineRequest:
             ignore_eos=not self.stop_at_eos,
         )
         logprobs = LogprobParams(
-            return_logprob=True,
+            return_logprob=self.logprobs,
             num_top=self.num_top,
             token_ids=self.token_ids,
             prompt_start=self.prompt_logprob_start,

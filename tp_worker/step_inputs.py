@@ -99,6 +99,7 @@ class StepInputs:
     prompt_targets: torch.Tensor  # [P] int64 token each of those states predicts
     prompt_counts: torch.Tensor  # [B] int64 scored prompt positions per row
     prompt_num_top: int
+    sampled_logprobs: bool  # some row reads its sampled tokens' logprobs
     decode_slots: torch.Tensor | None  # [N-1, B] int64
     last_layer: LastLayerRows | None  # None: every token's final hidden state is kept
 
@@ -148,6 +149,7 @@ class StepInputs:
             prompt_targets=torch.from_numpy(prompt.targets).to(device),
             prompt_counts=torch.from_numpy(prompt.counts),
             prompt_num_top=prompt.num_top,
+            sampled_logprobs=batch.logprobs.sampled,
             decode_slots=None
             if batch.decode_slots is None
             else _tensor(batch.decode_slots, device),

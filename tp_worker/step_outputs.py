@@ -37,9 +37,15 @@ def score_sampled(
     bias and penalties (`adjusted`, None = unchanged) -> the ids sampled from `adjusted` and
     their scores: from the raw logits, or (`processed`) from the distribution sampled from.
     cpu_kernel: the raw log-softmax and (raw mode) the random rows' sampling through csrc/
-    (LogSoftmax.of, sampling.sample)."""
+    (LogSoftmax.of, sampling.sample). Where no row reads them (inputs.sampled_logprobs), no
+    log-softmax runs and the scores are NaN."""
     positions = inputs.prefix_lens + inputs.extend_lens
     adjusted = logits if adjusted is None else adjusted
+    if not inputs.sampled_logprobs:
+        # NOTE: each mode's sampler below, so that a row's tokens do not depend on whether
+        # a row beside it reads logprobs (the greedy ids: torch's argmax, the kernel's too).
+        kernel = cpu_kernel and not processed
+        return _unscored(sample(adjusted, inputs.sampling, positions, None, kernel))
     if processed:
         scores = LogSoftmax.given(processed_logprobs(adjusted, inputs.sampling))
         # NOTE: the torch sampler, whose kept set is processed_logprobs' to the last rounding:
@@ -62,6 +68,19 @@ def score_sampled(
         top_ids=top_ids,
         top_logprobs=top_logprobs,
         token_ids_logprobs=scores.at(inputs.token_id_rows, inputs.token_ids),
+    )
+
+
+def _unscored(next_ids: torch.Tensor) -> SampledScores:
+    """Samples whose logprobs no row reads: NaN in their place, and no top or given ids."""
+    assert next_ids.dim() == 1
+    device = next_ids.device
+    return SampledScores(
+        next_ids=next_ids,
+        logprobs=torch.full(next_ids.shape, float("nan"), device=device),
+        top_ids=torch.empty(0, 0, dtype=torch.int32, device=device),
+        top_logprobs=torch.empty(0, 0, device=device),
+        token_ids_logprobs=torch.empty(0, device=device),
     )
 
 
