@@ -9,6 +9,7 @@ import torch
 
 from tokenmill.tp_worker import cpu_kernels, logprobs
 from tokenmill.tp_worker.logprobs import LogSoftmax
+from tokenmill.tp_worker.sampling import greedy_ids
 
 
 def _logits(rows: int = 9, vocab: int = 1003, seed: int = 0) -> torch.Tensor:
@@ -63,6 +64,23 @@ def test_ties_infinities_and_nan_as_torch() -> None:
     for row in (2, 3, 4):
         assert bool(ours[row].isnan().all()) and bool(expected[row].isnan().all())
     torch.testing.assert_close(ours[[0, 5]], expected[[0, 5]], atol=2e-6, rtol=0)
+
+
+def test_greedy_ids_alone_are_the_log_softmax_pass_argmax() -> None:
+    """sampling.greedy_ids (the kernel's max pass alone, where no logprob is read): the
+    argmax of the log-softmax pass and torch's, ties, infinities and NaN included, and on
+    rows of a wider buffer."""
+    logits = _logits(7, 33000)
+    logits[0, [3, 17, 33]] = 50.0
+    logits[1] = float("-inf")
+    logits[2, [5, 30]] = float("nan")
+    logits[3, 32999] = float("inf")
+    wide = torch.zeros(7, 33100)
+    wide[:, :33000] = logits
+    for x in (logits, wide[:, :33000]):
+        ids = greedy_ids(x, cpu_kernel=True)
+        assert torch.equal(ids, LogSoftmax.of(x.contiguous(), cpu_kernel=True).argmax)
+        assert torch.equal(ids, x.argmax(dim=-1)) and ids.tolist()[:4] == [3, 0, 5, 32999]
 
 
 def test_a_row_is_bitwise_the_same_in_any_company() -> None:

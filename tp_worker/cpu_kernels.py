@@ -141,6 +141,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.tm_rope_store.restype = ctypes.c_int
     lib.tm_log_softmax_stats.argtypes = [_P, _I, _I, _I, _P, _P, _P, _I, _P, _P]
     lib.tm_log_softmax_stats.restype = None
+    lib.tm_row_argmax.argtypes = [_P, _I, _I, _I, _P, _P]
+    lib.tm_row_argmax.restype = None
     lib.tm_sample.argtypes = [_P, _I, _I, _P, _I, *[_P] * 7]
     lib.tm_sample.restype = None
     lib.tm_linear_isa.argtypes = []

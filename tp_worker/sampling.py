@@ -44,7 +44,7 @@ def sample(
     `greedy`: logits.argmax(-1) where the caller already has it. cpu_kernel: the random rows
     through csrc/sample.cpp (float32 logits in CPU memory): the same distribution and noise,
     without a sort of the vocabulary or any [B, V] temporary."""
-    ids = logits.argmax(dim=-1) if greedy is None else greedy.clone()
+    ids = greedy_ids(logits, cpu_kernel) if greedy is None else greedy.clone()
     random_rows = (params.temperature > 0).nonzero().squeeze(1)
     if len(random_rows) == 0:
         return ids
@@ -55,6 +55,20 @@ def sample(
     probs = filtered_probs(logits[random_rows], sub)
     noise = exponential_noise(sub.seed, positions[random_rows], logits.shape[1])
     ids[random_rows] = (probs / noise).argmax(dim=-1)
+    return ids
+
+
+def greedy_ids(logits: torch.Tensor, cpu_kernel: bool = False) -> torch.Tensor:
+    """logits [B, V] -> argmax ids [B] int64 (the first of equal maxima; NaN counts as the
+    max), through csrc/ (csrc/argmax.h: torch's answers) on float32 logits in CPU memory."""
+    if not (cpu_kernel and logits.dtype == torch.float32 and logits.device.type == "cpu"):
+        return logits.argmax(dim=-1)
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    rows = logits.shape[0]
+    max_, ids = logits.new_empty(rows), torch.empty(rows, dtype=torch.int64)
+    library().tm_row_argmax(
+        logits.data_ptr(), rows, logits.shape[1], logits.stride(0), max_.data_ptr(), ids.data_ptr()
+    )
     return ids
 
 

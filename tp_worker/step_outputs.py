@@ -13,7 +13,7 @@ import torch
 from tokenmill.protocol.arrays import pack
 from tokenmill.protocol.step import StepResult
 from tokenmill.tp_worker.logprobs import LogSoftmax, ScoredPositions
-from tokenmill.tp_worker.sampling import processed_logprobs, sample
+from tokenmill.tp_worker.sampling import greedy_ids, processed_logprobs, sample
 from tokenmill.tp_worker.step_inputs import StepInputs
 
 
@@ -43,9 +43,10 @@ def score_sampled(
     adjusted = logits if adjusted is None else adjusted
     if not inputs.sampled_logprobs:
         # NOTE: each mode's sampler below, so that a row's tokens do not depend on whether
-        # a row beside it reads logprobs (the greedy ids: torch's argmax, the kernel's too).
+        # a row beside it reads logprobs (greedy_ids: the log-softmax pass's argmax).
+        greedy = greedy_ids(adjusted, cpu_kernel)
         kernel = cpu_kernel and not processed
-        return _unscored(sample(adjusted, inputs.sampling, positions, None, kernel))
+        return _unscored(sample(adjusted, inputs.sampling, positions, greedy, kernel))
     if processed:
         scores = LogSoftmax.given(processed_logprobs(adjusted, inputs.sampling))
         # NOTE: the torch sampler, whose kept set is processed_logprobs' to the last rounding:

