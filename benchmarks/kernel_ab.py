@@ -8,10 +8,10 @@ medium checkpoint's shapes (64 scoring items of 32 tokens after one shared 1,024
 64 decode rows at a context of 300, 8 prompts of 256) and bfloat16 linear layers (a prefill's
 gate/up and down products, each gate/up also with its fused silu(gate) x up epilogue, a
 64-row decode product) and a decode step's small ones (RMSNorm of 32 and 64 rows, RoPE with
-the KV write of 32 and 64 tokens).
+the KV write of 32 and 64 tokens), and random sampling of 32 rows (flat and peaked logits).
 
     python benchmarks/kernel_ab.py [--against HEAD] [--rounds 20]
-        [--only attention|linear|small]
+        [--only attention|linear|small|sampling]
 """
 
 from __future__ import annotations
@@ -174,6 +174,43 @@ def rope_runs(libs: list[ctypes.CDLL], rows: int) -> list[Callable[[], torch.Ten
     return [lambda lib=lib, out=out: call(lib, out) for lib, out in zip(libs, outs, strict=True)]
 
 
+def sample_runs(
+    libs: list[ctypes.CDLL], logits: torch.Tensor, temperature: float, top_p: float
+) -> list[Callable[[], torch.Tensor]]:
+    """Random sampling of every row of `logits` (seeds and positions fixed): the ids."""
+    rows = logits.shape[0]
+    index, seeds, positions = torch.arange(rows), torch.arange(rows), torch.arange(rows) + 100
+    columns = (
+        torch.full((rows,), temperature),
+        torch.zeros(rows, dtype=torch.int64),
+        torch.full((rows,), top_p),
+        torch.zeros(rows),
+    )
+
+    def call(lib: ctypes.CDLL, out: torch.Tensor) -> torch.Tensor:
+        ptrs = [t.data_ptr() for t in (index, *columns, seeds, positions, out)]
+        lib.tm_sample(logits.data_ptr(), logits.shape[1], logits.shape[1], ptrs[0], rows, *ptrs[1:])
+        return out
+
+    outs = [torch.empty(rows, dtype=torch.int64) for _ in libs]
+    return [lambda lib=lib, out=out: call(lib, out) for lib, out in zip(libs, outs, strict=True)]
+
+
+def sampling_runs(libs: list[ctypes.CDLL]) -> dict[str, list[Callable[[], torch.Tensor]]]:
+    """32 rows of a 32,768 vocabulary: flat logits (normal, scale 3: most tokens within reach
+    of the top, as a random-weight checkpoint's) and peaked ones (8 tokens near 0, the rest
+    20-60 below: a trained model's shape, most of the vocabulary out of reach)."""
+    gen = torch.Generator().manual_seed(0)
+    flat = torch.randn(32, 32768, generator=gen) * 3
+    peaked = -20.0 - 40.0 * torch.rand(32, 32768, generator=gen)
+    peaked.scatter_(1, torch.randint(0, 32768, (32, 8), generator=gen), torch.randn(32, 8))
+    runs = {}
+    for name, logits in (("flat", flat), ("peaked", peaked)):
+        runs[f"sample 32 x 32768 {name}, T=1"] = sample_runs(libs, logits, 1.0, 1.0)
+        runs[f"sample 32 x 32768 {name}, T=0.7 top_p=0.9"] = sample_runs(libs, logits, 0.7, 0.9)
+    return runs
+
+
 def small_runs(libs: list[ctypes.CDLL]) -> dict[str, list[Callable[[], torch.Tensor]]]:
     runs = {}
     for rows in SMALL_ROWS:
@@ -186,7 +223,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--against", default="HEAD", help="git revision to compare with (HEAD)")
     p.add_argument("--rounds", type=int, default=20, help="alternating rounds (default 20)")
-    p.add_argument("--only", choices=["attention", "linear", "small"], help="one kind of case")
+    kinds = ["attention", "linear", "small", "sampling"]
+    p.add_argument("--only", choices=kinds, help="one kind of case")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         base = build(sources_at(args.against, Path(tmp) / "base"), Path(tmp) / "base.so")
@@ -202,6 +240,8 @@ def main() -> int:
             cases.update(linear_runs(libs))
         if args.only in (None, "small"):
             cases.update(small_runs(libs))
+        if args.only in (None, "sampling"):
+            cases.update(sampling_runs(libs))
         print(f"{args.against} against the working tree, {args.rounds} rounds, alternating")
         for name, (theirs, mine) in cases.items():
             times: tuple[list[float], list[float]] = ([], [])

@@ -228,6 +228,47 @@ def test_exponential_noise_looks_like_exp_one() -> None:
     assert np.abs(counts - expected).max() < 6 * np.sqrt(expected)
 
 
+# NOTE: seed 0, position 807: token 19,777's hash is the top of the 24-bit grid, which
+# rounded to u = 1 in float32 (a noise of -0.0) before the grid's top was clamped below 1.
+TOP_OF_THE_GRID = (0, 807, 19777)
+
+
+def test_no_noise_is_zero_at_the_top_of_the_grid() -> None:
+    seed, position, token = TOP_OF_THE_GRID
+    noise = exponential_noise(torch.tensor([seed]), torch.tensor([position]), 32768)[0]
+    assert float(noise.min()) > 2.0**-25 and int(noise.argmin()) == token
+
+
+@BOTH_PATHS
+def test_an_impossible_token_at_the_top_of_the_grid_is_never_sampled(cpu_kernel: bool) -> None:
+    """A noise of -0.0 made that token's race 0 / -0.0 = NaN where its probability is 0
+    (200 nats below the rest here), and NaN wins an argmax: about one step in 500 at a 32K
+    vocabulary sampled a token that cannot be sampled (or, in the torch path, one the
+    filters removed)."""
+    seed, position, token = TOP_OF_THE_GRID
+    logits = torch.zeros(1, 32768)
+    logits[0, token] = -200.0
+    batch = params([1.0], [0], [1.0], [0.0], [seed])
+    picked = sample(logits, batch, torch.tensor([position]), cpu_kernel=cpu_kernel)
+    assert int(picked[0]) != token
+
+
+def test_the_kernel_skips_hopeless_tokens_and_picks_as_the_torch_race() -> None:
+    """A peaked distribution (a few tokens near the top, the rest 20-60 nats below, as a
+    trained model's often are): the kernel computes no noise for most of the vocabulary, and
+    picks what the torch path's race over every token picks, for 256 positions."""
+    gen = torch.Generator().manual_seed(3)
+    logits = -20.0 - 40.0 * torch.rand(256, 32768, generator=gen)
+    top = torch.randint(0, 32768, (256, 8), generator=gen)
+    logits.scatter_(1, top, torch.randn(256, 8, generator=gen))
+    batch = params([1.0] * 256, [0] * 256, [1.0] * 256, [0.0] * 256, list(range(256)))
+    positions = torch.arange(256) * 7 + 11
+    ours = sample(logits, batch, positions, cpu_kernel=True)
+    theirs = sample(logits, batch, positions, cpu_kernel=False)
+    assert torch.equal(ours, theirs)
+    assert bool((ours[:, None] == top).any(dim=1).all())  # the tail never wins here
+
+
 def test_processed_logprobs_are_the_sampled_distribution() -> None:
     """--logprobs-mode processed: log of the reference distribution on the kept tokens
     (summing to 1 there), -inf on the filtered ones."""

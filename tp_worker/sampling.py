@@ -164,7 +164,12 @@ def exponential_noise(seed: torch.Tensor, positions: torch.Tensor, vocab: int) -
     key = _mix((key + positions.long() * 0x9E3779B1) & _MASK32)  # [B]
     token = torch.arange(vocab, device=seed.device, dtype=torch.int64)
     bits = _mix(_mix(key[:, None] ^ ((token[None, :] * 0x85EBCA77) & _MASK32)))  # [B, V]
-    uniform = ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
+    # NOTE: (2^24 - 1) + 0.5 rounds to 2^24 in float32: u = 1, a noise of -0.0, and a race
+    # of 0 / -0.0 = NaN that won the argmax for a token of probability 0 (~1 step in 500 at a
+    # 32K vocabulary). That step takes the value below it instead (every other u as it was).
+    raw = bits >> 8
+    steps = raw - ((raw + 1) >> 24)  # NOTE: the top one down, as csrc/sample.cpp computes it
+    uniform = (steps.float() + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
     return -torch.log(uniform)
 
 

@@ -10,12 +10,14 @@
 //   tokens ahead in that order, is below top_p x the mass of the top-k set; min-p then drops
 //   the kept tokens with e < min_p (e relative to the kept maximum, which is 1);
 //   the sampled id is the kept j with the largest e_j / E_j, E_j = -log(u_j) the hash noise
-//   of sampling.py (exponential_noise), the smaller id on a tie.
+//   of sampling.py (exponential_noise), the smaller id on a tie (tokens whose e_j is too
+//   small for any noise to make them win are not raced: race_tokens).
 // Masses are summed in double: per bucket in ascending id, buckets in descending order (the
 // cut is found by radix selection on e's bits, 11 + 11 + 10 bits), ties at the cut in
 // ascending id. Everything depends on the row, its parameters, its seed and its position
 // alone: not on the batch, the thread count or the CPU (no library math; log is ours).
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -77,9 +79,16 @@ float neg_log_unit(float u) {
   return -(static_cast<float>(n) * 0.693147181f + log_f);
 }
 
-float noise(uint32_t key, int64_t token) {
+// NOTE: inlined where it is called, or the race's loop does not vectorise (gcc leaves a call
+// to it in the loop once it has two callers).
+[[gnu::always_inline]] inline float noise(uint32_t key, int64_t token) {
   const uint32_t bits = mix(mix(key ^ (static_cast<uint32_t>(token) * 0x85EBCA77u)));
-  const float u = (static_cast<float>(bits >> 8) + 0.5f) * (1.0f / 16777216.0f);
+  // NOTE: the grid's top step one down, as sampling.py takes it: (2^24 - 1) + 0.5 rounds to
+  // 2^24 in float32, u = 1 and a noise of -0.0. In arithmetic, not a min or a branch, which
+  // keep gcc from vectorising the race.
+  const uint32_t raw = bits >> 8;
+  const uint32_t step = raw - ((raw + 1) >> 24);
+  const float u = (static_cast<float>(step) + 0.5f) * (1.0f / 16777216.0f);
   return neg_log_unit(u);
 }
 
@@ -161,6 +170,52 @@ void exp_shifted(float* e, int64_t n, float m) {  // e[j] = exp(e[j] - m), in pl
   for (; j < n; ++j) e[j] = exp_nonpositive(e[j] - m);
 }
 
+// No noise is below -log(1 - 2^-23) ~ 2^-23 (u <= 1 - 2^-23, noise()'s top step); a quarter
+// of it, for rounding's sake.
+constexpr float NOISE_FLOOR = 0x1p-25f;
+constexpr int64_t RACE_BLOCK = 256;
+
+// Whether any of e[0..n) is >= x.
+bool any_at_least(const float* e, int64_t n, float x) {
+#if defined(__AVX512F__)
+  if (n == RACE_BLOCK) {
+    const __m512 bound = _mm512_set1_ps(x);
+    __mmask16 found = 0;
+    for (int64_t j = 0; j < RACE_BLOCK; j += LANES)
+      found |= _mm512_cmp_ps_mask(_mm512_loadu_ps(e + j), bound, _CMP_GE_OQ);
+    return found != 0;
+  }
+#endif
+  for (int64_t j = 0; j < n; ++j)
+    if (e[j] >= x) return true;
+  return false;
+}
+
+// race[j] = e[j] / noise(key, j), except for tokens that cannot win, which get -1 without
+// their noise: the top token (e = 1, noise top_noise) races 1 / top_noise, and a token with
+// e_j < NOISE_FLOOR / top_noise races below it whatever its noise. So the winner is the same
+// as with every race computed, and a peaked distribution (most of the vocabulary far below
+// its top) skips most of the noise, the race's costly part.
+void race_tokens(const float* e, int64_t vocab, uint32_t key, float top_noise, float* race) {
+  const float hopeless = NOISE_FLOOR / top_noise;
+  int64_t in_it = 0;
+  for (int64_t j = 0; j < vocab; ++j) in_it += e[j] >= hopeless ? 1 : 0;
+  // NOTE: where most tokens can win (a flat distribution), one plain loop: the blocks' checks
+  // cost ~10% there, for nothing.
+  if (in_it * 4 > vocab) {
+    for (int64_t j = 0; j < vocab; ++j) race[j] = e[j] / noise(key, j);
+    return;
+  }
+  for (int64_t j0 = 0; j0 < vocab; j0 += RACE_BLOCK) {
+    const int64_t j1 = std::min<int64_t>(vocab, j0 + RACE_BLOCK);
+    if (any_at_least(e + j0, j1 - j0, hopeless)) {
+      for (int64_t j = j0; j < j1; ++j) race[j] = e[j] / noise(key, j);
+    } else {
+      for (int64_t j = j0; j < j1; ++j) race[j] = -1.0f;
+    }
+  }
+}
+
 int64_t sample_row(const float* logits, int64_t vocab, float temperature, int64_t top_k,
                    float top_p, float min_p, uint32_t key, float* e, float* race) {
   for (int64_t j = 0; j < vocab; ++j) e[j] = logits[j] / temperature;
@@ -183,9 +238,9 @@ int64_t sample_row(const float* logits, int64_t vocab, float temperature, int64_
     const Cut by_mass = find_cut(e, vocab, vocab, static_cast<double>(top_p) * kept_mass);
     if (by_mass.shorter_than(cut)) cut = by_mass;
   }
-  // NOTE: the race of every token in a loop the compiler vectorises; the filtered ones then
-  // get -1 (a kept token's race is >= 0, and the top token's > 0).
-  for (int64_t j = 0; j < vocab; ++j) race[j] = e[j] / noise(key, j);
+  // NOTE: the race of every token that can win, in loops the compiler vectorises; the
+  // filtered ones then get -1 (a kept token's race is >= 0, and the top token's > 0).
+  race_tokens(e, vocab, key, noise(key, at), race);
   if (by_count || top_p < 1.0f || min_p > 0.0f) {
     int64_t ties_seen = 0;
     for (int64_t j = 0; j < vocab; ++j)
