@@ -14,7 +14,8 @@
 //   small for any noise to make them win are not raced: race_tokens).
 // Masses are summed in double: per bucket in ascending id, buckets in descending order (the
 // cut is found by radix selection on e's bits, 11 + 11 + 10 bits), ties at the cut in
-// ascending id. Everything depends on the row, its parameters, its seed and its position
+// ascending id; the whole vocabulary's mass (top-p without top-k) in mass_of's 32 lanes, a
+// top-k set's in ascending id. Everything depends on the row, its parameters, its seed and its position
 // alone: not on the batch, the thread count or the CPU (no library math; log is ours).
 
 #include <algorithm>
@@ -154,6 +155,22 @@ Cut find_cut(const float* e, int64_t n, int64_t count, double mass_limit) {
   return cut;
 }
 
+// The sum of e[0..n) in double: MASS_LANES partial sums (j mod MASS_LANES, j ascending),
+// combined pairwise by halves. Lane-wise, so that it vectorises (a serial sum of a 32K
+// vocabulary waits on each add: ~0.05 ms a row).
+constexpr int64_t MASS_LANES = 32;
+
+double mass_of(const float* e, int64_t n) {
+  double lane[MASS_LANES] = {};
+  int64_t j0 = 0;
+  for (; j0 + MASS_LANES <= n; j0 += MASS_LANES)
+    for (int64_t l = 0; l < MASS_LANES; ++l) lane[l] += static_cast<double>(e[j0 + l]);
+  for (int64_t l = 0; j0 + l < n; ++l) lane[l] += static_cast<double>(e[j0 + l]);
+  for (int64_t width = MASS_LANES / 2; width > 0; width /= 2)
+    for (int64_t l = 0; l < width; ++l) lane[l] += lane[l + width];
+  return lane[0];
+}
+
 bool kept_by(const Cut& cut, float e, int64_t& ties_seen) {
   const uint32_t b = bits_of(e);
   if (b != cut.above) return b > cut.above;
@@ -231,10 +248,11 @@ int64_t sample_row(const float* logits, int64_t vocab, float temperature, int64_
   const bool by_count = top_k > 0 && top_k < vocab;
   if (by_count) cut = find_cut(e, vocab, top_k, std::numeric_limits<double>::infinity());
   if (top_p < 1.0f) {
-    double kept_mass = 0.0;  // the top-k set's mass, in ascending id
+    double kept_mass = by_count ? 0.0 : mass_of(e, vocab);  // the top-k set's mass
     int64_t ties_seen = 0;
-    for (int64_t j = 0; j < vocab; ++j)
-      if (!by_count || kept_by(cut, e[j], ties_seen)) kept_mass += e[j];
+    if (by_count)  // NOTE: in ascending id
+      for (int64_t j = 0; j < vocab; ++j)
+        if (kept_by(cut, e[j], ties_seen)) kept_mass += e[j];
     const Cut by_mass = find_cut(e, vocab, vocab, static_cast<double>(top_p) * kept_mass);
     if (by_mass.shorter_than(cut)) cut = by_mass;
   }
