@@ -51,7 +51,8 @@ def score_sampled(
         scores = LogSoftmax.given(processed_logprobs(adjusted, inputs.sampling))
         # NOTE: the torch sampler, whose kept set is processed_logprobs' to the last rounding:
         # the kernel's could differ at a top-p boundary, and a sampled token would read -inf.
-        next_ids = sample(adjusted, inputs.sampling, positions)
+        # (Its greedy rows' argmax through the kernel: torch's answers, ~1 ms sooner.)
+        next_ids = sample(adjusted, inputs.sampling, positions, greedy_ids(adjusted, cpu_kernel))
     else:
         scores = LogSoftmax.of(logits, cpu_kernel, inputs.max_top)
         # NOTE: with nothing adjusted, the greedy ids are the argmax the log-softmax found.
