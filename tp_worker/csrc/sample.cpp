@@ -15,8 +15,9 @@
 // Masses are summed in double: per bucket in ascending id, buckets in descending order (the
 // cut is found by radix selection on e's bits, 11 + 11 + 10 bits), ties at the cut in
 // ascending id; the whole vocabulary's mass (top-p without top-k) in mass_of's 32 lanes, a
-// top-k set's in ascending id. Everything depends on the row, its parameters, its seed and its position
-// alone: not on the batch, the thread count or the CPU (no library math; log is ours).
+// top-k set's in ascending id. Everything depends on the row, its parameters, its seed and
+// its position alone: not on the batch, the thread count or the CPU (no library math; log
+// is ours).
 
 #include <algorithm>
 #include <cmath>
