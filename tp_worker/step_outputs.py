@@ -36,34 +36,41 @@ def score_sampled(
     """logits [B, V] float32 of each row's last position, and the same after the stop ban,
     bias and penalties (`adjusted`, None = unchanged) -> the ids sampled from `adjusted` and
     their scores: from the raw logits, or (`processed`) from the distribution sampled from.
-    cpu_kernel: the raw log-softmax and (raw mode) the random rows' sampling through csrc/
-    (LogSoftmax.of, sampling.sample). Where no row reads them (inputs.sampled_logprobs), no
-    log-softmax runs and the scores are NaN."""
+    cpu_kernel: the raw log-softmax, the greedy ids and (raw mode) the random rows' sampling
+    through csrc/ (LogSoftmax.of, sampling.greedy_ids, sampling.sample). Where no row reads
+    them (inputs.sampled_logprobs), no log-softmax runs and the scores are NaN."""
     positions = inputs.prefix_lens + inputs.extend_lens
     adjusted = logits if adjusted is None else adjusted
-    if not inputs.sampled_logprobs:
-        # NOTE: each mode's sampler below, so that a row's tokens do not depend on whether
-        # a row beside it reads logprobs (greedy_ids: the log-softmax pass's argmax).
-        greedy = greedy_ids(adjusted, cpu_kernel)
-        kernel = cpu_kernel and not processed
-        return _unscored(sample(adjusted, inputs.sampling, positions, greedy, kernel))
-    if processed:
-        scores = LogSoftmax.given(processed_logprobs(adjusted, inputs.sampling))
-        # NOTE: the torch sampler, whose kept set is processed_logprobs' to the last rounding:
-        # the kernel's could differ at a top-p boundary, and a sampled token would read -inf.
-        # (Its greedy rows' argmax through the kernel: torch's answers, ~1 ms sooner.)
-        next_ids = sample(adjusted, inputs.sampling, positions, greedy_ids(adjusted, cpu_kernel))
-    else:
-        scores = LogSoftmax.of(logits, cpu_kernel, inputs.max_top)
-        # NOTE: with nothing adjusted, the greedy ids are the argmax the log-softmax found.
-        greedy = scores.argmax if adjusted is logits else None
-        next_ids = sample(adjusted, inputs.sampling, positions, greedy, cpu_kernel)
-    if inputs.max_top:
-        top_ids, top_logprobs = scores.top(inputs.top_rows, inputs.max_top)
-    else:
-        top_ids = torch.empty(0, 0, dtype=torch.int32, device=logits.device)
-        top_logprobs = torch.empty(0, 0, device=logits.device)
-    rows = torch.arange(len(next_ids), device=logits.device)
+    scores = None
+    if inputs.sampled_logprobs:
+        scores = (
+            LogSoftmax.given(processed_logprobs(adjusted, inputs.sampling))
+            if processed
+            else LogSoftmax.of(logits, cpu_kernel, inputs.max_top)
+        )
+    # NOTE: the argmax the log-softmax found where it read these logits, else the kernel's
+    # max pass alone (torch's answers either way, so a row's tokens do not depend on whether
+    # a row beside it reads logprobs).
+    found = scores.argmax if scores is not None and adjusted is logits else None
+    greedy = greedy_ids(adjusted, cpu_kernel) if found is None else found
+    # NOTE: processed mode samples with torch, whose kept set is processed_logprobs' to the
+    # last rounding: the kernel's could differ at a top-p boundary, and a sampled token would
+    # read -inf.
+    next_ids = sample(adjusted, inputs.sampling, positions, greedy, cpu_kernel and not processed)
+    device = logits.device
+    if scores is None:
+        top_ids, top_logprobs = _no_top(device)
+        return SampledScores(
+            next_ids=next_ids,
+            logprobs=torch.full(next_ids.shape, float("nan"), device=device),
+            top_ids=top_ids,
+            top_logprobs=top_logprobs,
+            token_ids_logprobs=torch.empty(0, device=device),
+        )
+    top_ids, top_logprobs = (
+        scores.top(inputs.top_rows, inputs.max_top) if inputs.max_top else _no_top(device)
+    )
+    rows = torch.arange(len(next_ids), device=device)
     return SampledScores(
         next_ids=next_ids,
         logprobs=scores.at(rows, next_ids),
@@ -73,17 +80,9 @@ def score_sampled(
     )
 
 
-def _unscored(next_ids: torch.Tensor) -> SampledScores:
-    """Samples whose logprobs no row reads: NaN in their place, and no top or given ids."""
-    assert next_ids.dim() == 1
-    device = next_ids.device
-    return SampledScores(
-        next_ids=next_ids,
-        logprobs=torch.full(next_ids.shape, float("nan"), device=device),
-        top_ids=torch.empty(0, 0, dtype=torch.int32, device=device),
-        top_logprobs=torch.empty(0, 0, device=device),
-        token_ids_logprobs=torch.empty(0, device=device),
-    )
+def _no_top(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top ids [0, 0] int32 and logprobs [0, 0]: no row of the step asked for any."""
+    return torch.empty(0, 0, dtype=torch.int32, device=device), torch.empty(0, 0, device=device)
 
 
 class StepOutputs:
