@@ -138,7 +138,7 @@ __mmask16 seen(int64_t j0, Visible v) {
 // subnormal inputs).
 float lane_weights(const float* scores, uint16_t* hi, uint16_t* lo, Visible v, int64_t padded,
                    float scale) {
-  const __m512 sc = _mm512_set1_ps(scale * 1.44269504f);  // scores to base 2
+  const __m512 sc = _mm512_set1_ps(scale * tokenmill::LOG2E);  // scores to base 2
   __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t j0 = 0; j0 < padded; j0 += 16)
     m = _mm512_mask_max_ps(m, seen(j0, v), m, _mm512_mul_ps(_mm512_loadu_ps(scores + j0), sc));

@@ -13,11 +13,13 @@
 
 namespace tokenmill {
 
+constexpr float LOG2E = 1.44269504f;  // log2(e) in float: x * LOG2E takes exp to base 2
+
 // exp(x) for x <= 0: 2^n * p(r) with r = x - n ln2 in [-ln2/2, ln2/2]; ~2 ulp. Written
 // without branches so that the lane loops vectorise; the same operations run in every lane.
 inline float exp_nonpositive(float x) {
   const float xc = std::max(x, -87.0f);
-  const float n = static_cast<float>(static_cast<int32_t>(xc * 1.44269504f - 0.5f));
+  const float n = static_cast<float>(static_cast<int32_t>(xc * LOG2E - 0.5f));
   const float r = (xc - n * 0.693145752f) - n * 1.42860677e-6f;
   float p = 1.98756912e-4f;
   p = p * r + 1.39819994e-3f;
@@ -37,7 +39,7 @@ inline float exp_nonpositive(float x) {
 inline __m512 exp_nonpositive16(__m512 x) {
   const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
   const __m512i ni = _mm512_cvttps_epi32(
-      _mm512_sub_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504f)), _mm512_set1_ps(0.5f)));
+      _mm512_sub_ps(_mm512_mul_ps(xc, _mm512_set1_ps(LOG2E)), _mm512_set1_ps(0.5f)));
   const __m512 n = _mm512_cvtepi32_ps(ni);
   const __m512 r = _mm512_sub_ps(_mm512_sub_ps(xc, _mm512_mul_ps(n, _mm512_set1_ps(0.693145752f))),
                                  _mm512_mul_ps(n, _mm512_set1_ps(1.42860677e-6f)));

@@ -28,6 +28,7 @@
 namespace {
 
 using tokenmill::exp2_nonpositive;
+using tokenmill::LOG2E;
 using tokenmill::row_max;
 using tokenmill::tree_sum16;
 #if defined(__AVX512F__)
@@ -35,7 +36,6 @@ using tokenmill::exp2_nonpositive16;
 #endif
 
 constexpr int LANES = 16;
-constexpr float LOG2E = 1.44269504f;
 
 float row_logsum(const float* x, int64_t n, float max) {
   if (!std::isfinite(max)) return std::numeric_limits<float>::quiet_NaN();
