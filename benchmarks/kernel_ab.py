@@ -102,6 +102,16 @@ def attention_runs(libs: list[ctypes.CDLL]) -> dict[str, list[Callable[[], torch
     return runs
 
 
+def per_build(
+    libs: list[ctypes.CDLL],
+    outs: list[torch.Tensor],
+    call: Callable[[ctypes.CDLL, torch.Tensor], torch.Tensor],
+) -> list[Callable[[], torch.Tensor]]:
+    """One case's call for each build, each writing its own output (allocated once: page
+    faults are not the kernel's time)."""
+    return [lambda lib=lib, out=out: call(lib, out) for lib, out in zip(libs, outs, strict=True)]
+
+
 def linear_runs(libs: list[ctypes.CDLL]) -> dict[str, list[Callable[[], torch.Tensor]]]:
     gen = torch.Generator().manual_seed(0)
     runs = {}
@@ -128,10 +138,8 @@ def linear_runs(libs: list[ctypes.CDLL]) -> dict[str, list[Callable[[], torch.Te
             return out
 
         name = f"{'gate_up + silu' if glu else 'linear'} (AMX) [{m} x {k} x {n}]"
-        # NOTE: an output per build, allocated once: page faults are not the kernel's time.
         outs = [torch.empty(m, cols, dtype=torch.bfloat16) for _ in libs]
-        pairs = zip(libs, outs, strict=True)
-        runs[name] = [lambda lib=lib, out=out, f=call: f(lib, out) for lib, out in pairs]
+        runs[name] = per_build(libs, outs, call)
     return runs
 
 
@@ -147,7 +155,7 @@ def norm_runs(libs: list[ctypes.CDLL], rows: int) -> list[Callable[[], torch.Ten
         return out
 
     outs = [torch.empty_like(x) for _ in libs]
-    return [lambda lib=lib, out=out: call(lib, out) for lib, out in zip(libs, outs, strict=True)]
+    return per_build(libs, outs, call)
 
 
 def rope_runs(libs: list[ctypes.CDLL], rows: int) -> list[Callable[[], torch.Tensor]]:
@@ -171,7 +179,7 @@ def rope_runs(libs: list[ctypes.CDLL], rows: int) -> list[Callable[[], torch.Ten
 
     size = rows * HEADS * DIM + 2 * KV_HEADS * 8192 * DIM
     outs = [torch.zeros(size, dtype=qkv.dtype) for _ in libs]
-    return [lambda lib=lib, out=out: call(lib, out) for lib, out in zip(libs, outs, strict=True)]
+    return per_build(libs, outs, call)
 
 
 def sample_runs(
@@ -193,7 +201,7 @@ def sample_runs(
         return out
 
     outs = [torch.empty(rows, dtype=torch.int64) for _ in libs]
-    return [lambda lib=lib, out=out: call(lib, out) for lib, out in zip(libs, outs, strict=True)]
+    return per_build(libs, outs, call)
 
 
 def sampling_runs(libs: list[ctypes.CDLL]) -> dict[str, list[Callable[[], torch.Tensor]]]:
