@@ -7,7 +7,9 @@ two builds called in turn within one run compare the code. Cases: bfloat16 atten
 medium checkpoint's shapes (64 scoring items of 32 tokens after one shared 1,024-token query,
 64 decode rows at a context of 300, 8 prompts of 256) and bfloat16 linear layers (a prefill's
 gate/up and down products, each gate/up also with its fused silu(gate) x up epilogue, a
-64-row decode product) and a decode step's small ones (RMSNorm of 32 and 64 rows, RoPE with
+64-row decode product, and a whole decode step's products at 1 and 64 rows with weights of
+their own, streamed from memory; on the AMX kernels where the machine has tiles, else on the
+AVX-512 ones) and a decode step's small ones (RMSNorm of 32 and 64 rows, RoPE with
 the KV write of 32 and 64 tokens), and random sampling of 32 rows (flat and peaked logits).
 
     python benchmarks/kernel_ab.py [--against HEAD] [--rounds 20]
@@ -25,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from cpu_kernels import DIM, HEADS, HIDDEN, KV_HEADS, attention_case
+from cpu_kernels import DIM, HEADS, HIDDEN, INTER, KV_HEADS, LAYERS, attention_case
 
 import tokenmill.tp_worker.attention_cpu as attention_cpu
 from tokenmill.tp_worker import cpu_kernels
@@ -42,6 +44,7 @@ LINEAR_SHAPES = [
     (64, 768, 4096, True),
 ]
 SMALL_ROWS = (32, 64)  # a decode step's batch
+STREAMED_ROWS = (1, 64)
 ATTENTION_CASES = {
     "attention, 64 x 32 after a shared 1024": (64, 1024, 32, True),
     "attention, 64 decode rows x 300": (64, 300, 1, False),
@@ -112,35 +115,60 @@ def per_build(
     return [lambda lib=lib, out=out: call(lib, out) for lib, out in zip(libs, outs, strict=True)]
 
 
-def linear_runs(libs: list[ctypes.CDLL]) -> dict[str, list[Callable[[], torch.Tensor]]]:
+def linear_call(amx: bool, x: torch.Tensor, w: torch.Tensor, n: int, glu: bool):
+    """One product through the AMX kernel (where the machine has tiles) or the AVX-512 one."""
+
+    def call(lib: ctypes.CDLL, out: torch.Tensor) -> torch.Tensor:
+        rows, k = x.shape
+        # NOTE: the residual (null) and glu are past older builds' signature: they ignore
+        # them (a glu case needs a build that has it).
+        args = (x.data_ptr(), rows, k, k, w.data_ptr(), n, None, out.data_ptr(), out.shape[1])
+        args += (1, 1, None, int(glu))
+        assert (lib.tm_linear_amx if amx else lib.tm_linear)(*args) == 0
+        return out
+
+    return call
+
+
+def linear_runs(libs: list[ctypes.CDLL], amx: bool) -> dict[str, list[Callable[[], torch.Tensor]]]:
     gen = torch.Generator().manual_seed(0)
     runs = {}
+    kind = "AMX" if amx else "AVX-512"
     for m, k, n, glu in LINEAR_SHAPES:
         x = torch.randn(m, k, generator=gen).bfloat16()
         weight = (torch.randn(n, k, generator=gen) * k**-0.5).bfloat16()
         w = pack(gate_up_panels(weight) if glu else weight)
         cols = n // 2 if glu else n
-
-        def call(
-            lib: ctypes.CDLL,
-            out: torch.Tensor,
-            x: torch.Tensor = x,
-            w: torch.Tensor = w,
-            n: int = n,
-            glu: bool = glu,
-        ) -> torch.Tensor:
-            rows, k = x.shape
-            # NOTE: the residual (null) and glu are past older builds' signature: they
-            # ignore them (a glu case needs a build that has it).
-            args = (x.data_ptr(), rows, k, k, w.data_ptr(), n, None, out.data_ptr(), out.shape[1])
-            args += (1, 1, None, int(glu))
-            assert lib.tm_linear_amx(*args) == 0, "this machine or build has no AMX tiles"
-            return out
-
-        name = f"{'gate_up + silu' if glu else 'linear'} (AMX) [{m} x {k} x {n}]"
+        name = f"{'gate_up + silu' if glu else 'linear'} ({kind}) [{m} x {k} x {n}]"
         outs = [torch.empty(m, cols, dtype=torch.bfloat16) for _ in libs]
-        runs[name] = per_build(libs, outs, call)
+        runs[name] = per_build(libs, outs, linear_call(amx, x, w, n, glu))
+    for rows in STREAMED_ROWS:
+        runs[f"decode step ({kind}), {rows} rows, streamed"] = streamed_runs(libs, amx, rows)
     return runs
+
+
+def streamed_runs(
+    libs: list[ctypes.CDLL], amx: bool, rows: int
+) -> list[Callable[[], torch.Tensor]]:
+    """Every projection of the medium checkpoint's 12 layers at `rows` rows, each weight its
+    own (~150 MB: they stream from memory, as in a decode step); the last layer's down
+    projection is the output."""
+    gen = torch.Generator().manual_seed(rows)
+    shapes = [(HIDDEN, (HEADS + 2 * KV_HEADS) * DIM), (HEADS * DIM, HIDDEN)]
+    shapes += [(HIDDEN, 2 * INTER), (INTER, HIDDEN)]
+    calls = []
+    for k, n in shapes * LAYERS:
+        weight = (torch.randn(n, k, generator=gen) * k**-0.5).bfloat16()
+        x = torch.randn(rows, k, generator=gen).bfloat16()
+        calls.append((linear_call(amx, x, pack(weight), n, False), n))
+
+    def call(lib: ctypes.CDLL, outs: list[torch.Tensor]) -> torch.Tensor:
+        for (fn, _), out in zip(calls, outs, strict=True):
+            fn(lib, out)
+        return outs[-1]
+
+    outs = [[torch.empty(rows, n, dtype=torch.bfloat16) for _, n in calls] for _ in libs]
+    return [lambda lib=lib, out=out: call(lib, out) for lib, out in zip(libs, outs, strict=True)]
 
 
 def norm_runs(libs: list[ctypes.CDLL], rows: int) -> list[Callable[[], torch.Tensor]]:
@@ -238,19 +266,20 @@ def main() -> int:
         base = build(sources_at(args.against, Path(tmp) / "base"), Path(tmp) / "base.so")
         ours = build(CSRC, Path(tmp) / "ours.so")
         libs = [base, ours]
-        if not base.tm_amx_ready():
-            print("this machine (or build) has no AMX tiles: the cases take the AMX kernels")
-            return 1
+        amx = bool(base.tm_amx_ready())
         cases = {}
         if args.only in (None, "attention"):
             cases.update(attention_runs(libs))
         if args.only in (None, "linear"):
-            cases.update(linear_runs(libs))
+            cases.update(linear_runs(libs, amx))
         if args.only in (None, "small"):
             cases.update(small_runs(libs))
         if args.only in (None, "sampling"):
             cases.update(sampling_runs(libs))
-        print(f"{args.against} against the working tree, {args.rounds} rounds, alternating")
+        kind = "AMX tiles" if amx else "no AMX tiles: the AVX-512 kernels"
+        print(
+            f"{args.against} against the working tree, {args.rounds} rounds, alternating ({kind})"
+        )
         for name, (theirs, mine) in cases.items():
             times: tuple[list[float], list[float]] = ([], [])
             first, second = theirs(), mine()
