@@ -4,11 +4,13 @@
 // pairs of that row that share the KV head: one lane each. The reduction order is fixed per
 // lane by this file, not by a math library, and is the same whatever else is in the item,
 // the batch, the chunk or the thread that runs it:
-//   - score(key j) = scale * sum over d ascending of fma(q[d], k_j[d]) (one accumulator);
-//     in bfloat16, over the pairs (d, d + 1) ascending, each as one VDPBF16PS lane adds it
+//   - score(key j) = (scale * log2(e)) * sum over d ascending of fma(q[d], k_j[d]) (one
+//     accumulator; the factor is one float, rounded once): the score in base 2. In bfloat16
+//     the sum runs over the pairs (d, d + 1) ascending, each as one VDPBF16PS lane adds it
 //     (bf16.h's dot_pair: the odd product, then the even one, each rounded once);
-//   - max over the lane's visible keys; e_j = exp(score_j - max), our own polynomial (exp.h,
-//     not libm's), and e_j = +0.0 for keys the lane does not see;
+//   - max over the lane's visible keys; e_j = 2^(score_j - max), exp.h's exp2_nonpositive (a
+//     fused-multiply-add series and an exact power of two, not libm's), and e_j = +0.0 for
+//     keys the lane does not see;
 //   - the denominator sums e_j over ascending j, and out[d] = (sum over j ascending of
 //     fma(e_j, v_j[d])) * (1 / denominator): a +0.0 term leaves these sums unchanged bit for
 //     bit (they start at +0.0 and are never -0.0), so unseen keys change nothing.
@@ -53,10 +55,10 @@ using tokenmill::transpose_key_pairs;
 #if defined(__AVX512F__)
 using tokenmill::load16;
 #endif
-using tokenmill::exp_nonpositive;
+using tokenmill::exp2_nonpositive;
 using tokenmill::store;
 #if defined(__AVX512F__)
-using tokenmill::exp_nonpositive16;
+using tokenmill::exp2_nonpositive16;
 #endif
 
 inline void to_float(const float* src, float* dst, int64_t n) {
@@ -77,7 +79,7 @@ void softmax_numerators(float* scores, const uint16_t* masks, int64_t num_keys, 
   __m512 sum = _mm512_setzero_ps();
   for (int64_t j = 0; j < num_keys; ++j) {
     const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(scores + j * LANES), max);
-    const __m512 e = _mm512_maskz_mov_ps(masks[j], exp_nonpositive16(x));
+    const __m512 e = _mm512_maskz_mov_ps(masks[j], exp2_nonpositive16(x));
     _mm512_storeu_ps(scores + j * LANES, e);
     sum = _mm512_add_ps(sum, e);
   }
@@ -94,7 +96,7 @@ void softmax_numerators(float* scores, const uint16_t* masks, int64_t num_keys, 
   for (int64_t j = 0; j < num_keys; ++j)
     for (int l = 0; l < LANES; ++l) {
       float* sc = scores + j * LANES + l;
-      *sc = ((masks[j] >> l) & 1) ? exp_nonpositive(*sc - max[l]) : 0.0f;
+      *sc = ((masks[j] >> l) & 1) ? exp2_nonpositive(*sc - max[l]) : 0.0f;
       den[l] = den[l] + *sc;
     }
 #endif
@@ -305,6 +307,7 @@ inline ScoreKeys score_keys_for(int64_t heads) {
 struct Scratch {
   std::vector<float> q_t, scores, acc, keys;  // float32: q_t [dim][LANES] queries, transposed
   std::vector<uint32_t> q_pairs, key_pairs;  // bfloat16: [dim / 2][LANES], [dim / 2][16]
+  std::vector<uint16_t> key_rows;  // bfloat16: a block's keys side by side, [16][dim]
   std::vector<uint16_t> masks;  // [num_keys] lanes that see each key
 };
 
@@ -345,6 +348,53 @@ void score_block_pairs(const uint32_t* q_pairs, const uint16_t* keys, const int3
     }
 #endif
 }
+
+#if defined(__AVX512F__)
+// score_block_pairs for 16 keys and a head of DIM columns, the keys first copied side by side
+// (rows past nk repeat the last key: leftovers, never read): every key's pair is then one
+// fixed offset from one pointer, so 16 independent sums stay in flight with no address
+// juggling. The same sums, in the same order, as score_block_pairs.
+template <int DIM>
+void score_sixteen_pairs(const uint32_t* q_pairs, const uint16_t* keys, const int32_t* slots,
+                         int nk, int64_t stride, float scale, uint16_t* rows, float* scores) {
+  for (int kk = 0; kk < 16; ++kk)
+    std::memcpy(rows + kk * DIM, keys + slots[std::min(kk, nk - 1)] * stride, DIM * 2);
+  __m512 acc[16];
+  for (int kk = 0; kk < 16; ++kk) acc[kk] = _mm512_setzero_ps();
+  for (int p = 0; p < DIM / 2; ++p) {
+    const __m512i q = _mm512_loadu_si512(q_pairs + p * LANES);
+    for (int kk = 0; kk < 16; ++kk) {
+      uint32_t word;
+      std::memcpy(&word, rows + kk * DIM + 2 * p, 4);
+      acc[kk] = tokenmill::dot_pair16(acc[kk], q, _mm512_set1_epi32(static_cast<int>(word)));
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int kk = 0; kk < 16; ++kk)
+    _mm512_storeu_ps(scores + kk * LANES, _mm512_mul_ps(acc[kk], sc));
+}
+
+// Whether score_sixteen_pairs scored every key (bfloat16 heads of 64 or 128 columns).
+inline bool scored_by_sixteens(const float*, const int32_t*, int64_t, int64_t, int64_t, float,
+                               Scratch&) {
+  return false;
+}
+
+inline bool scored_by_sixteens(const uint16_t* keys, const int32_t* slots, int64_t num_keys,
+                               int64_t stride, int64_t dim, float scale, Scratch& w) {
+  using Fn = void (*)(const uint32_t*, const uint16_t*, const int32_t*, int, int64_t, float,
+                      uint16_t*, float*);
+  const Fn fn = dim == 64 ? score_sixteen_pairs<64> : dim == 128 ? score_sixteen_pairs<128> : nullptr;
+  if (!fn) return false;
+  w.key_rows.resize(16 * dim);
+  for (int64_t j0 = 0; j0 < num_keys; j0 += 16) {
+    const int nk = static_cast<int>(std::min<int64_t>(16, num_keys - j0));
+    fn(w.q_pairs.data(), keys, slots + j0, nk, stride, scale, w.key_rows.data(),
+       w.scores.data() + j0 * LANES);
+  }
+  return true;
+}
+#endif
 
 // One block of up to KEY_BLOCK keys, queries in the lanes: scores[kk][l] (float32: the keys
 // converted into w.keys first; bfloat16: straight from the cache by pairs).
@@ -397,6 +447,7 @@ void score_all(const T* keys, const int32_t* slots, int64_t num_keys, int64_t st
     }
     return;
   }
+  if (scored_by_sixteens(keys, slots, num_keys, stride, dim, scale, w)) return;
 #endif
   for (int64_t j0 = 0; j0 < num_keys; j0 += KEY_BLOCK) {
     const int nk = static_cast<int>(std::min<int64_t>(KEY_BLOCK, num_keys - j0));
@@ -450,7 +501,7 @@ bool one_token_numerators(const T* keys, const T* values, const int32_t* slots,
     }
     const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(m));
     for (int64_t j0 = 0; j0 < num_keys; j0 += 16)
-      _mm512_storeu_ps(sc + j0, exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(sc + j0), max)));
+      _mm512_storeu_ps(sc + j0, exp2_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(sc + j0), max)));
   }
   // NOTE: each lane's sum runs over ascending keys; the lanes' chains advance together so
   // that their additions overlap instead of waiting on one another.
@@ -493,18 +544,19 @@ void attend_item(const T* q, const T* k_cache, const T* v_cache, const int32_t* 
   const int64_t lo = tokenmill::first_seen(s, it.first_pos);
   const int64_t num_keys = last_pos - lo + 1;
   const int32_t* slots = table + it.row * s.table_stride + lo;
-  w.scores.resize((num_keys + KEY_BLOCK) * LANES);  // whole blocks: score_block writes 8 rows
+  w.scores.resize((num_keys + 16) * LANES);  // whole blocks: a block writes 8 or 16 rows
   w.acc.resize(LANES * dim);
   transpose_queries(q, s, it, w);
   const int64_t lanes = it.num_tokens * hs;
   float den[LANES];
   const T* keys = k_cache + it.kv_head * s.head_stride;
   const int64_t stride = s.slot_stride;
+  const float scale2 = s.scale * tokenmill::LOG2E;  // scores in base 2: e_j = 2^(s_j - max)
 #if defined(__AVX512F__)
   const int64_t padded = (num_keys + 15) / 16 * 16;
   if (it.num_tokens == 1 &&
       one_token_numerators(keys, v_cache + it.kv_head * s.head_stride, slots, num_keys, stride,
-                           dim, s.scale, lanes, w, padded, den)) {
+                           dim, scale2, lanes, w, padded, den)) {
     finish_item(Weights{w.scores.data(), 1, padded}, v_cache, out, s, it, num_keys, slots, den,
                 w);
     return;
@@ -519,7 +571,7 @@ void attend_item(const T* q, const T* k_cache, const T* v_cache, const int32_t* 
     const uint32_t below_end = end > first ? (1u << (end * hs)) - 1u : 0u;
     w.masks[j] = static_cast<uint16_t>(below_end & ~((1u << (first * hs)) - 1u));
   }
-  score_all(keys, slots, num_keys, stride, dim, s.scale, lanes, w);
+  score_all(keys, slots, num_keys, stride, dim, scale2, lanes, w);
   softmax_numerators(w.scores.data(), w.masks.data(), num_keys, den);
   finish_item(Weights{w.scores.data(), LANES, 1}, v_cache, out, s, it, num_keys, slots, den, w);
 }
