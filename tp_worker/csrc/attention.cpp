@@ -141,6 +141,21 @@ template <int NL, typename T>
 void weighted_values(Weights e, const T* values, const int32_t* slots, int64_t num_keys,
                      int64_t stride, int64_t dim, float* out) {
 #if defined(__AVX512F__)
+  if (dim % 16 == 0 && e.key_step == LANES && e.lane_step == 1) {
+    // NOTE: the prompt path's [key][LANES] weights: each lane's weight is a fixed offset from
+    // one pointer per key, so no register goes to a pointer per lane.
+    for (int64_t d0 = 0; d0 < dim; d0 += 16) {
+      __m512 acc[NL];
+      for (int l = 0; l < NL; ++l) acc[l] = _mm512_setzero_ps();
+      const float* ej = e.e;
+      for (int64_t j = 0; j < num_keys; ++j, ej += LANES) {
+        const __m512 v = load16(values + slots[j] * stride + d0);
+        for (int l = 0; l < NL; ++l) acc[l] = _mm512_fmadd_ps(_mm512_set1_ps(ej[l]), v, acc[l]);
+      }
+      for (int l = 0; l < NL; ++l) _mm512_storeu_ps(out + l * dim + d0, acc[l]);
+    }
+    return;
+  }
   if (dim % 16 == 0) {
     for (int64_t d0 = 0; d0 < dim; d0 += 16) {
       __m512 acc[NL];
