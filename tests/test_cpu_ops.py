@@ -103,9 +103,10 @@ def test_a_gate_up_layer_gives_silu_mul_whether_or_not_it_fuses(inter: int) -> N
 def test_a_row_is_bitwise_the_same_in_any_company(
     k: int, dtype: torch.dtype, cpu_kernel: str
 ) -> None:
-    """Every row count around the kernels' blocks (12 rows; AMX: 16-row tiles, 32-row blocks,
-    chunks of up to 1 MiB of x: K = 2,048 splits 300 rows into two), x read in place or
-    copied (AMX, K = 200 is not a multiple of 32)."""
+    """Every row count around the kernels' blocks (12 rows, passes over the panels of ~512 KiB
+    of x: K = 2,048 splits 300 rows into three; AMX: 16-row tiles, 32-row blocks, chunks of
+    up to 1 MiB of x: K = 2,048 splits 300 rows into two), x read in place or copied (AMX,
+    K = 200 is not a multiple of 32)."""
     x, weight, bias = _case(300, k, 72, dtype)
     layer = PackedLinear(weight, bias)
     together = layer(x)

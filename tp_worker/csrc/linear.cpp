@@ -137,26 +137,41 @@ Kernel<T> kernel_for(int rows) {
   return table[rows];
 }
 
+// Rows of x a pass over every panel takes: about 512 KiB of x, so that it stays in each core's
+// L2 while the panels stream past (a whole prefill chunk's x, 12-32 MiB at 8,192 rows, came
+// from L3 or memory once per panel). Whole row blocks, so that blocks of MR rows fall as before.
+inline int64_t rows_per_pass(int64_t k_len, int64_t elem_bytes) {
+  const int64_t rows = (int64_t{512} << 10) / (k_len * elem_bytes) / MR * MR;
+  return std::max<int64_t>(MR, rows);
+}
+
 template <typename T, typename Out, template <int> class K>
 void linear(const T* x, int64_t m, int64_t k_len, int64_t lda, const T* packed, int64_t n,
             const float* bias, Out* out, int64_t ldc, const Out* residual, bool glu) {
   const int64_t num_panels = (n + NR - 1) / NR;
   const int64_t panel_elems = (std::is_same<T, float>::value ? k_len : (k_len + 31) / 32 * 32) * NR;
-#pragma omp parallel for schedule(static)
-  for (int64_t p = 0; p < num_panels; ++p) {
-    alignas(64) float acc[MR * NR];
-    const int64_t col0 = p * NR, cols = std::min<int64_t>(NR, n - col0);
-    for (int64_t m0 = 0; m0 < m; m0 += MR) {
-      const int rows = static_cast<int>(std::min<int64_t>(MR, m - m0));
-      kernel_for<T, K>(rows)(x + m0 * lda, lda, packed + p * panel_elems, k_len, acc);
-      for (int r = 0; r < rows; ++r) {
-        const int64_t row = m0 + r;
-        const float* b = bias ? bias + col0 : nullptr;
-        if (glu) {
-          tokenmill::write_glu_row(acc + r * NR, b, out + row * ldc + p * NR / 2);
-        } else {
-          tokenmill::write_row(acc + r * NR, cols, b, out + row * ldc + col0,
-                               residual ? residual + row * ldc + col0 : nullptr);
+  const int64_t pass_rows = rows_per_pass(k_len, sizeof(T));
+#pragma omp parallel
+  for (int64_t first = 0; first < m; first += pass_rows) {
+    const int64_t last = std::min(m, first + pass_rows);
+    // NOTE: static and nowait: a thread takes the same panels in every pass, and no pass
+    // reads what another writes.
+#pragma omp for schedule(static) nowait
+    for (int64_t p = 0; p < num_panels; ++p) {
+      alignas(64) float acc[MR * NR];
+      const int64_t col0 = p * NR, cols = std::min<int64_t>(NR, n - col0);
+      for (int64_t m0 = first; m0 < last; m0 += MR) {
+        const int rows = static_cast<int>(std::min<int64_t>(MR, last - m0));
+        kernel_for<T, K>(rows)(x + m0 * lda, lda, packed + p * panel_elems, k_len, acc);
+        for (int r = 0; r < rows; ++r) {
+          const int64_t row = m0 + r;
+          const float* b = bias ? bias + col0 : nullptr;
+          if (glu) {
+            tokenmill::write_glu_row(acc + r * NR, b, out + row * ldc + p * NR / 2);
+          } else {
+            tokenmill::write_row(acc + r * NR, cols, b, out + row * ldc + col0,
+                                 residual ? residual + row * ldc + col0 : nullptr);
+          }
         }
       }
     }
