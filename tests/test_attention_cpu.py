@@ -12,11 +12,13 @@ from tokenmill.tp_worker.attention_cpu import PagedAttention
 HEADS, KV_HEADS, DIM = 8, 2, 64
 
 
-def _cache(num_slots: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, ...]:
+def _cache(
+    num_slots: int, dtype: torch.dtype, seed: int = 0, dim: int = DIM
+) -> tuple[torch.Tensor, ...]:
     """Head-major [Hkv, slots, D], as the runner allocates it."""
     gen = torch.Generator().manual_seed(seed)
-    k = torch.randn(KV_HEADS, num_slots, DIM, generator=gen).to(dtype)
-    v = torch.randn(KV_HEADS, num_slots, DIM, generator=gen).to(dtype)
+    k = torch.randn(KV_HEADS, num_slots, dim, generator=gen).to(dtype)
+    v = torch.randn(KV_HEADS, num_slots, dim, generator=gen).to(dtype)
     return k, v
 
 
@@ -47,6 +49,7 @@ def _run(
     positions: list[int],
     window: int = 0,
     split: bool = False,
+    dim: int = DIM,
 ) -> torch.Tensor:
     """Attend without writing new keys: every token's own key is already in the cache.
     Consecutive tokens of a row form one batch row (a prompt chunk), or each token its own
@@ -68,7 +71,7 @@ def _run(
         out_slots=torch.zeros(0, dtype=torch.int64),
         sliding_window=window,
     )
-    return attention.attend(q, caches[0], caches[1], DIM**-0.5)
+    return attention.attend(q, caches[0], caches[1], dim**-0.5)
 
 
 def _table(lens: list[int], width: int = 300) -> torch.Tensor:
@@ -127,6 +130,26 @@ def test_bfloat16_is_no_further_from_float64_than_torch_bfloat16(cpu_kernel: str
     # NOTE: both are dominated by the output's own rounding to bfloat16 (their means agree to
     # ~0.1%); one bfloat16 weight per key instead of two parts was 20% further (5.0e-4).
     assert mean_ours <= 1.01 * mean_torch, f"ours {mean_ours:.4e}, torch {mean_torch:.4e}"
+
+
+def test_heads_of_128_match_float64_and_are_the_same_in_a_chunk_and_alone(cpu_kernel: str) -> None:
+    """bfloat16 heads of 128 columns (on AVX-512 the prompt path scores them 16 keys at a
+    time, a kernel of its own per head size): against float64, and the same bits as prompt
+    chunks and as decode rows."""
+    dim, lens = 128, [1, 40, 260]
+    table = _table(lens)
+    caches = _cache(table.numel(), torch.bfloat16, dim=dim)
+    rows = [r for r, n in enumerate(lens) for _ in range(n)]
+    positions = [p for n in lens for p in range(n)]
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(len(rows), HEADS, dim, generator=gen).bfloat16()
+    together = _run(q, caches, table, rows, positions, dim=dim)
+    assert torch.equal(_run(q, caches, table, rows, positions, split=True, dim=dim), together)
+    out = together.view(len(rows), HEADS, dim)
+    for i in (0, 1, 40, 41, 100, len(rows) - 1):
+        slots = table[rows[i], : positions[i] + 1].tolist()
+        expected = _reference(q[i].float(), caches[0], caches[1], slots, 0, dim**-0.5)
+        torch.testing.assert_close(out[i].double(), expected, atol=1e-2, rtol=2**-8)
 
 
 @pytest.mark.parametrize("window", [0, 37])
