@@ -7,10 +7,11 @@ two builds called in turn within one run compare the code. Cases: bfloat16 atten
 medium checkpoint's shapes (64 scoring items of 32 tokens after one shared 1,024-token query,
 64 decode rows at a context of 300, 8 prompts of 256) and bfloat16 linear layers (a prefill's
 gate/up and down products, each gate/up also with its fused silu(gate) x up epilogue, a
-64-row decode product, and a whole decode step's products at 1 and 64 rows with weights of
-their own, streamed from memory; on the AMX kernels where the machine has tiles, else on the
-AVX-512 ones) and a decode step's small ones (RMSNorm of 32 and 64 rows, RoPE with
-the KV write of 32 and 64 tokens), and random sampling of 32 rows (flat and peaked logits).
+scoring step's 8,192-row down product, a 64-row decode product, and a whole decode step's
+products at 1 and 64 rows with weights of their own, streamed from memory; on the AMX kernels
+where the machine has tiles, else on the AVX-512 ones) and a decode step's small ones
+(RMSNorm of 32 and 64 rows, RoPE with the KV write of 32 and 64 tokens), and random sampling
+of 32 rows (flat and peaked logits).
 
     python benchmarks/kernel_ab.py [--against HEAD] [--rounds 20]
         [--only attention|linear|small|sampling]
@@ -40,6 +41,7 @@ LINEAR_SHAPES = [
     (2048, 768, 4096, False),
     (2048, 768, 4096, True),
     (2048, 2048, 768, False),
+    (8192, 2048, 768, False),  # a scoring step's down projection: x (32 MiB) past L2 and L3
     (64, 768, 4096, False),
     (64, 768, 4096, True),
 ]
