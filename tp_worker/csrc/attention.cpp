@@ -399,7 +399,9 @@ inline bool scored_by_sixteens(const uint16_t* keys, const int32_t* slots, int64
                                int64_t stride, int64_t dim, float scale, Scratch& w) {
   using Fn = void (*)(const uint32_t*, const uint16_t*, const int32_t*, int, int64_t, float,
                       uint16_t*, float*);
-  const Fn fn = dim == 64 ? score_sixteen_pairs<64> : dim == 128 ? score_sixteen_pairs<128> : nullptr;
+  const Fn fn = dim == 64    ? score_sixteen_pairs<64>
+                : dim == 128 ? score_sixteen_pairs<128>
+                             : nullptr;
   if (!fn) return false;
   w.key_rows.resize(16 * dim);
   for (int64_t j0 = 0; j0 < num_keys; j0 += 16) {
