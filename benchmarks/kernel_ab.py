@@ -46,7 +46,7 @@ LINEAR_SHAPES = [
     (64, 768, 4096, True),
 ]
 SMALL_ROWS = (32, 64)  # a decode step's batch
-STREAMED_ROWS = (1, 64)
+STREAMED_ROWS = (1, 64)  # a decode step's products with its weights streamed from memory
 ATTENTION_CASES = {
     "attention, 64 x 32 after a shared 1024": (64, 1024, 32, True),
     "attention, 64 decode rows x 300": (64, 300, 1, False),
@@ -117,7 +117,9 @@ def per_build(
     return [lambda lib=lib, out=out: call(lib, out) for lib, out in zip(libs, outs, strict=True)]
 
 
-def linear_call(amx: bool, x: torch.Tensor, w: torch.Tensor, n: int, glu: bool):
+def linear_call(
+    amx: bool, x: torch.Tensor, w: torch.Tensor, n: int, glu: bool
+) -> Callable[[ctypes.CDLL, torch.Tensor], torch.Tensor]:
     """One product through the AMX kernel (where the machine has tiles) or the AVX-512 one."""
 
     def call(lib: ctypes.CDLL, out: torch.Tensor) -> torch.Tensor:
