@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -134,6 +135,24 @@ struct Weights {
   float at(int64_t j, int64_t l) const { return e[j * key_step + l * lane_step]; }
 };
 
+#if defined(__AVX512F__)
+// weighted_values' AVX-512 loop, 16 columns at a time; weight(j, l) is e[j][l].
+template <int NL, typename W, typename T>
+void weighted_values16(W weight, const T* values, const int32_t* slots, int64_t num_keys,
+                       int64_t stride, int64_t dim, float* out) {
+  for (int64_t d0 = 0; d0 < dim; d0 += 16) {
+    __m512 acc[NL];
+    for (int l = 0; l < NL; ++l) acc[l] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < num_keys; ++j) {
+      const __m512 v = load16(values + slots[j] * stride + d0);
+      for (int l = 0; l < NL; ++l)
+        acc[l] = _mm512_fmadd_ps(_mm512_set1_ps(weight(j, l)), v, acc[l]);
+    }
+    for (int l = 0; l < NL; ++l) _mm512_storeu_ps(out + l * dim + d0, acc[l]);
+  }
+}
+#endif
+
 // out[l][d] = sum over keys j ascending of fma(e[j][l], v_j[d]) for the first NL lanes, where
 // v_j is the row at values + slots[j] * stride. Lanes that do not see key j have e = +0.0,
 // which adds nothing (a sum that starts at +0.0 is never -0.0).
@@ -142,31 +161,16 @@ void weighted_values(Weights e, const T* values, const int32_t* slots, int64_t n
                      int64_t stride, int64_t dim, float* out) {
 #if defined(__AVX512F__)
   if (dim % 16 == 0 && e.key_step == LANES && e.lane_step == 1) {
-    // NOTE: the prompt path's [key][LANES] weights: each lane's weight is a fixed offset from
-    // one pointer per key, so no register goes to a pointer per lane.
-    for (int64_t d0 = 0; d0 < dim; d0 += 16) {
-      __m512 acc[NL];
-      for (int l = 0; l < NL; ++l) acc[l] = _mm512_setzero_ps();
-      const float* ej = e.e;
-      for (int64_t j = 0; j < num_keys; ++j, ej += LANES) {
-        const __m512 v = load16(values + slots[j] * stride + d0);
-        for (int l = 0; l < NL; ++l) acc[l] = _mm512_fmadd_ps(_mm512_set1_ps(ej[l]), v, acc[l]);
-      }
-      for (int l = 0; l < NL; ++l) _mm512_storeu_ps(out + l * dim + d0, acc[l]);
-    }
+    // NOTE: the prompt path's [key][LANES] weights, their strides known here: each lane's
+    // weight is a fixed offset from one pointer per key, not a pointer per lane.
+    const float* w = e.e;
+    weighted_values16<NL>([w](int64_t j, int l) { return w[j * LANES + l]; }, values, slots,
+                          num_keys, stride, dim, out);
     return;
   }
   if (dim % 16 == 0) {
-    for (int64_t d0 = 0; d0 < dim; d0 += 16) {
-      __m512 acc[NL];
-      for (int l = 0; l < NL; ++l) acc[l] = _mm512_setzero_ps();
-      for (int64_t j = 0; j < num_keys; ++j) {
-        const __m512 v = load16(values + slots[j] * stride + d0);
-        for (int l = 0; l < NL; ++l)
-          acc[l] = _mm512_fmadd_ps(_mm512_set1_ps(e.at(j, l)), v, acc[l]);
-      }
-      for (int l = 0; l < NL; ++l) _mm512_storeu_ps(out + l * dim + d0, acc[l]);
-    }
+    weighted_values16<NL>([e](int64_t j, int l) { return e.at(j, l); }, values, slots, num_keys,
+                          stride, dim, out);
     return;
   }
 #endif
@@ -370,8 +374,8 @@ void score_block_pairs(const uint32_t* q_pairs, const uint16_t* keys, const int3
 // fixed offset from one pointer, so 16 independent sums stay in flight with no address
 // juggling. The same sums, in the same order, as score_block_pairs.
 template <int DIM>
-void score_sixteen_pairs(const uint32_t* q_pairs, const uint16_t* keys, const int32_t* slots,
-                         int nk, int64_t stride, float scale, uint16_t* rows, float* scores) {
+void score_copied_block(const uint32_t* q_pairs, const uint16_t* keys, const int32_t* slots,
+                        int nk, int64_t stride, float scale, uint16_t* rows, float* scores) {
   for (int kk = 0; kk < 16; ++kk)
     std::memcpy(rows + kk * DIM, keys + slots[std::min(kk, nk - 1)] * stride, DIM * 2);
   __m512 acc[16];
@@ -389,18 +393,14 @@ void score_sixteen_pairs(const uint32_t* q_pairs, const uint16_t* keys, const in
     _mm512_storeu_ps(scores + kk * LANES, _mm512_mul_ps(acc[kk], sc));
 }
 
-// Whether score_sixteen_pairs scored every key (bfloat16 heads of 64 or 128 columns).
-inline bool scored_by_sixteens(const float*, const int32_t*, int64_t, int64_t, int64_t, float,
-                               Scratch&) {
-  return false;
-}
-
-inline bool scored_by_sixteens(const uint16_t* keys, const int32_t* slots, int64_t num_keys,
-                               int64_t stride, int64_t dim, float scale, Scratch& w) {
+// Every key scored by score_copied_block, where the head size has one (64 or 128 columns).
+inline bool scored_by_copied_blocks(const uint16_t* keys, const int32_t* slots,
+                                    int64_t num_keys, int64_t stride, int64_t dim, float scale,
+                                    Scratch& w) {
   using Fn = void (*)(const uint32_t*, const uint16_t*, const int32_t*, int, int64_t, float,
                       uint16_t*, float*);
-  const Fn fn = dim == 64    ? score_sixteen_pairs<64>
-                : dim == 128 ? score_sixteen_pairs<128>
+  const Fn fn = dim == 64    ? score_copied_block<64>
+                : dim == 128 ? score_copied_block<128>
                              : nullptr;
   if (!fn) return false;
   w.key_rows.resize(16 * dim);
@@ -464,7 +464,9 @@ void score_all(const T* keys, const int32_t* slots, int64_t num_keys, int64_t st
     }
     return;
   }
-  if (scored_by_sixteens(keys, slots, num_keys, stride, dim, scale, w)) return;
+  if constexpr (std::is_same<T, uint16_t>::value) {
+    if (scored_by_copied_blocks(keys, slots, num_keys, stride, dim, scale, w)) return;
+  }
 #endif
   for (int64_t j0 = 0; j0 < num_keys; j0 += KEY_BLOCK) {
     const int nk = static_cast<int>(std::min<int64_t>(KEY_BLOCK, num_keys - j0));
