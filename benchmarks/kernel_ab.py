@@ -26,9 +26,10 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
-from cpu_kernels import DIM, HEADS, HIDDEN, INTER, KV_HEADS, LAYERS, attention_case
+from cpu_kernels import DIM, HEADS, HIDDEN, KV_HEADS, LAYER, LAYERS, attention_case
 
 import tokenmill.tp_worker.attention_cpu as attention_cpu
 from tokenmill.tp_worker import cpu_kernels
@@ -36,6 +37,7 @@ from tokenmill.tp_worker.cpu_ops import DTYPE_CODES, gate_up_panels, pack
 from tokenmill.tp_worker.rope import Rotary
 
 CSRC = Path(cpu_kernels.__file__).parent / "csrc"
+Out = TypeVar("Out")  # what a case writes into: a tensor, or a list of them
 # (M, K, N, glu): glu is an MLP's gate_up with the silu(gate) x up epilogue (N / 2 columns out)
 LINEAR_SHAPES = [
     (2048, 768, 4096, False),
@@ -109,8 +111,8 @@ def attention_runs(libs: list[ctypes.CDLL]) -> dict[str, list[Callable[[], torch
 
 def per_build(
     libs: list[ctypes.CDLL],
-    outs: list[torch.Tensor],
-    call: Callable[[ctypes.CDLL, torch.Tensor], torch.Tensor],
+    outs: list[Out],
+    call: Callable[[ctypes.CDLL, Out], torch.Tensor],
 ) -> list[Callable[[], torch.Tensor]]:
     """One case's call for each build, each writing its own output (allocated once: page
     faults are not the kernel's time)."""
@@ -158,10 +160,8 @@ def streamed_runs(
     own (~150 MB: they stream from memory, as in a decode step); the last layer's down
     projection is the output."""
     gen = torch.Generator().manual_seed(rows)
-    shapes = [(HIDDEN, (HEADS + 2 * KV_HEADS) * DIM), (HEADS * DIM, HIDDEN)]
-    shapes += [(HIDDEN, 2 * INTER), (INTER, HIDDEN)]
     calls = []
-    for k, n in shapes * LAYERS:
+    for k, n in LAYER * LAYERS:
         weight = (torch.randn(n, k, generator=gen) * k**-0.5).bfloat16()
         x = torch.randn(rows, k, generator=gen).bfloat16()
         calls.append((linear_call(amx, x, pack(weight), n, False), n))
@@ -172,7 +172,7 @@ def streamed_runs(
         return outs[-1]
 
     outs = [[torch.empty(rows, n, dtype=torch.bfloat16) for _, n in calls] for _ in libs]
-    return [lambda lib=lib, out=out: call(lib, out) for lib, out in zip(libs, outs, strict=True)]
+    return per_build(libs, outs, call)
 
 
 def norm_runs(libs: list[ctypes.CDLL], rows: int) -> list[Callable[[], torch.Tensor]]:
