@@ -8,7 +8,7 @@ medium checkpoint's shapes (64 scoring items of 32 tokens after one shared 1,024
 64 decode rows at a context of 300, 8 prompts of 256) and bfloat16 linear layers (a prefill's
 gate/up and down products, each gate/up also with its fused silu(gate) x up epilogue, a
 scoring step's 8,192-row down product, a 64-row decode product, and a whole decode step's
-products at 1 and 64 rows with weights of their own, streamed from memory; on the AMX kernels
+products at 1, 32 and 64 rows with weights of their own, streamed from memory; on the AMX kernels
 where the machine has tiles, else on the AVX-512 ones) and a decode step's small ones
 (RMSNorm of 32 and 64 rows, RoPE with the KV write of 32 and 64 tokens), and random sampling
 of 32 rows (flat and peaked logits).
@@ -48,7 +48,7 @@ LINEAR_SHAPES = [
     (64, 768, 4096, True),
 ]
 SMALL_ROWS = (32, 64)  # a decode step's batch
-STREAMED_ROWS = (1, 64)  # a decode step's products with its weights streamed from memory
+STREAMED_ROWS = (1, 32, 64)  # a decode step's products with its weights streamed from memory
 ATTENTION_CASES = {
     "attention, 64 x 32 after a shared 1024": (64, 1024, 32, True),
     "attention, 64 decode rows x 300": (64, 300, 1, False),

@@ -36,17 +36,38 @@ namespace {
 
 constexpr int NR = 32;
 constexpr int MR = 12;
+constexpr int64_t AHEAD = 32;  // k steps (float32) or pairs of k (bfloat16) ahead, 4 KiB
 
 using tokenmill::store;
+
+// The two cache lines `elements` on from `panel` asked for into L1. A microkernel's loop keeps too few
+// of its own loads in flight to stream weights from memory (a 12-row block's loop body is ~40
+// instructions), so a decode step's products waited on memory between short bursts of
+// arithmetic: asking AHEAD steps on (the next panel's first lines near the end: panels lie
+// one after the other) streams them under it. Changes no result.
+// NOTE: the address is an integer's: past the last panel it points at nothing, and a
+// prefetch of it never faults.
+template <typename T>
+inline void ask_ahead(const T* panel, int64_t elements) {
+#if defined(__AVX512F__)
+  const auto* ahead = reinterpret_cast<const char*>(
+      reinterpret_cast<uintptr_t>(panel) + static_cast<uintptr_t>(elements) * sizeof(T));
+  _mm_prefetch(ahead, _MM_HINT_T0);
+  _mm_prefetch(ahead + 64, _MM_HINT_T0);
+#else
+  (void)panel, (void)elements;
+#endif
+}
 
 // --- microkernels: acc[R][NR] = A[R rows, K] . panel[K][NR] -------------------------------
 
 #if defined(__AVX512F__)
-template <int R>
+template <int R, bool STREAM>
 void kernel_f32(const float* a, int64_t lda, const float* panel, int64_t k_len, float* acc) {
   __m512 c[R][2];
   for (int r = 0; r < R; ++r) c[r][0] = c[r][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < k_len; ++k) {
+    if (STREAM) ask_ahead(panel, (k + AHEAD) * NR);
     const __m512 b0 = _mm512_loadu_ps(panel + k * NR);
     const __m512 b1 = _mm512_loadu_ps(panel + k * NR + 16);
     for (int r = 0; r < R; ++r) {
@@ -61,7 +82,7 @@ void kernel_f32(const float* a, int64_t lda, const float* panel, int64_t k_len, 
   }
 }
 #else
-template <int R>
+template <int R, bool>
 void kernel_f32(const float* a, int64_t lda, const float* panel, int64_t k_len, float* acc) {
   std::fill(acc, acc + R * NR, 0.0f);
   for (int64_t k = 0; k < k_len; ++k)
@@ -72,27 +93,35 @@ void kernel_f32(const float* a, int64_t lda, const float* panel, int64_t k_len, 
 #endif
 
 #if defined(__AVX512BF16__)
-template <int R>
+// One pair of k into the R x 2 accumulators: word(r) is row r's pair of x.
+template <int R, typename Word>
+inline void pair_step(__m512 (&c)[R][2], const uint16_t* panel_pair, Word word) {
+  const __m512bh b0 = (__m512bh)_mm512_loadu_si512(panel_pair);
+  const __m512bh b1 = (__m512bh)_mm512_loadu_si512(panel_pair + NR);
+  for (int r = 0; r < R; ++r) {
+    const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(word(r)));
+    c[r][0] = _mm512_dpbf16_ps(c[r][0], x, b0);
+    c[r][1] = _mm512_dpbf16_ps(c[r][1], x, b1);
+  }
+}
+
+template <int R, bool STREAM>
 void kernel_bf16(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t k_len,
                  float* acc) {
   __m512 c[R][2];
   for (int r = 0; r < R; ++r) c[r][0] = c[r][1] = _mm512_setzero_ps();
-  const int64_t full_pairs = k_len / 2, pairs = (k_len + 1) / 2;
-  for (int64_t kp = 0; kp < pairs; ++kp) {
-    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(panel + kp * 2 * NR);
-    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(panel + kp * 2 * NR + NR);
-    for (int r = 0; r < R; ++r) {
+  const int64_t full_pairs = k_len / 2;
+  for (int64_t kp = 0; kp < full_pairs; ++kp) {
+    if (STREAM) ask_ahead(panel, (kp + AHEAD) * 2 * NR);
+    pair_step<R>(c, panel + kp * 2 * NR, [&](int r) {
       uint32_t word;
-      if (kp < full_pairs) {
-        std::memcpy(&word, a + r * lda + 2 * kp, 4);
-      } else {
-        word = tokenmill::pair_word(a + r * lda, kp, k_len);
-      }
-      const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(word));
-      c[r][0] = _mm512_dpbf16_ps(c[r][0], x, b0);
-      c[r][1] = _mm512_dpbf16_ps(c[r][1], x, b1);
-    }
+      std::memcpy(&word, a + r * lda + 2 * kp, 4);
+      return word;
+    });
   }
+  if (k_len % 2)
+    pair_step<R>(c, panel + full_pairs * 2 * NR,
+                 [&](int r) { return tokenmill::pair_word(a + r * lda, full_pairs, k_len); });
   for (int r = 0; r < R; ++r) {
     _mm512_storeu_ps(acc + r * NR, c[r][0]);
     _mm512_storeu_ps(acc + r * NR + 16, c[r][1]);
@@ -100,7 +129,7 @@ void kernel_bf16(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t 
 }
 #else
 // VDPBF16PS, lane by lane (bf16.h's dot_pair).
-template <int R>
+template <int R, bool>
 void kernel_bf16(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t k_len,
                  float* acc) {
   std::fill(acc, acc + R * NR, 0.0f);
@@ -120,21 +149,29 @@ void kernel_bf16(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t 
 template <typename T>
 using Kernel = void (*)(const T*, int64_t, const T*, int64_t, float*);
 
-template <int R>
+template <int R, bool STREAM>
 struct F32 {
-  static constexpr Kernel<float> fn = kernel_f32<R>;
+  static constexpr Kernel<float> fn = kernel_f32<R, STREAM>;
 };
-template <int R>
+template <int R, bool STREAM>
 struct BF16 {
-  static constexpr Kernel<uint16_t> fn = kernel_bf16<R>;
+  static constexpr Kernel<uint16_t> fn = kernel_bf16<R, STREAM>;
 };
 
-template <typename T, template <int> class K>
-Kernel<T> kernel_for(int rows) {
-  static const Kernel<T> table[MR + 1] = {nullptr,    K<1>::fn,  K<2>::fn, K<3>::fn, K<4>::fn,
-                                          K<5>::fn,   K<6>::fn,  K<7>::fn, K<8>::fn, K<9>::fn,
-                                          K<10>::fn,  K<11>::fn, K<12>::fn};
+template <typename T, template <int, bool> class K, bool STREAM>
+Kernel<T> kernel_of(int rows) {
+  static const Kernel<T> table[MR + 1] = {
+      nullptr,           K<1, STREAM>::fn,  K<2, STREAM>::fn,  K<3, STREAM>::fn,
+      K<4, STREAM>::fn,  K<5, STREAM>::fn,  K<6, STREAM>::fn,  K<7, STREAM>::fn,
+      K<8, STREAM>::fn,  K<9, STREAM>::fn,  K<10, STREAM>::fn, K<11, STREAM>::fn,
+      K<12, STREAM>::fn};
   return table[rows];
+}
+
+// `stream`: the microkernel that asks for its panel ahead of its loads (see ask_ahead).
+template <typename T, template <int, bool> class K>
+Kernel<T> kernel_for(int rows, bool stream) {
+  return stream ? kernel_of<T, K, true>(rows) : kernel_of<T, K, false>(rows);
 }
 
 // Rows of x a pass over every panel takes: about 512 KiB of x, so that it stays in each core's
@@ -145,7 +182,7 @@ inline int64_t rows_per_pass(int64_t k_len, int64_t elem_bytes) {
   return std::max<int64_t>(MR, rows);
 }
 
-template <typename T, typename Out, template <int> class K>
+template <typename T, typename Out, template <int, bool> class K>
 void linear(const T* x, int64_t m, int64_t k_len, int64_t lda, const T* packed, int64_t n,
             const float* bias, Out* out, int64_t ldc, const Out* residual, bool glu) {
   const int64_t num_panels = (n + NR - 1) / NR;
@@ -162,7 +199,9 @@ void linear(const T* x, int64_t m, int64_t k_len, int64_t lda, const T* packed, 
       const int64_t col0 = p * NR, cols = std::min<int64_t>(NR, n - col0);
       for (int64_t m0 = first; m0 < last; m0 += MR) {
         const int rows = static_cast<int>(std::min<int64_t>(MR, last - m0));
-        kernel_for<T, K>(rows)(x + m0 * lda, lda, packed + p * panel_elems, k_len, acc);
+        // NOTE: the first block of a pass brings the panel in; the others find it in L2.
+        kernel_for<T, K>(rows, m0 == first)(x + m0 * lda, lda, packed + p * panel_elems, k_len,
+                                            acc);
         for (int r = 0; r < rows; ++r) {
           const int64_t row = m0 + r;
           const float* b = bias ? bias + col0 : nullptr;
