@@ -40,11 +40,11 @@ constexpr int64_t AHEAD = 32;  // k steps (float32) or pairs of k (bfloat16) ahe
 
 using tokenmill::store;
 
-// The two cache lines `elements` on from `panel` asked for into L1. A microkernel's loop keeps too few
-// of its own loads in flight to stream weights from memory (a 12-row block's loop body is ~40
-// instructions), so a decode step's products waited on memory between short bursts of
-// arithmetic: asking AHEAD steps on (the next panel's first lines near the end: panels lie
-// one after the other) streams them under it. Changes no result.
+// The two cache lines `elements` on from `panel`, asked for into L1. A microkernel's loop
+// keeps too few of its own loads in flight to stream weights from memory (a 12-row block's
+// loop body is ~40 instructions), so a decode step's products waited on memory between short
+// bursts of arithmetic: asking AHEAD steps on (near the end, the next panel's first lines:
+// panels lie one after the other) streams them under it. Changes no result.
 // NOTE: the address is an integer's: past the last panel it points at nothing, and a
 // prefetch of it never faults.
 template <typename T>
@@ -110,6 +110,8 @@ void kernel_bf16(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t 
                  float* acc) {
   __m512 c[R][2];
   for (int r = 0; r < R; ++r) c[r][0] = c[r][1] = _mm512_setzero_ps();
+  // NOTE: an odd k's last pair comes after the loop, not as a branch inside it: with the
+  // branch and the prefetch in one loop, gcc kept the accumulators on the stack (3x slower).
   const int64_t full_pairs = k_len / 2;
   for (int64_t kp = 0; kp < full_pairs; ++kp) {
     if (STREAM) ask_ahead(panel, (kp + AHEAD) * 2 * NR);
