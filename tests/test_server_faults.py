@@ -49,9 +49,15 @@ def assert_gone(pids, timeout: float = 10.0) -> None:
     assert not any(alive(p) for p in pids), "orphan processes left"
 
 
-def long_request(server, errors: list[BaseException], max_tokens: int = 900) -> None:
+def long_request(
+    server,
+    errors: list[BaseException],
+    max_tokens: int = 900,
+    streaming: threading.Event | None = None,
+) -> None:
     """A stream long enough to be in flight when a test breaks the server; the error it
-    must end in (not a hang, not a success) goes to `errors`."""
+    must end in (not a hang, not a success) goes to `errors`. `streaming` is set when its
+    first token arrives."""
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
     try:
         for _ in client.completions.create(
@@ -61,7 +67,8 @@ def long_request(server, errors: list[BaseException], max_tokens: int = 900) -> 
             stream=True,
             extra_body={"ignore_eos": True},
         ):
-            pass
+            if streaming is not None:
+                streaming.set()
     except Exception as e:
         errors.append(e)
 
@@ -98,9 +105,12 @@ def check_a_dead_child_stops_the_server(server, victim: str) -> None:
     runtime_dir = re.search(r"ipc://(/[^/\"]+/tokenmill-[^/\"]+)/", " ".join(children.values()))[1]
     assert Path(runtime_dir).stat().st_mode & 0o777 == 0o700
     errors: list[BaseException] = []
-    thread = threading.Thread(target=long_request, args=(server, errors, 2000))
+    streaming = threading.Event()
+    thread = threading.Thread(target=long_request, args=(server, errors, 2000, streaming))
     thread.start()
-    wait_running(server)
+    # NOTE: its first token, not the running-requests gauge: the gauge is reported every
+    # 0.25 s, and the tiny model can stream much of 2,000 tokens in that time.
+    assert streaming.wait(timeout=30), "the request never streamed"
     (pid,) = [p for p, cmd in children.items() if victim in cmd]
     os.kill(pid, signal.SIGKILL)
     code = server.proc.wait(timeout=30)
