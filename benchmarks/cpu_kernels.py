@@ -3,9 +3,10 @@ our AMX kernel where the CPU has it, torch's F.linear) and bfloat16 attention (A
 AMX), at the medium checkpoint's shapes, rounds interleaved, medians printed.
 
 Linear: a decode step's weights (every projection of the 12 layers, each weight distinct so
-that it streams from memory as in a real step) at 1, 32 and 64 rows, and one prefill product
-of [2048 x 768 x 4096] (gate/up). Attention: 64 decode rows at a context of 300, 8
-prompts of 256 tokens, and 64 scoring items of 32 tokens after one shared 1,024-token query.
+that it streams from memory as in a real step) at 1, 12 (one block of rows), 32 and 64 rows,
+and one prefill product of [2048 x 768 x 4096] (gate/up). Attention: 64 decode rows at a
+context of 300, 8 prompts of 256 tokens, and 64 scoring items of 32 tokens after one shared
+1,024-token query.
 GFLOP/s count 2 x multiply-adds; GB/s count the weights' bytes.
 
     python benchmarks/cpu_kernels.py [--rounds 7]
@@ -55,7 +56,7 @@ def linear_cases(kinds: dict[str, str]) -> dict[str, dict[str, Callable[[], obje
         os.environ["TOKENMILL_CPU_AMX"] = flag
         packed[label] = [PackedLinear(w, None) for w in weights]
     cases: dict[str, dict[str, Callable[[], object]]] = {}
-    for rows in (1, 32, 64):
+    for rows in (1, 12, 32, 64):
         xs = {k: torch.randn(rows, k, generator=gen).bfloat16() for k in (HIDDEN, INTER)}
 
         def ours(layers: list[PackedLinear], xs: dict = xs) -> None:
