@@ -330,6 +330,26 @@ struct Scratch {
   std::vector<uint16_t> masks;  // [num_keys] lanes that see each key
 };
 
+#if defined(__AVX512F__)
+// scores[kk][l] = scale * dot_pair over the pairs p ascending of q_pairs[p][l] and word(kk, p),
+// key kk's pair p, for NK keys, queries in the lanes: NK independent sums in flight.
+template <int NK, typename Word>
+void score_pairs16(const uint32_t* q_pairs, int64_t pairs, Word word, float scale,
+                   float* scores) {
+  __m512 acc[NK];
+  for (int kk = 0; kk < NK; ++kk) acc[kk] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const __m512i q = _mm512_loadu_si512(q_pairs + p * LANES);
+    for (int kk = 0; kk < NK; ++kk)
+      acc[kk] = tokenmill::dot_pair16(acc[kk], q,
+                                      _mm512_set1_epi32(static_cast<int>(word(kk, p))));
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int kk = 0; kk < NK; ++kk)
+    _mm512_storeu_ps(scores + kk * LANES, _mm512_mul_ps(acc[kk], sc));
+}
+#endif
+
 // bfloat16, queries in the lanes: scores[kk][l] = scale * dot_pair over the pairs ascending
 // of q_pairs[p][l] and key kk's pair p, for the nk (<= KEY_BLOCK) keys of a block starting at
 // `slots` (rows past nk hold leftovers and are never read).
@@ -339,23 +359,18 @@ void score_block_pairs(const uint32_t* q_pairs, const uint16_t* keys, const int3
   for (int kk = 0; kk < KEY_BLOCK; ++kk) rows[kk] = keys + slots[std::min(kk, nk - 1)] * stride;
   const int64_t pairs = (dim + 1) / 2;
 #if defined(__AVX512F__)
-  __m512 acc[KEY_BLOCK];
-  for (int kk = 0; kk < KEY_BLOCK; ++kk) acc[kk] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < pairs; ++p) {
-    const __m512i q = _mm512_loadu_si512(q_pairs + p * LANES);
-    for (int kk = 0; kk < KEY_BLOCK; ++kk) {
-      uint32_t word;
-      if (2 * p + 1 < dim) {
-        std::memcpy(&word, rows[kk] + 2 * p, 4);  // NOTE: one broadcast load
-      } else {
-        word = tokenmill::pair_word(rows[kk], p, dim);
-      }
-      acc[kk] = tokenmill::dot_pair16(acc[kk], q, _mm512_set1_epi32(static_cast<int>(word)));
-    }
-  }
-  const __m512 sc = _mm512_set1_ps(scale);
-  for (int kk = 0; kk < KEY_BLOCK; ++kk)
-    _mm512_storeu_ps(scores + kk * LANES, _mm512_mul_ps(acc[kk], sc));
+  score_pairs16<KEY_BLOCK>(
+      q_pairs, pairs,
+      [&](int kk, int64_t p) {
+        uint32_t word;
+        if (2 * p + 1 < dim) {
+          std::memcpy(&word, rows[kk] + 2 * p, 4);  // NOTE: one broadcast load
+        } else {
+          word = tokenmill::pair_word(rows[kk], p, dim);
+        }
+        return word;
+      },
+      scale, scores);
 #else
   for (int kk = 0; kk < nk; ++kk)
     for (int l = 0; l < LANES; ++l) {
@@ -378,19 +393,14 @@ void score_copied_block(const uint32_t* q_pairs, const uint16_t* keys, const int
                         int nk, int64_t stride, float scale, uint16_t* rows, float* scores) {
   for (int kk = 0; kk < 16; ++kk)
     std::memcpy(rows + kk * DIM, keys + slots[std::min(kk, nk - 1)] * stride, DIM * 2);
-  __m512 acc[16];
-  for (int kk = 0; kk < 16; ++kk) acc[kk] = _mm512_setzero_ps();
-  for (int p = 0; p < DIM / 2; ++p) {
-    const __m512i q = _mm512_loadu_si512(q_pairs + p * LANES);
-    for (int kk = 0; kk < 16; ++kk) {
-      uint32_t word;
-      std::memcpy(&word, rows + kk * DIM + 2 * p, 4);
-      acc[kk] = tokenmill::dot_pair16(acc[kk], q, _mm512_set1_epi32(static_cast<int>(word)));
-    }
-  }
-  const __m512 sc = _mm512_set1_ps(scale);
-  for (int kk = 0; kk < 16; ++kk)
-    _mm512_storeu_ps(scores + kk * LANES, _mm512_mul_ps(acc[kk], sc));
+  score_pairs16<16>(
+      q_pairs, DIM / 2,
+      [rows](int kk, int64_t p) {
+        uint32_t word;
+        std::memcpy(&word, rows + kk * DIM + 2 * p, 4);
+        return word;
+      },
+      scale, scores);
 }
 
 // Every key scored by score_copied_block, where the head size has one (64 or 128 columns).
