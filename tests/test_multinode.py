@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,7 @@ import pytest
 import zmq
 from helpers import assert_same_tp_answer
 from server_process import ServerProcess, start_server
-from test_server_faults import assert_gone, children_of, long_request
+from test_server_faults import assert_gone, children_of, streaming_request
 
 from tokenmill.frontend.server_config import ParallelArgs, validate_parallel
 from tokenmill.protocol.cluster import ClusterKey, NodeHello
@@ -170,10 +169,7 @@ def test_a_dead_remote_rank_fails_requests_and_stops_both_nodes(
     cluster = start_cluster(tiny_checkpoint("llama"), tmp_path)
     try:
         errors: list[BaseException] = []
-        streaming = threading.Event()
-        thread = threading.Thread(target=long_request, args=(cluster.node0, errors, 900, streaming))
-        thread.start()
-        assert streaming.wait(timeout=30), "the request never streamed"
+        thread = streaming_request(cluster.node0, errors, 900)
         (rank1,) = children_of(cluster.node1.pid)
         node0_children = children_of(cluster.node0.proc.pid)
         os.kill(rank1, signal.SIGKILL)

@@ -49,6 +49,17 @@ def assert_gone(pids, timeout: float = 10.0) -> None:
     assert not any(alive(p) for p in pids), "orphan processes left"
 
 
+def streaming_request(server, errors: list[BaseException], max_tokens: int) -> threading.Thread:
+    """long_request in a thread, once its first token has arrived: the request is in flight.
+    NOTE: its first token, not the running-requests gauge: the gauge is reported every 0.25 s,
+    and the tiny model can stream much of 2,000 tokens in that time."""
+    streaming = threading.Event()
+    thread = threading.Thread(target=long_request, args=(server, errors, max_tokens, streaming))
+    thread.start()
+    assert streaming.wait(timeout=30), "the request never streamed"
+    return thread
+
+
 def long_request(
     server,
     errors: list[BaseException],
@@ -105,12 +116,7 @@ def check_a_dead_child_stops_the_server(server, victim: str) -> None:
     runtime_dir = re.search(r"ipc://(/[^/\"]+/tokenmill-[^/\"]+)/", " ".join(children.values()))[1]
     assert Path(runtime_dir).stat().st_mode & 0o777 == 0o700
     errors: list[BaseException] = []
-    streaming = threading.Event()
-    thread = threading.Thread(target=long_request, args=(server, errors, 2000, streaming))
-    thread.start()
-    # NOTE: its first token, not the running-requests gauge: the gauge is reported every
-    # 0.25 s, and the tiny model can stream much of 2,000 tokens in that time.
-    assert streaming.wait(timeout=30), "the request never streamed"
+    thread = streaming_request(server, errors, 2000)
     (pid,) = [p for p, cmd in children.items() if victim in cmd]
     os.kill(pid, signal.SIGKILL)
     code = server.proc.wait(timeout=30)
