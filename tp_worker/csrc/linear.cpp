@@ -47,17 +47,15 @@ using tokenmill::store;
 // panels lie one after the other) streams them under it. Changes no result.
 // NOTE: the address is an integer's: past the last panel it points at nothing, and a
 // prefetch of it never faults.
+#if defined(__AVX512F__)
 template <typename T>
 inline void ask_ahead(const T* panel, int64_t elements) {
-#if defined(__AVX512F__)
   const auto* ahead = reinterpret_cast<const char*>(
       reinterpret_cast<uintptr_t>(panel) + static_cast<uintptr_t>(elements) * sizeof(T));
   _mm_prefetch(ahead, _MM_HINT_T0);
   _mm_prefetch(ahead + 64, _MM_HINT_T0);
-#else
-  (void)panel, (void)elements;
-#endif
 }
+#endif
 
 // --- microkernels: acc[R][NR] = A[R rows, K] . panel[K][NR] -------------------------------
 
