@@ -11,7 +11,8 @@ scoring step's 8,192-row down product, a 64-row decode product, and a whole deco
 products at 1, 32 and 64 rows with weights of their own, streamed from memory; on the AMX kernels
 where the machine has tiles, else on the AVX-512 ones) and a decode step's small ones
 (RMSNorm of 32 and 64 rows, RoPE with the KV write of 32 and 64 tokens), and random sampling
-of 32 rows (flat and peaked logits).
+of 32 rows (flat and peaked logits), their greedy argmax and their log-softmax statistics
+with the top 5.
 
     python benchmarks/kernel_ab.py [--against HEAD] [--rounds 20]
         [--only attention|linear|small|sampling]
@@ -236,6 +237,39 @@ def sample_runs(
     return per_build(libs, outs, call)
 
 
+def greedy_runs(libs: list[ctypes.CDLL], logits: torch.Tensor) -> list[Callable[[], torch.Tensor]]:
+    """Each row's max and its first index (a greedy step's ids): [max, index] as floats."""
+    rows, vocab = logits.shape
+
+    def call(lib: ctypes.CDLL, out: torch.Tensor) -> torch.Tensor:
+        ids = torch.empty(rows, dtype=torch.int64)
+        lib.tm_row_argmax(logits.data_ptr(), rows, vocab, vocab, out.data_ptr(), ids.data_ptr())
+        return torch.cat([out, ids.float()])
+
+    outs = [torch.empty(rows) for _ in libs]
+    return per_build(libs, outs, call)
+
+
+def log_softmax_runs(
+    libs: list[ctypes.CDLL], logits: torch.Tensor, top: int
+) -> list[Callable[[], torch.Tensor]]:
+    """The log-softmax statistics of every row and its top `top`: max, logsum, top values."""
+    rows, vocab = logits.shape
+
+    def call(lib: ctypes.CDLL, out: torch.Tensor) -> torch.Tensor:
+        argmax = torch.empty(rows, dtype=torch.int64)
+        ids = torch.empty(rows, top, dtype=torch.int32)
+        max_, logsum, values = out[:rows], out[rows : 2 * rows], out[2 * rows :]
+        lib.tm_log_softmax_stats(
+            logits.data_ptr(), rows, vocab, vocab, max_.data_ptr(), argmax.data_ptr(),
+            logsum.data_ptr(), top, ids.data_ptr(), values.data_ptr(),
+        )  # fmt: skip
+        return torch.cat([out, argmax.float(), ids.flatten().float()])
+
+    outs = [torch.empty(rows * (2 + top)) for _ in libs]
+    return per_build(libs, outs, call)
+
+
 def sampling_runs(libs: list[ctypes.CDLL]) -> dict[str, list[Callable[[], torch.Tensor]]]:
     """32 rows of a 32,768 vocabulary: flat logits (normal, scale 3: most tokens within reach
     of the top, as a random-weight checkpoint's) and peaked ones (8 tokens near 0, the rest
@@ -248,6 +282,8 @@ def sampling_runs(libs: list[ctypes.CDLL]) -> dict[str, list[Callable[[], torch.
     for name, logits in (("flat", flat), ("peaked", peaked)):
         runs[f"sample 32 x 32768 {name}, T=1"] = sample_runs(libs, logits, 1.0, 1.0)
         runs[f"sample 32 x 32768 {name}, T=0.7 top_p=0.9"] = sample_runs(libs, logits, 0.7, 0.9)
+        runs[f"argmax 32 x 32768 {name}"] = greedy_runs(libs, logits)
+        runs[f"log-softmax + top 5, 32 x 32768 {name}"] = log_softmax_runs(libs, logits, 5)
     return runs
 
 
