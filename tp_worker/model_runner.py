@@ -132,8 +132,7 @@ class ModelRunner:
         """The final hidden states [P, hidden] of the prompt positions scored and the float32
         logits [B, V] of each row's last position (timed under --step-timing: the model's
         share of a step)."""
-        rows = inputs.req_rows.repeat_interleave(inputs.extend_lens)
-        self.table[rows, inputs.positions] = inputs.out_slots.int()
+        self.table[inputs.token_rows, inputs.positions] = inputs.out_slots.int()
         attention = plan_attention(
             self.table,
             inputs.req_rows,
@@ -144,7 +143,7 @@ class ModelRunner:
             inputs.out_slots,
             self.model_config.sliding_window,
             self.attention_backend,
-            rows,
+            inputs.token_rows,
             inputs.positions,
         )
         # NOTE: the last layer computes only the tokens read, where the backend allows it.

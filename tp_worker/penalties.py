@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tokenmill.protocol.arrays import Array, unpack
+from tokenmill.protocol.arrays import unpack
 from tokenmill.protocol.step import ForwardBatch, LogitBias, PenaltyBatch, StopBan
 
 
@@ -24,10 +24,12 @@ def _to(values: np.ndarray, device: torch.device, dtype: torch.dtype) -> torch.T
     return torch.from_numpy(np.array(values)).to(device=device, dtype=dtype)
 
 
-def _row_of_each(offsets: Array) -> np.ndarray:
-    """[B+1] offsets -> [L] the row each element belongs to."""
-    o = unpack(offsets).astype(np.int64)
-    return np.repeat(np.arange(len(o) - 1), np.diff(o))
+def row_of_each(offsets: np.ndarray) -> np.ndarray:
+    """[B+1] offsets -> [L] int64 the row each element belongs to: [0, 2, 2, 5] ->
+    [0, 0, 2, 2, 2]."""
+    if offsets[-1] == 0:
+        return np.zeros(0, np.int64)  # NOTE: most steps; no numpy calls below
+    return np.repeat(np.arange(len(offsets) - 1), np.diff(offsets.astype(np.int64)))
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,7 @@ class StopBanTensors:
     @staticmethod
     def from_message(ban: StopBan, device: torch.device) -> StopBanTensors:
         steps = unpack(ban.num_steps).astype(np.int64)
-        rows = _row_of_each(ban.offsets)
+        rows = row_of_each(unpack(ban.offsets))
         eos_rows = np.flatnonzero(unpack(ban.ban_eos) & (steps > 0))
         return StopBanTensors(
             num_steps=steps,
@@ -63,7 +65,7 @@ class BiasTensors:
     @staticmethod
     def from_message(bias: LogitBias, device: torch.device) -> BiasTensors:
         return BiasTensors(
-            rows=_to(_row_of_each(bias.offsets), device, torch.int64),
+            rows=_to(row_of_each(unpack(bias.offsets)), device, torch.int64),
             ids=_to(unpack(bias.ids), device, torch.int64),
             values=_to(unpack(bias.values), device, torch.float32),
         )
@@ -113,7 +115,7 @@ def _fed_tokens(p: PenaltyBatch, batch: ForwardBatch) -> tuple[np.ndarray, ...]:
     """([N] batch row, [N] position, [N] id) of the history and the step's input tokens."""
     extend = unpack(batch.extend_lens).astype(np.int64)
     prefix = unpack(batch.prefix_lens).astype(np.int64)
-    hist_row = _row_of_each(p.history_offsets)
+    hist_row = row_of_each(unpack(p.history_offsets))
     hist_pos = np.arange(len(hist_row)) - unpack(p.history_offsets)[hist_row]
     fed_row = np.repeat(np.arange(len(extend)), extend)
     fed_pos = np.arange(len(fed_row)) - np.repeat(np.cumsum(extend) - extend, extend)

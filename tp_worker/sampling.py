@@ -26,6 +26,19 @@ class SamplingTensors:
     top_p: torch.Tensor  # [B] float32; 1 = off
     min_p: torch.Tensor  # [B] float32; 0 = off
     seed: torch.Tensor  # [B] int64
+    # NOTE: [R] int64 rows with temperature > 0, where the caller found them on the host (a
+    # device nonzero() per step is a sync on a GPU and ~40 us on a cold CPU); None: found here.
+    random_rows: torch.Tensor | None = None
+
+    @property
+    def any_random(self) -> bool:
+        return len(self.sampled_rows()) > 0
+
+    def sampled_rows(self) -> torch.Tensor:
+        """The rows that draw noise (temperature > 0)."""
+        if self.random_rows is None:
+            return (self.temperature > 0).nonzero().squeeze(1)
+        return self.random_rows
 
     def rows(self, index: torch.Tensor) -> SamplingTensors:
         return SamplingTensors(
@@ -36,18 +49,20 @@ class SamplingTensors:
 def sample(
     logits: torch.Tensor,
     params: SamplingTensors,
-    positions: torch.Tensor,
+    positions: torch.Tensor | None,
     greedy: torch.Tensor | None = None,
     cpu_kernel: bool = False,
 ) -> torch.Tensor:
-    """logits [B, V] float32, positions [B] (of the token being sampled) -> ids [B] int64.
-    `greedy`: logits.argmax(-1) where the caller already has it. cpu_kernel: the random rows
+    """logits [B, V] float32, positions [B] (of the token being sampled; read only where a
+    row has temperature > 0) -> ids [B] int64. `greedy`: logits.argmax(-1) where the caller
+    already has it (returned as it is when every row is greedy). cpu_kernel: the random rows
     through csrc/sample.cpp (float32 logits in CPU memory): the same distribution and noise,
     without a sort of the vocabulary or any [B, V] temporary."""
-    ids = greedy_ids(logits, cpu_kernel) if greedy is None else greedy.clone()
-    random_rows = (params.temperature > 0).nonzero().squeeze(1)
+    random_rows = params.sampled_rows()
     if len(random_rows) == 0:
-        return ids
+        return greedy_ids(logits, cpu_kernel) if greedy is None else greedy
+    assert positions is not None, "rows that draw noise need their positions"
+    ids = greedy_ids(logits, cpu_kernel) if greedy is None else greedy.clone()
     sub = params.rows(random_rows)
     if cpu_kernel:
         ids[random_rows] = _sample_cpu(logits, random_rows, sub, positions[random_rows])

@@ -13,7 +13,7 @@ import torch
 
 from tokenmill.protocol.arrays import Array, unpack
 from tokenmill.protocol.step import ForwardBatch
-from tokenmill.tp_worker.penalties import LogitAdjustments
+from tokenmill.tp_worker.penalties import LogitAdjustments, row_of_each
 from tokenmill.tp_worker.sampling import SamplingTensors
 
 _NUMPY_OF = {
@@ -26,7 +26,14 @@ _NUMPY_OF = {
 
 def _tensor(array: Array, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """One copy out of the message's bytes (which are read-only), already in `dtype`."""
-    return torch.from_numpy(unpack(array).astype(_NUMPY_OF[dtype])).to(device)
+    return _on(unpack(array).astype(_NUMPY_OF[dtype]), device)
+
+
+def _on(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A writable host array as a tensor on `device` (the same memory on the CPU).
+    NOTE: no .to() call on the CPU: a step builds ~25 of these, each a dispatcher round."""
+    tensor = torch.from_numpy(array)
+    return tensor if device.type == "cpu" else tensor.to(device)
 
 
 @dataclass(frozen=True)
@@ -80,6 +87,7 @@ class StepInputs:
     positions: torch.Tensor  # [T] int64
     out_slots: torch.Tensor  # [T] int64
     req_rows: torch.Tensor  # [B] int64
+    token_rows: torch.Tensor  # [T] int64 table row of each new token
     prefix_lens: torch.Tensor  # [B] int64
     extend_lens: torch.Tensor  # [B] int64
     is_prefill: torch.Tensor  # [B] bool
@@ -89,7 +97,6 @@ class StepInputs:
     fill_slots: torch.Tensor  # [sum(fill_lens)] int32
     sampling: SamplingTensors
     adjust: LogitAdjustments  # stop ban, logit bias, penalties (before temperature)
-    num_top: torch.Tensor  # [B] int64
     top_rows: torch.Tensor  # [R] int64 rows with num_top > 0
     max_top: int
     token_id_rows: torch.Tensor  # [M] int64 row of each caller-given id
@@ -97,7 +104,7 @@ class StepInputs:
     prompt_rows: torch.Tensor  # [Pr] int64 rows scoring prompt positions
     prompt_hidden_index: torch.Tensor  # [P] int64 token index in [T] of each scoring state
     prompt_targets: torch.Tensor  # [P] int64 token each of those states predicts
-    prompt_counts: torch.Tensor  # [B] int64 scored prompt positions per row
+    prompt_offsets: np.ndarray  # [B + 1] int32 each row's first scored prompt position in [P]
     prompt_num_top: int
     sampled_logprobs: bool  # some row reads its sampled tokens' logprobs
     decode_slots: torch.Tensor | None  # [N-1, B] int64
@@ -107,47 +114,43 @@ class StepInputs:
     def from_batch(batch: ForwardBatch, device: torch.device) -> StepInputs:
         extend_np = unpack(batch.extend_lens).astype(np.int64)
         prefix_np = unpack(batch.prefix_lens).astype(np.int64)
-        extend_lens = torch.from_numpy(extend_np).to(device)
-        prefix_lens = torch.from_numpy(prefix_np).to(device)
         starts_np = np.cumsum(extend_np) - extend_np
-        starts = torch.from_numpy(starts_np).to(device)
         positions = np.repeat(prefix_np - starts_np, extend_np) + np.arange(extend_np.sum())
-        input_ids = _tensor(batch.input_ids, device)
-        num_top = _tensor(batch.logprobs.num_top, device)
-        token_offsets = unpack(batch.logprobs.token_ids_offsets)
+        req_rows = unpack(batch.req_rows).astype(np.int64)
+        num_top = unpack(batch.logprobs.num_top)
         prompt = _prompt_plan(batch, extend_np, prefix_np, starts_np)
         s = batch.sampling
+        temperature = unpack(s.temperature).astype(np.float32)
         return StepInputs(
-            input_ids=input_ids,
-            positions=torch.from_numpy(positions).to(device),
+            input_ids=_tensor(batch.input_ids, device),
+            positions=_on(positions, device),
             out_slots=_tensor(batch.out_slots, device),
-            req_rows=_tensor(batch.req_rows, device),
-            prefix_lens=prefix_lens,
-            extend_lens=extend_lens,
+            req_rows=_on(req_rows, device),
+            token_rows=_on(np.repeat(req_rows, extend_np), device),
+            prefix_lens=_on(prefix_np, device),
+            extend_lens=_on(extend_np, device),
             is_prefill=_tensor(batch.is_prefill, device, torch.bool),
-            starts=starts,
+            starts=_on(starts_np, device),
             fill_rows=_tensor(batch.fill_rows, device),
             fill_lens=_tensor(batch.fill_lens, device),
             fill_slots=_tensor(batch.fill_slots, device, torch.int32),
             sampling=SamplingTensors(
-                temperature=_tensor(s.temperature, device, torch.float32),
+                temperature=_on(temperature, device),
                 top_k=_tensor(s.top_k, device),
                 top_p=_tensor(s.top_p, device, torch.float32),
                 min_p=_tensor(s.min_p, device, torch.float32),
                 seed=_tensor(s.seed, device),
+                random_rows=_on(np.flatnonzero(temperature > 0), device),
             ),
             adjust=LogitAdjustments.from_batch(batch, device),
-            num_top=num_top,
-            top_rows=(num_top > 0).nonzero().squeeze(1),
-            max_top=int(num_top.max()) if num_top.numel() else 0,
-            token_id_rows=torch.from_numpy(
-                np.repeat(np.arange(len(token_offsets) - 1), np.diff(token_offsets))
-            ).to(device),
+            top_rows=_on(np.flatnonzero(num_top > 0), device),
+            max_top=int(num_top.max()) if len(num_top) else 0,
+            token_id_rows=_on(row_of_each(unpack(batch.logprobs.token_ids_offsets)), device),
             token_ids=_tensor(batch.logprobs.token_ids, device),
-            prompt_rows=torch.from_numpy(prompt.rows).to(device),
-            prompt_hidden_index=torch.from_numpy(prompt.hidden_index).to(device),
-            prompt_targets=torch.from_numpy(prompt.targets).to(device),
-            prompt_counts=torch.from_numpy(prompt.counts),
+            prompt_rows=_on(prompt.rows, device),
+            prompt_hidden_index=_on(prompt.hidden_index, device),
+            prompt_targets=_on(prompt.targets, device),
+            prompt_offsets=prompt.offsets,
             prompt_num_top=prompt.num_top,
             sampled_logprobs=batch.logprobs.sampled,
             decode_slots=None
@@ -167,6 +170,7 @@ class StepInputs:
         return replace(
             self,
             positions=seq_lens,
+            token_rows=self.req_rows,
             out_slots=self.decode_slots[step - 1],
             prefix_lens=seq_lens,
             extend_lens=ones,
@@ -182,7 +186,7 @@ class _PromptPlan:
     rows: np.ndarray
     hidden_index: np.ndarray
     targets: np.ndarray
-    counts: np.ndarray
+    offsets: np.ndarray  # [B + 1] int32
     num_top: int
     keep_from: np.ndarray  # [B] first token (from the row's first new one) whose state is read
 
@@ -194,12 +198,16 @@ def _prompt_plan(
     token at p + 1, scored when p + 1 >= prompt_start (the chunk's last state predicts
     prompt_next_id, or nothing when the chunk ends the prompt)."""
     asks = batch.logprobs
-    prompt_start, next_ids = unpack(asks.prompt_start), unpack(asks.prompt_next_id)
-    num_top = unpack(asks.num_top)
-    input_ids = unpack(batch.input_ids).astype(np.int64)
+    prompt_start = unpack(asks.prompt_start)
     rows = np.flatnonzero(prompt_start >= 0)
-    counts = np.zeros(len(extend_lens), np.int64)
     keep_from = np.maximum(extend_lens - 1, 0)  # NOTE: the last token's state gives the logits
+    if not len(rows):  # NOTE: most steps: nothing below to compute
+        none = np.zeros(0, np.int64)
+        offsets = np.zeros(len(extend_lens) + 1, np.int32)
+        return _PromptPlan(none, none, none, offsets, 0, keep_from)
+    next_ids, num_top = unpack(asks.prompt_next_id), unpack(asks.num_top)
+    input_ids = unpack(batch.input_ids).astype(np.int64)
+    counts = np.zeros(len(extend_lens), np.int64)
     hidden, targets = [], []
     for b in rows:  # NOTE: a loop over rows that asked, not over tokens or the vocabulary.
         first = max(int(prompt_start[b]) - 1, int(prefix_lens[b])) - int(prefix_lens[b])
@@ -218,7 +226,7 @@ def _prompt_plan(
         rows=rows.astype(np.int64),
         hidden_index=np.concatenate(hidden) if hidden else np.zeros(0, np.int64),
         targets=np.concatenate(targets) if targets else np.zeros(0, np.int64),
-        counts=counts,
+        offsets=np.concatenate([[0], np.cumsum(counts)]).astype(np.int32),
         num_top=int(num_top[rows].max()) if len(rows) else 0,
         keep_from=keep_from,
     )

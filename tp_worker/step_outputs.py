@@ -19,11 +19,14 @@ from tokenmill.tp_worker.step_inputs import StepInputs
 
 @dataclass(frozen=True)
 class SampledScores:
+    """NOTE: None where no row reads it: the result's arrays are then NaN or empty, made on
+    the host without a device tensor (a greedy step without logprobs is most steps)."""
+
     next_ids: torch.Tensor  # [B] int64
-    logprobs: torch.Tensor  # [B] float32
-    top_ids: torch.Tensor  # [R, K] int32
-    top_logprobs: torch.Tensor  # [R, K] float32
-    token_ids_logprobs: torch.Tensor  # [M] float32
+    logprobs: torch.Tensor | None = None  # [B] float32
+    top_ids: torch.Tensor | None = None  # [R, K] int32
+    top_logprobs: torch.Tensor | None = None  # [R, K] float32
+    token_ids_logprobs: torch.Tensor | None = None  # [M] float32
 
 
 def score_sampled(
@@ -39,7 +42,6 @@ def score_sampled(
     cpu_kernel: the raw log-softmax, the greedy ids and (raw mode) the random rows' sampling
     through csrc/ (LogSoftmax.of, sampling.greedy_ids, sampling.sample). Where no row reads
     them (inputs.sampled_logprobs), no log-softmax runs and the scores are NaN."""
-    positions = inputs.prefix_lens + inputs.extend_lens
     adjusted = logits if adjusted is None else adjusted
     scores = None
     if inputs.sampled_logprobs:
@@ -56,33 +58,24 @@ def score_sampled(
     # NOTE: processed mode samples with torch, whose kept set is processed_logprobs' to the
     # last rounding: the kernel's could differ at a top-p boundary, and a sampled token would
     # read -inf.
+    # NOTE: positions only where a row draws noise (a position keys its draw).
+    positions = inputs.prefix_lens + inputs.extend_lens if inputs.sampling.any_random else None
     next_ids = sample(adjusted, inputs.sampling, positions, greedy, cpu_kernel and not processed)
-    device = logits.device
     if scores is None:
-        top_ids, top_logprobs = _no_top(device)
-        return SampledScores(
-            next_ids=next_ids,
-            logprobs=torch.full(next_ids.shape, float("nan"), device=device),
-            top_ids=top_ids,
-            top_logprobs=top_logprobs,
-            token_ids_logprobs=torch.empty(0, device=device),
-        )
+        return SampledScores(next_ids)
     top_ids, top_logprobs = (
-        scores.top(inputs.top_rows, inputs.max_top) if inputs.max_top else _no_top(device)
+        scores.top(inputs.top_rows, inputs.max_top) if inputs.max_top else (None, None)
     )
-    rows = torch.arange(len(next_ids), device=device)
+    rows = torch.arange(len(next_ids), device=logits.device)
     return SampledScores(
         next_ids=next_ids,
         logprobs=scores.at(rows, next_ids),
         top_ids=top_ids,
         top_logprobs=top_logprobs,
-        token_ids_logprobs=scores.at(inputs.token_id_rows, inputs.token_ids),
+        token_ids_logprobs=scores.at(inputs.token_id_rows, inputs.token_ids)
+        if len(inputs.token_ids)
+        else None,
     )
-
-
-def _no_top(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top ids [0, 0] int32 and logprobs [0, 0]: no row of the step asked for any."""
-    return torch.empty(0, 0, dtype=torch.int32, device=device), torch.empty(0, 0, device=device)
 
 
 class StepOutputs:
@@ -101,28 +94,41 @@ class StepOutputs:
         self.sampled.append(scores)
 
     def to_result(self, step_id: int) -> StepResult:
-        def stacked(name: str) -> np.ndarray:
-            return torch.stack([getattr(s, name) for s in self.sampled]).cpu().numpy()
+        steps, rows = len(self.sampled), len(self.sampled[0].next_ids)
+
+        def stacked(name: str, absent: np.ndarray | None = None) -> np.ndarray:
+            """[N, ...]: the field of every iteration, or `absent` where none computed it."""
+            parts = [getattr(s, name) for s in self.sampled]
+            if parts[0] is None:
+                assert absent is not None, f"no {name} computed"
+                return absent
+            return np.stack([_host(t) for t in parts])
 
         prompt = self.prompt
-        counts = self.inputs.prompt_counts.numpy()
         return StepResult(
             step_id=step_id,
             next_ids=pack(stacked("next_ids").astype(np.int32)),
-            logprobs=pack(stacked("logprobs")),
-            top_ids=pack(stacked("top_ids")),
-            top_logprobs=pack(stacked("top_logprobs")),
-            token_ids_logprobs=pack(stacked("token_ids_logprobs")),
-            prompt_offsets=pack(np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)),
-            prompt_logprobs=pack(_numpy(prompt.logprobs if prompt else None, np.float32, (0,))),
-            prompt_top_ids=pack(_numpy(prompt.top_ids if prompt else None, np.int32, (0, 0))),
-            prompt_top_logprobs=pack(
-                _numpy(prompt.top_logprobs if prompt else None, np.float32, (0, 0))
+            logprobs=pack(stacked("logprobs", np.full((steps, rows), np.nan, np.float32))),
+            top_ids=pack(stacked("top_ids", np.zeros((steps, 0, 0), np.int32))),
+            top_logprobs=pack(stacked("top_logprobs", np.zeros((steps, 0, 0), np.float32))),
+            token_ids_logprobs=pack(
+                stacked("token_ids_logprobs", np.zeros((steps, 0), np.float32))
             ),
+            prompt_offsets=pack(self.inputs.prompt_offsets),
+            prompt_logprobs=_NO_PROMPT_LOGPROBS if prompt is None else pack(_host(prompt.logprobs)),
+            prompt_top_ids=_NO_PROMPT_TOP_IDS if prompt is None else pack(_host(prompt.top_ids)),
+            prompt_top_logprobs=_NO_PROMPT_TOP_LOGPROBS
+            if prompt is None
+            else pack(_host(prompt.top_logprobs)),
         )
 
 
-def _numpy(t: torch.Tensor | None, dtype: type, empty_shape: tuple[int, ...]) -> np.ndarray:
-    if t is None:
-        return np.zeros(empty_shape, dtype)
-    return t.cpu().numpy().astype(dtype, copy=False)
+# NOTE: made once: most steps score no prompt position.
+_NO_PROMPT_LOGPROBS = pack(np.zeros(0, np.float32))
+_NO_PROMPT_TOP_IDS = pack(np.zeros((0, 0), np.int32))
+_NO_PROMPT_TOP_LOGPROBS = pack(np.zeros((0, 0), np.float32))
+
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    """A tensor's values in host memory (no copy of a CPU tensor)."""
+    return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
