@@ -5,10 +5,11 @@ Only what changed crosses: the new tokens, their slots, per-row counters and ask
 
 from __future__ import annotations
 
-import numpy as np
+from collections.abc import Iterable
+from itertools import accumulate
 
 from tokenmill.controller.scheduler import ScheduledRow
-from tokenmill.protocol.arrays import pack
+from tokenmill.protocol.arrays import Array, pack_list
 from tokenmill.protocol.requests import SamplingParams
 from tokenmill.protocol.step import (
     FED_LAST_SAMPLE,
@@ -45,7 +46,7 @@ def build_forward_batch(step_id: int, rows: list[ScheduledRow], num_steps: int =
         req_rows=_i32([row.request.row for row in rows]),
         prefix_lens=_i32([row.start for row in rows]),
         extend_lens=_i32([row.num_new for row in rows]),
-        is_prefill=pack(np.array([row.is_prefill for row in rows], dtype=bool)),
+        is_prefill=pack_list([row.is_prefill for row in rows], "bool"),
         fill_rows=_i32([row.request.row for row in filled]),
         fill_lens=_i32([row.start for row in filled]),
         fill_slots=_i32([s for row in filled for s in row.request.slots[: row.start]]),
@@ -54,14 +55,14 @@ def build_forward_batch(step_id: int, rows: list[ScheduledRow], num_steps: int =
             top_k=_i32([p.top_k for p in params]),
             top_p=_f32([p.top_p for p in params]),
             min_p=_f32([p.min_p for p in params]),
-            seed=pack(np.array([p.seed for p in params], dtype=np.int64)),
+            seed=pack_list([p.seed for p in params], "int64"),
             stop_ban=_stop_ban(rows),
             logit_bias=_logit_bias(params),
             penalties=penalties,
         ),
         logprobs=LogprobAsks(
             num_top=_i32([a.num_top for a in asks]),
-            token_ids_offsets=_i32(np.cumsum([0] + [len(a.token_ids) for a in asks])),
+            token_ids_offsets=_offsets([a.token_ids for a in asks]),
             token_ids=_i32([t for a in asks for t in a.token_ids]),
             prompt_start=_i32([_prompt_start(row) for row in rows]),
             prompt_next_id=_i32([_prompt_next_id(row) for row in rows]),
@@ -72,12 +73,13 @@ def build_forward_batch(step_id: int, rows: list[ScheduledRow], num_steps: int =
     )
 
 
-def _decode_slots(rows: list[ScheduledRow], num_steps: int) -> object:
+def _decode_slots(rows: list[ScheduledRow], num_steps: int) -> Array | None:
     """[N-1, B]: the slot of each row's position in decode iterations 1..N-1 (every row of
     a multi-step batch decodes, from its pending token at row.start)."""
     if num_steps == 1:
         return None
-    return _i32([[row.request.slots[row.start + i] for row in rows] for i in range(1, num_steps)])
+    slots = [row.request.slots[row.start + i] for i in range(1, num_steps) for row in rows]
+    return pack_list(slots, "int32", (num_steps - 1, len(rows)))
 
 
 def _uses_penalties(p: SamplingParams) -> bool:
@@ -104,7 +106,7 @@ def _penalties(rows: list[ScheduledRow]) -> PenaltyBatch | None:
         frequency=_f32([p.frequency_penalty for p in params]),
         repetition=_f32([p.repetition_penalty for p in params]),
         num_prompt_tokens=_i32([row.request.num_prompt_tokens for row in rows]),
-        restart=pack(np.array(restart, dtype=bool)),
+        restart=pack_list(restart, "bool"),
         history_offsets=_offsets(history),
         history_ids=_i32([t for h in history for t in h]),
     )
@@ -133,14 +135,14 @@ def _stop_ban(rows: list[ScheduledRow]) -> StopBan | None:
     ids = [p.stop_token_ids if n else () for p, n in zip(params, steps, strict=True)]
     return StopBan(
         num_steps=_i32(steps),
-        ban_eos=pack(np.array([not p.ignore_eos for p in params], dtype=bool)),
+        ban_eos=pack_list([not p.ignore_eos for p in params], "bool"),
         offsets=_offsets(ids),
         ids=_i32([t for i in ids for t in i]),
     )
 
 
-def _offsets(lists: list) -> object:
-    return _i32(np.cumsum([0] + [len(x) for x in lists]))
+def _offsets(lists: list) -> Array:
+    return _i32(accumulate((len(x) for x in lists), initial=0))
 
 
 def _prompt_start(row: ScheduledRow) -> int:
@@ -155,9 +157,9 @@ def _prompt_next_id(row: ScheduledRow) -> int:
     return request.token_at(row.end) if row.end < request.num_prompt_tokens else -1
 
 
-def _i32(values: object) -> object:
-    return pack(np.asarray(values, dtype=np.int32))
+def _i32(values: Iterable[int]) -> Array:
+    return pack_list(values, "int32")
 
 
-def _f32(values: object) -> object:
-    return pack(np.asarray(values, dtype=np.float32))
+def _f32(values: Iterable[float]) -> Array:
+    return pack_list(values, "float32")

@@ -6,7 +6,7 @@ and slices the step's arrays into one RequestOutput per request that has news.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -17,51 +17,56 @@ from tokenmill.protocol.outputs import PromptLogprobs, RequestOutput
 from tokenmill.protocol.step import StepResult
 
 
-@dataclass(frozen=True)
 class StepArrays:
-    next_ids: np.ndarray  # [N, B] int32, one row per decode iteration
-    logprobs: np.ndarray  # [N, B] float32
-    top_ids: np.ndarray  # [N, R, K] int32
-    top_logprobs: np.ndarray  # [N, R, K] float32
-    top_row: np.ndarray  # [B] int64 row in the top arrays, -1 = none
-    token_ids_logprobs: np.ndarray  # [N, M] float32
-    token_ids_offsets: np.ndarray  # [B+1]
-    prompt_offsets: np.ndarray  # [B+1]
-    prompt_logprobs: np.ndarray
-    prompt_top_ids: np.ndarray
-    prompt_top_logprobs: np.ndarray
+    """A StepResult's arrays, each unpacked (a view of the message's bytes) when first read:
+    most steps read only the sampled ids."""
 
-    _packed: dict[str, list[Array]] = field(default_factory=dict, compare=False)
+    def __init__(self, result: StepResult, rows: list[ScheduledRow]) -> None:
+        self.result = result
+        self.rows = rows
+        self._arrays: dict[str, np.ndarray] = {}
+        self._packed: dict[str, list[Array]] = {}
+
+    def array(self, name: str) -> np.ndarray:
+        """The StepResult's field `name` ([N, ...] for the sampled arrays)."""
+        got = self._arrays.get(name)
+        if got is None:
+            got = self._arrays[name] = unpack(getattr(self.result, name))
+        return got
+
+    @cached_property
+    def ids_by_row(self) -> list[list[int]]:
+        """Each batch row's sampled ids, one per iteration, as Python ints."""
+        return self.array("next_ids").T.tolist()
+
+    @cached_property
+    def top_row(self) -> list[int]:
+        """Each batch row's row in the top arrays, -1 = none."""
+        top_row, seen = [], 0
+        for row in self.rows:
+            wants = row.request.message.logprobs.num_top > 0
+            top_row.append(seen if wants else -1)
+            seen += wants
+        return top_row
+
+    @cached_property
+    def token_ids_offsets(self) -> list[int]:
+        """[B + 1]: each batch row's first column in token_ids_logprobs."""
+        offsets = [0]
+        for row in self.rows:
+            offsets.append(offsets[-1] + len(row.request.message.logprobs.token_ids))
+        return offsets
 
     def share(self, name: str, index: int, n: int, k: int | None = None) -> Array:
         """pack(array[:n, index, ..., :k]) of the [N, ...] array `name`. NOTE: where a
         request takes all N iterations (and all K), its share comes from one pack_each
         of the whole array a step instead of one conversion per request."""
-        array = getattr(self, name)
+        array = self.array(name)
         if n == len(array) and (k is None or k == array.shape[-1]):
             if name not in self._packed:
                 self._packed[name] = pack_each(array, axis=1)
             return self._packed[name][index]
         return pack(array[:n, index] if k is None else array[:n, index, :k])
-
-    @staticmethod
-    def from_result(result: StepResult, rows: list[ScheduledRow]) -> StepArrays:
-        wants_top = np.array([r.request.message.logprobs.num_top > 0 for r in rows])
-        top_row = np.where(wants_top, np.cumsum(wants_top) - 1, -1)
-        counts = [len(r.request.message.logprobs.token_ids) for r in rows]
-        return StepArrays(
-            next_ids=unpack(result.next_ids),
-            logprobs=unpack(result.logprobs),
-            top_ids=unpack(result.top_ids),
-            top_logprobs=unpack(result.top_logprobs),
-            top_row=top_row,
-            token_ids_logprobs=unpack(result.token_ids_logprobs),
-            token_ids_offsets=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
-            prompt_offsets=unpack(result.prompt_offsets),
-            prompt_logprobs=unpack(result.prompt_logprobs),
-            prompt_top_ids=unpack(result.prompt_top_ids),
-            prompt_top_logprobs=unpack(result.prompt_top_logprobs),
-        )
 
 
 class OutputProcessor:
@@ -70,7 +75,7 @@ class OutputProcessor:
         self.max_model_len = max_model_len
 
     def apply(self, rows: list[ScheduledRow], result: StepResult) -> list[RequestOutput]:
-        arrays = StepArrays.from_result(result, rows)
+        arrays = StepArrays(result, rows)
         outputs = []
         for b, row in enumerate(rows):
             request = row.request
@@ -78,9 +83,10 @@ class OutputProcessor:
                 continue  # NOTE: stopped (or aborted) after this step was sent: nothing to say
             self._gather_prompt_scores(request, arrays, b)
             if row.samples:
-                request.pending -= len(arrays.next_ids)
+                sampled = arrays.ids_by_row[b]
+                request.pending -= len(sampled)
                 if not self._ends_at_prompt(request):
-                    self._append_sampled(request, arrays.next_ids[:, b])
+                    self._append_sampled(request, sampled)
             if row.samples or request.finished:
                 outputs.append(self._output(request, arrays, b))
         return outputs
@@ -93,20 +99,23 @@ class OutputProcessor:
         return False
 
     def _gather_prompt_scores(self, request: Request, arrays: StepArrays, b: int) -> None:
-        lo, hi = arrays.prompt_offsets[b], arrays.prompt_offsets[b + 1]
         scores = request.prompt_scores
-        if scores is None or hi == lo:
+        if scores is None:
+            return
+        offsets = arrays.array("prompt_offsets")
+        lo, hi = offsets[b], offsets[b + 1]
+        if hi == lo:
             return
         k = request.message.logprobs.num_top
-        scores.logprobs.append(arrays.prompt_logprobs[lo:hi])
-        scores.top_ids.append(arrays.prompt_top_ids[lo:hi, :k])
-        scores.top_logprobs.append(arrays.prompt_top_logprobs[lo:hi, :k])
+        scores.logprobs.append(arrays.array("prompt_logprobs")[lo:hi])
+        scores.top_ids.append(arrays.array("prompt_top_ids")[lo:hi, :k])
+        scores.top_logprobs.append(arrays.array("prompt_top_logprobs")[lo:hi, :k])
 
-    def _append_sampled(self, request: Request, sampled: np.ndarray) -> None:
+    def _append_sampled(self, request: Request, sampled: list[int]) -> None:
         """Appends one sampled token per decode iteration until the request stops; tokens
         past a stop are dropped (and the positions computed from them, when it is freed)."""
         for token in sampled:
-            self._append(request, int(token))
+            self._append(request, token)
             if request.finished:
                 break
 
@@ -127,8 +136,7 @@ class OutputProcessor:
         asks = request.message.logprobs
         n, k = len(new_ids), asks.num_top
         request.num_sent_outputs = len(request.output_ids)
-        lo, hi = arrays.token_ids_offsets[b], arrays.token_ids_offsets[b + 1]
-        row = arrays.top_row[b]
+        row = arrays.top_row[b] if k else -1
         # NOTE: the chosen tokens' logprobs come with any per-position logprobs (top or
         # token_ids): the detokenizer's entries are built around them.
         positions = asks.reads_samples
@@ -138,9 +146,7 @@ class OutputProcessor:
             logprobs=arrays.share("logprobs", b, n) if positions else None,
             top_ids=arrays.share("top_ids", row, n, k) if k else None,
             top_logprobs=arrays.share("top_logprobs", row, n, k) if k else None,
-            token_ids_logprobs=pack(arrays.token_ids_logprobs[:n, lo:hi])
-            if asks.token_ids
-            else None,
+            token_ids_logprobs=self._token_ids_share(arrays, b, n) if asks.token_ids else None,
             prompt=self._prompt_output(request),
             finish_reason=request.finish_reason,
             finish_detail=request.finish_detail,
@@ -148,6 +154,11 @@ class OutputProcessor:
             num_cached_tokens=request.num_cached_tokens,
             detokenize=request.announce(),
         )
+
+    @staticmethod
+    def _token_ids_share(arrays: StepArrays, b: int, n: int) -> Array:
+        lo, hi = arrays.token_ids_offsets[b], arrays.token_ids_offsets[b + 1]
+        return pack(arrays.array("token_ids_logprobs")[:n, lo:hi])
 
     def _prompt_output(self, request: Request) -> PromptLogprobs | None:
         scores = request.prompt_scores

@@ -14,7 +14,15 @@ import msgspec
 import numpy as np
 import pytest
 
-from tokenmill.protocol.arrays import Array, empty, pack, pack_each, unpack, unpack_list
+from tokenmill.protocol.arrays import (
+    Array,
+    empty,
+    pack,
+    pack_each,
+    pack_list,
+    unpack,
+    unpack_list,
+)
 from tokenmill.protocol.cluster import NodeBeat, NodeDown, NodeHello, NodeMessage
 from tokenmill.protocol.step import (
     ForwardBatch,
@@ -74,6 +82,38 @@ def test_pack_each_packs_every_slice_as_pack_does(axis: int, dtype: str) -> None
     packed = pack_each(array, axis)
     assert packed == [pack(array.take(i, axis)) for i in range(array.shape[axis])]
     assert all(unpack(p).dtype.byteorder in "<=|" for p in packed)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "values"),
+    [
+        ("int32", [0, -1, 2**31 - 1, -(2**31), True]),
+        ("int64", [2**40, -3, 0]),
+        ("float32", [0.7, 1e-40, -0.0, 3e38, 1e300, float("inf"), float("nan"), 5]),
+        ("float64", [0.1, -2.5]),
+        ("bool", [True, False, 1, 0]),
+        ("int8", [-128, 127]),  # NOTE: through numpy (no width check for it)
+        ("int32", []),
+    ],
+)
+def test_pack_list_packs_what_pack_of_the_numpy_array_packs(dtype: str, values: list) -> None:
+    with np.errstate(over="ignore"):  # 1e300 into float32: inf either way
+        want = pack(np.asarray(values, dtype=dtype))
+    assert pack_list(values, dtype) == want
+    assert pack_list(iter(values), dtype) == want
+    if len(values) % 2 == 0 and values:
+        shaped = pack_list(values, dtype, (2, len(values) // 2))
+        assert shaped.shape == (2, len(values) // 2) and shaped.data == want.data
+
+
+@pytest.mark.parametrize("value", [2**31, -(2**31) - 1])
+def test_pack_list_refuses_what_numpy_refuses(value: int) -> None:
+    with pytest.raises(OverflowError):
+        np.asarray([value], dtype=np.int32)
+    with pytest.raises(OverflowError):
+        pack_list([value], "int32")
+    with pytest.raises(ValueError, match="do not fill"):
+        pack_list([1, 2, 3], "int32", (2, 2))
 
 
 @pytest.mark.parametrize("shape", [(), (0,), (3,), (2, 3), (0, 5), (1, 5), (2, 1, 3)])
