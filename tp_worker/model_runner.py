@@ -112,7 +112,7 @@ class ModelRunner:
                 inputs = inputs.next_decode_step(i, outputs.last_ids)
                 self.adjuster.count_sampled(inputs.adjust, outputs.last_ids)
             prompt_hidden, logits = self._forward(inputs)
-            if i == 0 and inputs.prompt_rows.numel():
+            if i == 0 and prompt_hidden is not None:
                 outputs.prompt = self._score_prompt(inputs, prompt_hidden)
             adjusted = self.adjuster.adjust(logits, inputs.adjust, i)
             outputs.add(
@@ -128,10 +128,10 @@ class ModelRunner:
             cols = _ragged_arange(inputs.fill_lens)
             self.table[rows, cols] = inputs.fill_slots
 
-    def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """The final hidden states [P, hidden] of the prompt positions scored and the float32
-        logits [B, V] of each row's last position (timed under --step-timing: the model's
-        share of a step)."""
+    def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The final hidden states [P, hidden] of the prompt positions scored (None where the
+        step scores none) and the float32 logits [B, V] of each row's last position (timed
+        under --step-timing: the model's share of a step)."""
         self.table[inputs.token_rows, inputs.positions] = inputs.out_slots.int()
         attention = plan_attention(
             self.table,
@@ -155,12 +155,14 @@ class ModelRunner:
             kept = None
         started = time.perf_counter()
         hidden = self.model(inputs.input_ids, inputs.positions, attention, self.kv_cache, last)
-        row_ends = inputs.starts + inputs.extend_lens if kept is None else kept.starts + kept.counts
-        logits = self.model.logits(hidden[row_ends - 1])
+        last_index = inputs.last_index if kept is None else kept.last_index
+        logits = self.model.logits(hidden if last_index is None else hidden[last_index])
         if self.time_forward:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.forward_s += time.perf_counter() - started
+        if not inputs.prompt_rows.numel():
+            return None, logits  # NOTE: most steps; an empty gather costs a cold torch call
         prompt_index = inputs.prompt_hidden_index if kept is None else kept.prompt_index
         return hidden[prompt_index], logits
 

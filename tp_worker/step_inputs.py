@@ -47,6 +47,7 @@ class LastLayerRows:
     counts: torch.Tensor  # [B] int64 kept tokens per row
     starts: torch.Tensor  # [B] int64 index in [K] of each row's first kept token
     prompt_index: torch.Tensor  # [P] int64 index in [K] of each prompt-scoring state
+    last_index: torch.Tensor  # [B] int64 index in [K] of each row's last token
 
     @staticmethod
     def plan(
@@ -78,6 +79,7 @@ class LastLayerRows:
             tensor(counts),
             tensor(starts),
             tensor(prompt_index),
+            tensor(starts + counts - 1),
         )
 
 
@@ -92,6 +94,9 @@ class StepInputs:
     extend_lens: torch.Tensor  # [B] int64
     is_prefill: torch.Tensor  # [B] bool
     starts: torch.Tensor  # [B] int64 index of each row's first token in [T]
+    # NOTE: [B] int64 index in [T] of each row's last token (the one whose logits it reads);
+    # None where every row has one new token (a decode step: all of [T]).
+    last_index: torch.Tensor | None
     fill_rows: torch.Tensor  # [F] int64
     fill_lens: torch.Tensor  # [F] int64
     fill_slots: torch.Tensor  # [sum(fill_lens)] int32
@@ -131,6 +136,9 @@ class StepInputs:
             extend_lens=_on(extend_np, device),
             is_prefill=_tensor(batch.is_prefill, device, torch.bool),
             starts=_on(starts_np, device),
+            last_index=None
+            if len(positions) == len(extend_np)
+            else _on(starts_np + extend_np - 1, device),
             fill_rows=_tensor(batch.fill_rows, device),
             fill_lens=_tensor(batch.fill_lens, device),
             fill_slots=_tensor(batch.fill_slots, device, torch.int32),
@@ -176,6 +184,7 @@ class StepInputs:
             extend_lens=ones,
             is_prefill=torch.zeros_like(self.is_prefill),
             starts=torch.arange(len(ones), device=ones.device),
+            last_index=None,
             input_ids=sampled,
             last_layer=None,
         )

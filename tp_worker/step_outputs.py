@@ -102,7 +102,9 @@ class StepOutputs:
             if parts[0] is None:
                 assert absent is not None, f"no {name} computed"
                 return absent
-            return np.stack([_host(t) for t in parts])
+            arrays = [_host(t) for t in parts]
+            # NOTE: [None] for one iteration (most steps): np.stack is ~10 Python-level calls
+            return arrays[0][None] if len(arrays) == 1 else np.stack(arrays)
 
         prompt = self.prompt
         return StepResult(
