@@ -6,6 +6,7 @@ once, so the model runner's step reads as a short sequence of calls.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -22,18 +23,30 @@ _NUMPY_OF = {
     torch.float32: np.float32,
     torch.bool: np.bool_,
 }
+_TORCH_OF = {numpy: torch_dtype for torch_dtype, numpy in _NUMPY_OF.items()}
 
 
 def _tensor(array: Array, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """One copy out of the message's bytes (which are read-only), already in `dtype`."""
+    if 0 in array.shape:
+        return _empty(array.shape, dtype, device)
     return _on(unpack(array).astype(_NUMPY_OF[dtype]), device)
 
 
 def _on(array: np.ndarray, device: torch.device) -> torch.Tensor:
     """A writable host array as a tensor on `device` (the same memory on the CPU).
     NOTE: no .to() call on the CPU: a step builds ~25 of these, each a dispatcher round."""
+    if not array.size:
+        return _empty(array.shape, _TORCH_OF[array.dtype.type], device)
     tensor = torch.from_numpy(array)
     return tensor if device.type == "cpu" else tensor.to(device)
+
+
+@functools.cache
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """NOTE: made once: a decode step has ~10 empty inputs (no fills, no prompt scores, no
+    caller-given ids), and nothing writes into an empty tensor."""
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 @dataclass(frozen=True)
