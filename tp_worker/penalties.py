@@ -29,7 +29,8 @@ def row_of_each(offsets: np.ndarray) -> np.ndarray:
     [0, 0, 2, 2, 2]."""
     if offsets[-1] == 0:
         return np.zeros(0, np.int64)  # NOTE: most steps; no numpy calls below
-    return np.repeat(np.arange(len(offsets) - 1), np.diff(offsets.astype(np.int64)))
+    counts = offsets[1:].astype(np.int64) - offsets[:-1]
+    return np.repeat(np.arange(len(offsets) - 1), counts)
 
 
 @dataclass(frozen=True)
