@@ -27,6 +27,8 @@ def test_matches_torch_log_softmax(cpu_kernel: bool) -> None:
     torch.testing.assert_close(
         scores.at(rows, ids).double(), expected.flatten(), atol=1e-6, rtol=3e-7
     )
+    one_each = torch.tensor([5, 0, 1002, 17, 999, 3, 3, 500, 1])  # one id in each row
+    assert torch.equal(scores.at_rows(one_each), scores.at(torch.arange(9), one_each))
     # NOTE: the torch path leaves the greedy id to sampling's own argmax.
     expected_argmax = logits.argmax(dim=-1) if cpu_kernel else None
     assert (scores.argmax is None) == (expected_argmax is None)

@@ -90,6 +90,12 @@ class LogSoftmax:
         rows, ids = rows.long(), ids.long()
         return (self.logits[rows, ids] - self.max[rows]) - self.logsum[rows]
 
+    def at_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """logprobs [N] of token ids [N], one in each row: at(arange(N), ids), with four
+        device calls instead of eight (a decode step's sampled tokens)."""
+        chosen = self.logits.gather(1, ids.long()[:, None]).squeeze(1)
+        return (chosen - self.max) - self.logsum
+
     def top(self, rows: torch.Tensor | None, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k most likely ids [R, k] int32 of rows [R] (None: every row), and their
         logprobs [R, k]."""
@@ -123,8 +129,7 @@ def default_chunk_size(vocab: int) -> int:
 
 def score_targets(scores: LogSoftmax, targets: torch.Tensor, num_top: int) -> ScoredPositions:
     """Rows' log-softmax, targets [N] -> their logprobs and the top-num_top of each row."""
-    rows = torch.arange(len(targets), device=targets.device)
-    chosen = scores.at(rows, targets)
+    chosen = scores.at_rows(targets)
     if num_top == 0:
         return ScoredPositions(
             chosen, _empty_ids(len(targets), targets.device), chosen.new_empty(len(targets), 0)

@@ -63,13 +63,14 @@ def score_sampled(
     next_ids = sample(adjusted, inputs.sampling, positions, greedy, cpu_kernel and not processed)
     if scores is None:
         return SampledScores(next_ids)
-    top_ids, top_logprobs = (
-        scores.top(inputs.top_rows, inputs.max_top) if inputs.max_top else (None, None)
-    )
-    rows = torch.arange(len(next_ids), device=logits.device)
+    top_ids, top_logprobs = None, None
+    if inputs.max_top:
+        # NOTE: None where every row asked: the top arrays need no row selection then.
+        every = len(inputs.top_rows) == len(next_ids)
+        top_ids, top_logprobs = scores.top(None if every else inputs.top_rows, inputs.max_top)
     return SampledScores(
         next_ids=next_ids,
-        logprobs=scores.at(rows, next_ids),
+        logprobs=scores.at_rows(next_ids),
         top_ids=top_ids,
         top_logprobs=top_logprobs,
         token_ids_logprobs=scores.at(inputs.token_id_rows, inputs.token_ids)
