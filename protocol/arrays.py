@@ -1,7 +1,8 @@
 """The one codec between numpy arrays and message fields.
 
 Arrays travel as raw bytes with their dtype and shape: never as lists of Python floats,
-never pickled. Every process that puts an array on a socket goes through `pack` / `unpack`.
+never pickled. Every process that puts an array on a socket goes through `pack` (or
+`pack_list`, `pack_each`) / `unpack`.
 """
 
 from __future__ import annotations
