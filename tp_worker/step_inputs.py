@@ -108,7 +108,8 @@ class StepInputs:
     is_prefill: torch.Tensor  # [B] bool
     starts: torch.Tensor  # [B] int64 index of each row's first token in [T]
     # NOTE: [B] int64 index in [T] of each row's last token (the one whose logits it reads);
-    # None where every row has one new token (a decode step: all of [T]).
+    # None where every row has one new token (a decode step: all of [T]); T == B says so,
+    # since no row comes with none (the scheduler's rows take at least one token).
     last_index: torch.Tensor | None
     fill_rows: torch.Tensor  # [F] int64
     fill_lens: torch.Tensor  # [F] int64
