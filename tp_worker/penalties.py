@@ -116,8 +116,9 @@ def _fed_tokens(p: PenaltyBatch, batch: ForwardBatch) -> tuple[np.ndarray, ...]:
     """([N] batch row, [N] position, [N] id) of the history and the step's input tokens."""
     extend = unpack(batch.extend_lens).astype(np.int64)
     prefix = unpack(batch.prefix_lens).astype(np.int64)
-    hist_row = row_of_each(unpack(p.history_offsets))
-    hist_pos = np.arange(len(hist_row)) - unpack(p.history_offsets)[hist_row]
+    hist_offsets = unpack(p.history_offsets)
+    hist_row = row_of_each(hist_offsets)
+    hist_pos = np.arange(len(hist_row)) - hist_offsets[hist_row]
     fed_row = np.repeat(np.arange(len(extend)), extend)
     fed_pos = np.arange(len(fed_row)) - np.repeat(np.cumsum(extend) - extend, extend)
     row = np.concatenate([hist_row, fed_row])

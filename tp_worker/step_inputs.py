@@ -83,16 +83,13 @@ class LastLayerRows:
         prompt_index = kept_at[prompt_hidden_index]
         assert (prompt_index >= 0).all(), "a prompt-scoring state outside the kept tokens"
 
-        def tensor(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a.astype(np.int64)).to(device)
-
         return LastLayerRows(
-            tensor(index),
-            tensor(prefix_lens + keep_from),
-            tensor(counts),
-            tensor(starts),
-            tensor(prompt_index),
-            tensor(starts + counts - 1),
+            _on(index, device),
+            _on(prefix_lens + keep_from, device),
+            _on(counts, device),
+            _on(starts, device),
+            _on(prompt_index, device),
+            _on(starts + counts - 1, device),
         )
 
 

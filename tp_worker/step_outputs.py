@@ -5,6 +5,7 @@ Everything stays on the device until the step ends; one transfer packs it into a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -97,12 +98,12 @@ class StepOutputs:
     def to_result(self, step_id: int) -> StepResult:
         steps, rows = len(self.sampled), len(self.sampled[0].next_ids)
 
-        def stacked(name: str, absent: np.ndarray | None = None) -> np.ndarray:
-            """[N, ...]: the field of every iteration, or `absent` where none computed it."""
+        def stacked(name: str, absent: Callable[[], np.ndarray] | None = None) -> np.ndarray:
+            """[N, ...]: the field of every iteration, or absent() where none computed it."""
             parts = [getattr(s, name) for s in self.sampled]
             if parts[0] is None:
                 assert absent is not None, f"no {name} computed"
-                return absent
+                return absent()
             arrays = [_host(t) for t in parts]
             # NOTE: [None] for one iteration (most steps): np.stack is ~10 Python-level calls
             return arrays[0][None] if len(arrays) == 1 else np.stack(arrays)
@@ -111,11 +112,11 @@ class StepOutputs:
         return StepResult(
             step_id=step_id,
             next_ids=pack(stacked("next_ids").astype(np.int32)),
-            logprobs=pack(stacked("logprobs", np.full((steps, rows), np.nan, np.float32))),
-            top_ids=pack(stacked("top_ids", np.zeros((steps, 0, 0), np.int32))),
-            top_logprobs=pack(stacked("top_logprobs", np.zeros((steps, 0, 0), np.float32))),
+            logprobs=pack(stacked("logprobs", lambda: np.full((steps, rows), np.nan, np.float32))),
+            top_ids=pack(stacked("top_ids", lambda: np.zeros((steps, 0, 0), np.int32))),
+            top_logprobs=pack(stacked("top_logprobs", lambda: np.zeros((steps, 0, 0), np.float32))),
             token_ids_logprobs=pack(
-                stacked("token_ids_logprobs", np.zeros((steps, 0), np.float32))
+                stacked("token_ids_logprobs", lambda: np.zeros((steps, 0), np.float32))
             ),
             prompt_offsets=pack(self.inputs.prompt_offsets),
             prompt_logprobs=_NO_PROMPT_LOGPROBS if prompt is None else pack(_host(prompt.logprobs)),
