@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from serving import add_model_args, resolve_model
 
-import tokenmill.controller.controller as controller_module
 import tokenmill.tp_worker.model_runner as runner_module
+from tokenmill.controller.batch_builder import BatchBuilder
 from tokenmill.controller.output_processor import OutputProcessor
 from tokenmill.controller.scheduler import Scheduler
 from tokenmill.protocol.arrays import unpack
@@ -38,16 +38,16 @@ from tokenmill.tp_worker.fed_samples import LastSamples
 from tokenmill.tp_worker.host_memory import keep_freed_memory
 from tokenmill.tp_worker.model_runner import ModelRunner
 from tokenmill.tp_worker.offline import OfflineEngine, OfflineRequest
-from tokenmill.tp_worker.step_inputs import StepInputs
+from tokenmill.tp_worker.step_inputs import StepInputsBuilder
 from tokenmill.tp_worker.step_outputs import StepOutputs
 
 # (label, owner, attribute): each part, in the order a step runs them
 PARTS = (
     ("controller: output processing", OutputProcessor, "apply"),
     ("controller: scheduling", Scheduler, "schedule"),
-    ("controller: batch build", controller_module, "build_forward_batch"),
+    ("controller: batch build", BatchBuilder, "build"),
     ("worker: fed samples", LastSamples, "feed"),
-    ("worker: step inputs", StepInputs, "from_batch"),
+    ("worker: step inputs", StepInputsBuilder, "build"),
     ("worker: forward, all", ModelRunner, "_forward"),
     ("worker: sampling, logprobs", runner_module, "score_sampled"),
     ("worker: result", StepOutputs, "to_result"),

@@ -6,7 +6,10 @@ Only what changed crosses: the new tokens, their slots, per-row counters and ask
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from itertools import accumulate
+
+import msgspec
 
 from tokenmill.controller.scheduler import ScheduledRow
 from tokenmill.protocol.arrays import Array, pack_list
@@ -23,42 +26,112 @@ from tokenmill.protocol.step import (
 
 
 def build_forward_batch(step_id: int, rows: list[ScheduledRow], num_steps: int = 1) -> ForwardBatch:
-    ids: list[int] = []
-    slots: list[int] = []
-    for row in rows:
-        request = row.request
-        known = request.tokens(row.start, row.end)
-        ids += known
-        if len(known) < row.num_new:  # NOTE: a decode row's token, sampled by a step in flight
-            ids.append(FED_LAST_SAMPLE)
-        slots += request.slots[row.start : row.end]
+    """The step's message, every field built from the rows (BatchBuilder reuses what a run of
+    decode steps keeps)."""
+    return BatchBuilder().build(step_id, rows, num_steps)
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """What a decode-only batch says about its rows that stays the same from step to step
+    while the rows do: which table rows, one token each, and every row's asks. A decode row's
+    asks are its request's (no prompt position to score, no restart of its penalty history);
+    only the stop ban (min_tokens counting down) is the step's own."""
+
+    key: tuple[tuple[str, int], ...]  # (request id, table row) of each row, in batch order
+    req_rows: Array
+    extend_lens: Array
+    is_prefill: Array
+    sampling: SamplingBatch  # its stop_ban: None (built per step)
+    logprobs: LogprobAsks
+    min_tokens: bool  # some row's request has min_tokens: a stop ban may apply
+
+
+class BatchBuilder:
+    """Builds each step's ForwardBatch; while the batch decodes the same requests in the same
+    table rows, the rows' part comes from the step before (vLLM V1 keeps such a persistent
+    batch): a step then packs its tokens, positions and slots only."""
+
+    def __init__(self) -> None:
+        self._decode: DecodeRows | None = None
+
+    def build(self, step_id: int, rows: list[ScheduledRow], num_steps: int = 1) -> ForwardBatch:
+        ids: list[int] = []
+        slots: list[int] = []
+        for row in rows:
+            request = row.request
+            known = request.tokens(row.start, row.end)
+            ids += known
+            if len(known) < row.num_new:  # NOTE: a decode row's token, sampled by a step in flight
+                ids.append(FED_LAST_SAMPLE)
+            slots += request.slots[row.start : row.end]
+        # NOTE: a table row (re)fills with the slots of what the request computed before
+        filled = [row for row in rows if row.request.fill_table]
+        decode = self._decode_rows(rows) if not filled else None
+        if decode is None:
+            decode = _rows_part(
+                rows
+            )  # NOTE: reads fill_table (penalty restarts): before it is cleared
+            self._decode = decode if _decodes_only(rows) else None
+        for row in filled:
+            row.request.fill_table = False
+        stop_ban = _stop_ban(rows) if decode.min_tokens else None
+        return ForwardBatch(
+            step_id=step_id,
+            input_ids=_i32(ids),
+            out_slots=_i32(slots),
+            req_rows=decode.req_rows,
+            prefix_lens=_i32([row.start for row in rows]),
+            extend_lens=decode.extend_lens,
+            is_prefill=decode.is_prefill,
+            fill_rows=_i32([row.request.row for row in filled]) if filled else _NONE,
+            fill_lens=_i32([row.start for row in filled]) if filled else _NONE,
+            fill_slots=_i32([s for row in filled for s in row.request.slots[: row.start]])
+            if filled
+            else _NONE,
+            sampling=decode.sampling
+            if stop_ban is None
+            else msgspec.structs.replace(decode.sampling, stop_ban=stop_ban),
+            logprobs=decode.logprobs,
+            num_steps=num_steps,
+            decode_slots=_decode_slots(rows, num_steps),
+        )
+
+    def _decode_rows(self, rows: list[ScheduledRow]) -> DecodeRows | None:
+        """The last decode-only batch's rows' part, where these rows are the same requests in
+        the same table rows, each decoding again."""
+        last = self._decode
+        if last is None or len(last.key) != len(rows):
+            return None
+        if any(row.is_prefill for row in rows) or _key(rows) != last.key:
+            return None
+        return last
+
+
+def _key(rows: list[ScheduledRow]) -> tuple[tuple[str, int], ...]:
+    return tuple((row.request.req_id, row.request.row) for row in rows)
+
+
+def _decodes_only(rows: list[ScheduledRow]) -> bool:
+    return not any(row.is_prefill or row.num_new != 1 for row in rows)
+
+
+def _rows_part(rows: list[ScheduledRow]) -> DecodeRows:
     params = [row.request.message.sampling for row in rows]
     asks = [row.request.message.logprobs for row in rows]
-    # NOTE: a table row (re)fills with the slots of what the request computed before this step
-    filled = [row for row in rows if row.request.fill_table]
-    penalties = _penalties(rows)  # reads fill_table: before it is cleared
-    for row in filled:
-        row.request.fill_table = False
-    return ForwardBatch(
-        step_id=step_id,
-        input_ids=_i32(ids),
-        out_slots=_i32(slots),
+    return DecodeRows(
+        key=_key(rows) if _decodes_only(rows) else (),
         req_rows=_i32([row.request.row for row in rows]),
-        prefix_lens=_i32([row.start for row in rows]),
         extend_lens=_i32([row.num_new for row in rows]),
         is_prefill=pack_list([row.is_prefill for row in rows], "bool"),
-        fill_rows=_i32([row.request.row for row in filled]),
-        fill_lens=_i32([row.start for row in filled]),
-        fill_slots=_i32([s for row in filled for s in row.request.slots[: row.start]]),
         sampling=SamplingBatch(
             temperature=_f32([p.temperature for p in params]),
             top_k=_i32([p.top_k for p in params]),
             top_p=_f32([p.top_p for p in params]),
             min_p=_f32([p.min_p for p in params]),
             seed=pack_list([p.seed for p in params], "int64"),
-            stop_ban=_stop_ban(rows),
             logit_bias=_logit_bias(params),
-            penalties=penalties,
+            penalties=_penalties(rows),
         ),
         logprobs=LogprobAsks(
             num_top=_i32([a.num_top for a in asks]),
@@ -68,8 +141,7 @@ def build_forward_batch(step_id: int, rows: list[ScheduledRow], num_steps: int =
             prompt_next_id=_i32([_prompt_next_id(row) for row in rows]),
             sampled=any(a.reads_samples for a in asks),
         ),
-        num_steps=num_steps,
-        decode_slots=_decode_slots(rows, num_steps),
+        min_tokens=any(p.min_tokens for p in params),
     )
 
 
@@ -155,6 +227,9 @@ def _prompt_start(row: ScheduledRow) -> int:
 def _prompt_next_id(row: ScheduledRow) -> int:
     request = row.request
     return request.token_at(row.end) if row.end < request.num_prompt_tokens else -1
+
+
+_NONE = pack_list([], "int32")  # NOTE: made once: most steps fill no table row
 
 
 def _i32(values: Iterable[int]) -> Array:

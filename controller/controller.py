@@ -14,7 +14,7 @@ from collections import deque
 import msgspec
 import zmq
 
-from tokenmill.controller.batch_builder import build_forward_batch
+from tokenmill.controller.batch_builder import BatchBuilder
 from tokenmill.controller.config import ControllerConfig
 from tokenmill.controller.kv_allocator import KvAllocator
 from tokenmill.controller.output_processor import OutputProcessor
@@ -52,6 +52,7 @@ class Controller:
             decode_steps=config.decode_steps,
         )
         self.outputs = OutputProcessor(ready.eos_token_ids, ready.max_model_len)
+        self.batches = BatchBuilder()
         self.max_model_len = ready.max_model_len
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
@@ -97,7 +98,7 @@ class Controller:
     def send_step(self, rows: list[ScheduledRow]) -> None:
         self.num_steps += 1
         self.last_busy = time.monotonic()
-        batch = build_forward_batch(self.num_steps, rows, self.scheduler.num_steps)
+        batch = self.batches.build(self.num_steps, rows, self.scheduler.num_steps)
         self.sockets.send_batch(batch)
         self.in_flight.append((self.num_steps, rows))
         self.flush_outputs()

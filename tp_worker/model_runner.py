@@ -24,7 +24,7 @@ from tokenmill.tp_worker.model import CausalLM, local_kv_heads
 from tokenmill.tp_worker.model_config import ModelConfig, load_model_config
 from tokenmill.tp_worker.parallel import TpGroup
 from tokenmill.tp_worker.penalties import LogitAdjuster
-from tokenmill.tp_worker.step_inputs import StepInputs
+from tokenmill.tp_worker.step_inputs import StepInputs, StepInputsBuilder
 from tokenmill.tp_worker.step_outputs import StepOutputs, score_sampled
 from tokenmill.tp_worker.weight_loader import dummy_weights, load_weights
 
@@ -60,6 +60,7 @@ class ModelRunner:
         )
         self.processed_logprobs = config.logprobs_mode == "processed"
         self.last_samples = LastSamples(config.max_running_requests)
+        self.step_inputs = StepInputsBuilder(self.device)
         # NOTE: every rank must address the same slots: the smallest free memory decides.
         self.kv_cache_tokens = config.kv_cache_tokens or self.group.min_over_ranks(
             auto_kv_cache_tokens(
@@ -103,7 +104,7 @@ class ModelRunner:
     @torch.inference_mode()
     def step(self, batch: ForwardBatch) -> StepResult:
         batch = self.last_samples.feed(batch)
-        inputs = StepInputs.from_batch(batch, self.device)
+        inputs = self.step_inputs.build(batch)
         self._fill_table(inputs)
         self.adjuster.begin(inputs.adjust)
         outputs = StepOutputs(inputs)

@@ -180,6 +180,23 @@ class StepInputs:
             ),
         )
 
+    def next_tokens(self, batch: ForwardBatch, device: torch.device) -> StepInputs:
+        """The inputs of `batch`, which decodes these inputs' rows again with the same asks
+        (StepInputsBuilder checked it): its tokens, their positions and slots; the rest as
+        here."""
+        # NOTE: one new token a row: each token's position is its row's prefix length.
+        prefix = _on(unpack(batch.prefix_lens).astype(np.int64), device)
+        return replace(
+            self,
+            input_ids=_tensor(batch.input_ids, device),
+            positions=prefix,
+            out_slots=_tensor(batch.out_slots, device),
+            prefix_lens=prefix,
+            decode_slots=None
+            if batch.decode_slots is None
+            else _tensor(batch.decode_slots, device),
+        )
+
     def next_decode_step(self, step: int, sampled: torch.Tensor) -> StepInputs:
         """Inputs of decode iteration `step` (>= 1) of a multi-step run: every row extends by
         the token it sampled last (`sampled` [B]), written to decode_slots[step - 1]."""
@@ -199,6 +216,56 @@ class StepInputs:
             input_ids=sampled,
             last_layer=None,
         )
+
+
+class StepInputsBuilder:
+    """StepInputs for each batch. A batch that decodes the same table rows with the same asks
+    as the batch before (most steps: the controller's BatchBuilder then sends the same bytes
+    for them) keeps that batch's row inputs (sampling, logprob asks, logit bias, row indices)
+    and builds only its tokens, positions and slots: the worker's half of a persistent batch.
+    Found by comparing the messages, so anything else (a row joining or leaving, a prompt
+    chunk, a table fill, a stop ban or penalties, which change every step) takes the whole
+    path."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._last: tuple[ForwardBatch, StepInputs] | None = None  # a batch whose rows decode
+
+    def build(self, batch: ForwardBatch) -> StepInputs:
+        last = self._last
+        if last is not None and _same_rows(batch, last[0]):
+            inputs = last[1].next_tokens(batch, self.device)
+        else:
+            inputs = StepInputs.from_batch(batch, self.device)
+        self._last = (batch, inputs) if _rows_persist(batch, inputs) else None
+        return inputs
+
+
+def _rows_persist(batch: ForwardBatch, inputs: StepInputs) -> bool:
+    """Every row decodes one token and asks nothing that changes from step to step."""
+    s = batch.sampling
+    return (
+        batch.input_ids.shape == batch.req_rows.shape
+        and not batch.fill_rows.shape[0]
+        and s.stop_ban is None
+        and s.penalties is None
+        and b"\x01" not in batch.is_prefill.data
+        and not len(inputs.prompt_rows)
+    )
+
+
+def _same_rows(batch: ForwardBatch, last: ForwardBatch) -> bool:
+    """`batch` decodes `last`'s rows again (one token each) with the same asks."""
+    return (
+        batch.num_steps == last.num_steps
+        and batch.input_ids.shape == last.input_ids.shape
+        and not batch.fill_rows.shape[0]
+        and batch.req_rows == last.req_rows
+        and batch.extend_lens == last.extend_lens
+        and batch.is_prefill == last.is_prefill
+        and batch.sampling == last.sampling
+        and batch.logprobs == last.logprobs
+    )
 
 
 @dataclass(frozen=True)
