@@ -90,6 +90,8 @@ class ModelRunner:
         self.table = torch.zeros(
             config.max_running_requests, self.max_model_len, dtype=torch.int32, device=self.device
         )
+        # NOTE: the same memory, written through numpy where the table lives on the host
+        self.host_table = self.table.numpy() if self.device.type == "cpu" else None
         self.time_forward = False  # --step-timing: accumulate forward_s (syncs on CUDA)
         self.forward_s = 0.0
         self.prompt_chunk = config.prompt_logprob_chunk or default_chunk_size(
@@ -129,11 +131,19 @@ class ModelRunner:
             cols = _ragged_arange(inputs.fill_lens)
             self.table[rows, cols] = inputs.fill_slots
 
+    def _write_table(self, inputs: StepInputs) -> None:
+        """Each new token's slot into its row's column for its position."""
+        if self.host_table is not None and inputs.table_writes is not None:
+            rows, positions, slots = inputs.table_writes
+            self.host_table[rows, positions] = slots
+        else:
+            self.table[inputs.token_rows, inputs.positions] = inputs.out_slots.int()
+
     def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The final hidden states [P, hidden] of the prompt positions scored (None where the
         step scores none) and the float32 logits [B, V] of each row's last position (timed
         under --step-timing: the model's share of a step)."""
-        self.table[inputs.token_rows, inputs.positions] = inputs.out_slots.int()
+        self._write_table(inputs)
         attention = plan_attention(
             self.table,
             inputs.req_rows,
