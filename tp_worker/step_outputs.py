@@ -5,13 +5,14 @@ Everything stays on the device until the step ends; one transfer packs it into a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from tokenmill.protocol.arrays import pack
+from tokenmill.protocol.arrays import Array, pack
 from tokenmill.protocol.step import StepResult
 from tokenmill.tp_worker.logprobs import LogSoftmax, ScoredPositions
 from tokenmill.tp_worker.sampling import greedy_ids, processed_logprobs, sample
@@ -98,33 +99,56 @@ class StepOutputs:
     def to_result(self, step_id: int) -> StepResult:
         steps, rows = len(self.sampled), len(self.sampled[0].next_ids)
 
-        def stacked(name: str, absent: Callable[[], np.ndarray] | None = None) -> np.ndarray:
-            """[N, ...]: the field of every iteration, or absent() where none computed it."""
+        def stacked(name: str) -> Array | None:
+            """[N, ...]: the field of every iteration, None where none computed it."""
             parts = [getattr(s, name) for s in self.sampled]
             if parts[0] is None:
-                assert absent is not None, f"no {name} computed"
-                return absent()
+                return None
             arrays = [_host(t) for t in parts]
             # NOTE: [None] for one iteration (most steps): np.stack is ~10 Python-level calls
-            return arrays[0][None] if len(arrays) == 1 else np.stack(arrays)
+            array = arrays[0][None] if len(arrays) == 1 else np.stack(arrays)
+            return pack(array.astype(np.int32) if name == "next_ids" else array)
 
-        prompt = self.prompt
+        absent = _absent(steps, rows)
+        prompt = self.prompt  # NOTE: None: no row scored a prompt position (offsets all 0)
+        offsets = self.inputs.prompt_offsets
+        next_ids = stacked("next_ids")
+        assert next_ids is not None, "every iteration samples"
         return StepResult(
             step_id=step_id,
-            next_ids=pack(stacked("next_ids").astype(np.int32)),
-            logprobs=pack(stacked("logprobs", lambda: np.full((steps, rows), np.nan, np.float32))),
-            top_ids=pack(stacked("top_ids", lambda: np.zeros((steps, 0, 0), np.int32))),
-            top_logprobs=pack(stacked("top_logprobs", lambda: np.zeros((steps, 0, 0), np.float32))),
-            token_ids_logprobs=pack(
-                stacked("token_ids_logprobs", lambda: np.zeros((steps, 0), np.float32))
-            ),
-            prompt_offsets=pack(self.inputs.prompt_offsets),
+            next_ids=next_ids,
+            logprobs=stacked("logprobs") or absent.logprobs,
+            top_ids=stacked("top_ids") or absent.top_ids,
+            top_logprobs=stacked("top_logprobs") or absent.top_logprobs,
+            token_ids_logprobs=stacked("token_ids_logprobs") or absent.token_ids_logprobs,
+            prompt_offsets=absent.prompt_offsets if prompt is None else pack(offsets),
             prompt_logprobs=_NO_PROMPT_LOGPROBS if prompt is None else pack(_host(prompt.logprobs)),
             prompt_top_ids=_NO_PROMPT_TOP_IDS if prompt is None else pack(_host(prompt.top_ids)),
             prompt_top_logprobs=_NO_PROMPT_TOP_LOGPROBS
             if prompt is None
             else pack(_host(prompt.top_logprobs)),
         )
+
+
+class _Absent(NamedTuple):
+    """A result's arrays for what no row of a step asked, packed once per (steps, rows)."""
+
+    logprobs: Array  # [N, B] NaN
+    top_ids: Array  # [N, 0, 0]
+    top_logprobs: Array  # [N, 0, 0]
+    token_ids_logprobs: Array  # [N, 0]
+    prompt_offsets: Array  # [B + 1] zeros
+
+
+@functools.lru_cache(maxsize=64)
+def _absent(steps: int, rows: int) -> _Absent:
+    return _Absent(
+        pack(np.full((steps, rows), np.nan, np.float32)),
+        pack(np.zeros((steps, 0, 0), np.int32)),
+        pack(np.zeros((steps, 0, 0), np.float32)),
+        pack(np.zeros((steps, 0), np.float32)),
+        pack(np.zeros(rows + 1, np.int32)),
+    )
 
 
 # NOTE: made once: most steps score no prompt position.
