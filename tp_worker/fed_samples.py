@@ -12,7 +12,6 @@ import numpy as np
 from tokenmill.protocol.arrays import pack, unpack
 from tokenmill.protocol.step import FED_LAST_SAMPLE, ForwardBatch, StepResult
 
-
 _FED_BYTES = np.array([FED_LAST_SAMPLE], "<i4").tobytes()
 
 
