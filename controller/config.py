@@ -10,9 +10,10 @@ class ControllerConfig:
     request_addr: str
     """ZMQ address the controller binds to receive GenerateRequest / AbortRequest."""
     worker_addrs: tuple[str, ...]
-    """One address per tensor-parallel rank, bound by the controller to push ForwardBatch."""
+    """One address per tensor-parallel rank, bound by the controller to push ForwardBatch:
+    unix:// (protocol/step_channel.py) on this node, tcp:// (ZeroMQ, CURVE) on another."""
     result_addr: str
-    """Address the controller binds to receive rank 0's WorkerReady / StepResult."""
+    """Address the controller binds to receive rank 0's WorkerReady / StepResult (unix://)."""
     detokenizer_addr: str
     """Address of the detokenizer's input (the controller connects)."""
     report_addr: str

@@ -29,6 +29,7 @@ from tokenmill.protocol.process import exit_with_parent, setup_process
 from tokenmill.protocol.requests import AbortRequest, FrontendMessage, GenerateRequest
 from tokenmill.protocol.stats import EngineReport
 from tokenmill.protocol.step import StepResult, WorkerFailed, WorkerMessage, WorkerReady
+from tokenmill.protocol.step_channel import FrameListener, is_step_channel
 
 logger = logging.getLogger(__name__)
 
@@ -233,14 +234,20 @@ EXPIRY_CHECK_S = 0.1  # how often waiting requests are checked against --queue-t
 
 
 class ControllerSockets:
-    """The controller's five sockets, each with one typed decoder."""
+    """The controller's five sockets, each with one typed decoder. The step channel's ends
+    (each rank's batches, rank 0's results) are Unix-domain streams on the controller's node
+    (protocol/step_channel.py) and ZeroMQ over TCP to a rank on another node."""
 
     def __init__(self, config: ControllerConfig) -> None:
         self.context = zmq.Context()
         self.authenticator: Authenticator | None = None
         self.requests = self._socket(zmq.PULL, config.request_addr, bind=True)
         self.workers = [self._worker_socket(a, config) for a in config.worker_addrs]
-        self.results = self._socket(zmq.PULL, config.result_addr, bind=True)
+        self.results = (
+            FrameListener(config.result_addr)
+            if is_step_channel(config.result_addr)
+            else self._socket(zmq.PULL, config.result_addr, bind=True)
+        )
         self.detokenizer = self._socket(zmq.PUSH, config.detokenizer_addr, bind=False)
         self.reports = self._socket(zmq.PUSH, config.report_addr, bind=False)
         self.request_decoder = msgspec.msgpack.Decoder(FrontendMessage)
@@ -255,8 +262,10 @@ class ControllerSockets:
         (sock.bind if bind else sock.connect)(addr)
         return sock
 
-    def _worker_socket(self, addr: str, config: ControllerConfig) -> zmq.Socket:
+    def _worker_socket(self, addr: str, config: ControllerConfig) -> zmq.Socket | FrameListener:
         """A rank's step input; over TCP (a rank on another node) only for the key's holders."""
+        if is_step_channel(addr):
+            return FrameListener(addr)
         if not addr.startswith("tcp://"):
             return self._socket(zmq.PUSH, addr, bind=True)
         key = ClusterKey.load(config.cluster_key_file)
@@ -293,7 +302,7 @@ class ControllerSockets:
     def send_batch(self, batch: object) -> None:
         frame = self.encoder.encode(batch)
         for sock in self.workers:
-            sock.send(frame, copy=False)
+            sock.send(frame)
 
     def send_outputs(self, batch: BatchOutput) -> None:
         self.detokenizer.send(self.encoder.encode(batch), copy=False)

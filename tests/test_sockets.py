@@ -3,10 +3,13 @@ and the next good frame still arrives."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import msgspec
 import numpy as np
+import pytest
 import zmq
 
 from tokenmill.controller.config import ControllerConfig
@@ -20,6 +23,7 @@ from tokenmill.protocol.requests import (
     SamplingParams,
 )
 from tokenmill.protocol.step import WorkerReady
+from tokenmill.protocol.step_channel import FrameListener, FrameStream
 
 
 def test_controller_drops_frames_it_cannot_decode(tmp_path: Path) -> None:
@@ -69,3 +73,60 @@ def test_controller_drops_frames_it_cannot_decode(tmp_path: Path) -> None:
     finally:
         context.destroy(linger=0)
         sockets.context.destroy(linger=0)
+
+
+def test_controller_drops_frames_it_cannot_decode_on_the_step_channel(tmp_path: Path) -> None:
+    config = ControllerConfig(
+        f"ipc://{tmp_path / 'requests'}",
+        (f"unix://{tmp_path / 'worker0'}",),
+        f"unix://{tmp_path / 'results'}",
+        f"ipc://{tmp_path / 'outputs'}",
+        f"ipc://{tmp_path / 'reports'}",
+        max_running_requests=4,
+        max_prefill_tokens=64,
+    )
+    sockets = ControllerSockets(config)
+    try:
+        worker = FrameStream.connect(config.result_addr)
+        batches = FrameStream.connect(config.worker_addrs[0])
+        worker.send(b"\x00not a worker message")
+        ready = WorkerReady(kv_cache_tokens=8, max_model_len=8, eos_token_ids=(1,))
+        worker.send(msgspec.msgpack.encode(ready))
+        assert sockets.receive_result() == ready
+        sockets.send_batch(ready)  # NOTE: any message: the channel carries frames
+        assert msgspec.msgpack.decode(batches.recv(), type=WorkerReady) == ready
+        worker.close()
+        with pytest.raises(EOFError):
+            sockets.receive_result()  # NOTE: rank 0 gone: the controller fails, not hangs
+    finally:
+        sockets.context.destroy(linger=0)
+
+
+@pytest.mark.parametrize("size", [0, 1, 7, 8, 4096, 3 << 20])
+def test_step_channel_carries_whole_frames_in_order(tmp_path: Path, size: int) -> None:
+    addr = f"unix://{tmp_path / 'channel'}"
+    frames = [bytes(range(256)) * (size // 256) + bytes(size % 256), b"next", b""]
+    got: list[bytes] = []
+
+    def rank() -> None:
+        # NOTE: it may come first: it retries until the controller has bound
+        stream = FrameStream.connect(addr)
+        got.extend(bytes(stream.recv()) for _ in frames)
+        stream.send(b"back" * size)
+        stream.close()
+
+    thread = threading.Thread(target=rank)
+    thread.start()
+    time.sleep(0.05)
+    listener = FrameListener(addr)
+    try:
+        for frame in frames:
+            listener.send(frame)
+        assert bytes(listener.recv()) == b"back" * size
+        thread.join(timeout=10)
+        assert got == frames
+        with pytest.raises(EOFError):
+            listener.recv()
+    finally:
+        listener.close()
+    assert not Path(addr[len("unix://") :]).exists()

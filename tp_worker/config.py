@@ -49,7 +49,8 @@ class WorkerConfig:
     dist_init_addr: str
     """torch.distributed init method, e.g. tcp://127.0.0.1:29500 (unused with one rank)."""
     batch_addr: str
-    """Address the controller pushes this rank's ForwardBatch messages to (we connect)."""
+    """Address the controller pushes this rank's ForwardBatch messages to (we connect):
+    unix:// on the controller's node, tcp:// from another."""
     result_addr: str
     """Address of the controller's result input (rank 0 connects)."""
     parent_pid: int | None = None

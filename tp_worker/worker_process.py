@@ -22,6 +22,7 @@ import zmq
 from tokenmill.protocol.cluster import ClusterKey
 from tokenmill.protocol.process import exit_with_parent, setup_process
 from tokenmill.protocol.step import ForwardBatch, WorkerFailed, WorkerReady
+from tokenmill.protocol.step_channel import FrameStream, is_step_channel
 from tokenmill.tp_worker.config import RunnerConfig, WorkerConfig
 from tokenmill.tp_worker.device import resolve_device
 from tokenmill.tp_worker.host_memory import keep_freed_memory
@@ -67,13 +68,25 @@ def init_distributed(config: WorkerConfig) -> RunnerConfig:
     return runner
 
 
-def connect_batches(context: zmq.Context, config: WorkerConfig) -> zmq.Socket:
-    """The step input; from another node over TCP, proving we hold the cluster key."""
+def connect_batches(context: zmq.Context, config: WorkerConfig) -> zmq.Socket | FrameStream:
+    """The step input: the step channel on the controller's node; from another node over
+    TCP, proving we hold the cluster key."""
+    if is_step_channel(config.batch_addr):
+        return FrameStream.connect(config.batch_addr)
     batches = context.socket(zmq.PULL)
     if config.batch_addr.startswith("tcp://"):
         ClusterKey.load(config.cluster_key_file).connect_with(batches)
     batches.connect(config.batch_addr)
     return batches
+
+
+def connect_results(context: zmq.Context, config: WorkerConfig) -> zmq.Socket | FrameStream:
+    """Rank 0's output to the controller (always on the controller's node)."""
+    if is_step_channel(config.result_addr):
+        return FrameStream.connect(config.result_addr)
+    results = context.socket(zmq.PUSH)
+    results.connect(config.result_addr)
+    return results
 
 
 def run_tp_worker(config: WorkerConfig) -> None:
@@ -85,8 +98,7 @@ def run_tp_worker(config: WorkerConfig) -> None:
     batches = connect_batches(context, config)
     results = None
     if config.rank == 0:
-        results = context.socket(zmq.PUSH)
-        results.connect(config.result_addr)
+        results = connect_results(context, config)
         results.send(
             msgspec.msgpack.encode(
                 WorkerReady(
@@ -111,7 +123,11 @@ def run_tp_worker(config: WorkerConfig) -> None:
     serve(runner, batches, results)
 
 
-def serve(runner: ModelRunner, batches: zmq.Socket, results: zmq.Socket | None) -> None:
+def serve(
+    runner: ModelRunner,
+    batches: zmq.Socket | FrameStream,
+    results: zmq.Socket | FrameStream | None,
+) -> None:
     decoder = msgspec.msgpack.Decoder(ForwardBatch)
     encoder = msgspec.msgpack.Encoder()
     while True:
@@ -135,4 +151,4 @@ def serve(runner: ModelRunner, batches: zmq.Socket, results: zmq.Socket | None) 
         if runner.time_forward:
             busy = time.perf_counter() - started
             result = msgspec.structs.replace(result, busy_s=busy, forward_s=runner.forward_s)
-        results.send(encoder.encode(result), copy=False)
+        results.send(encoder.encode(result))

@@ -25,6 +25,7 @@ from tokenmill.controller.config import ControllerConfig
 from tokenmill.detokenizer.config import DetokenizerConfig
 from tokenmill.frontend.engine.cluster_layout import ClusterLayout
 from tokenmill.frontend.server_config import ServerConfig
+from tokenmill.protocol import step_channel
 from tokenmill.tp_worker.config import RunnerConfig, WorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -35,9 +36,9 @@ class ReplicaAddresses:
     """One engine's own sockets (--data-parallel-size D: D of them)."""
 
     requests: str  # frontend -> controller
-    results: str  # rank 0 -> controller
+    results: str  # rank 0 -> controller (the step channel)
     outputs: str  # controller -> detokenizer
-    workers: tuple[str, ...]  # controller -> each rank
+    workers: tuple[str, ...]  # controller -> each rank (the step channel, or TCP off node 0)
 
 
 @dataclass(frozen=True)
@@ -48,18 +49,22 @@ class Addresses:
 
     @staticmethod
     def under(runtime_dir: Path, layout: ClusterLayout, num_replicas: int = 1) -> Addresses:
-        """`ipc://` under runtime_dir, but TCP for the steps of ranks on other nodes."""
+        """`ipc://` under runtime_dir, the step channel's `unix://` there too (rank 0 is on
+        node 0), but TCP for the steps of ranks on other nodes."""
 
         def ipc(name: str) -> str:
             return f"ipc://{runtime_dir / name}"
 
+        def unix(name: str) -> str:
+            return f"{step_channel.SCHEME}{runtime_dir / name}"
+
         def replica(d: int) -> ReplicaAddresses:
             return ReplicaAddresses(
                 ipc(f"requests{d}"),
-                ipc(f"results{d}"),
+                unix(f"results{d}"),
                 ipc(f"outputs{d}"),
                 tuple(
-                    ipc(f"worker{d}.{r}") if layout.on_node0(r) else layout.step_addr(r)
+                    unix(f"worker{d}.{r}") if layout.on_node0(r) else layout.step_addr(r)
                     for r in range(layout.world_size)
                 ),
             )
