@@ -754,8 +754,6 @@ def test_serving_processes_yield_the_cores_under_load(server) -> None:
     """--serving-nice 10 (the default): with 4 or more requests in flight the frontend and the
     detokenizer run at niceness 10, every thread of them; with 2 or fewer at 0 again (this
     test runs as root, which may lower it); the controller and the worker never change."""
-    from test_server_faults import long_request
-
     roles = _serving_roles(server)
     idle = {"frontend": {0}, "tokenmill.detokenizer": {0}}
     busy = {"frontend": {10}, "tokenmill.detokenizer": {10}}
@@ -763,15 +761,38 @@ def test_serving_processes_yield_the_cores_under_load(server) -> None:
     wait_idle(server)
     assert _niceness_of(roles) == {**idle, **engine}
     errors: list[BaseException] = []
-    streams = [threading.Thread(target=long_request, args=(server, errors, 600)) for _ in range(6)]
-    for stream in streams:
-        stream.start()
+    # NOTE: the clients made first and the six requests sent together: on the tiny model a
+    # stream of 1,000 tokens lasts well under a second, less than six clients took to start
+    # one after another.
+    clients = [
+        openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+        for _ in range(6)
+    ]
+    together = threading.Barrier(len(clients))
+
+    def stream(client: openai.OpenAI) -> None:
+        together.wait(30)
+        try:
+            for _ in client.completions.create(
+                model=server.model,
+                prompt="x",
+                max_tokens=1000,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            ):
+                pass
+        except Exception as e:
+            errors.append(e)
+
+    streams = [threading.Thread(target=stream, args=(c,)) for c in clients]
+    for thread in streams:
+        thread.start()
     deadline, seen = time.monotonic() + 20, {}
     while time.monotonic() < deadline and seen != {**busy, **engine}:
-        time.sleep(0.05)
+        time.sleep(0.02)
         seen = _niceness_of(roles)
-    for stream in streams:
-        stream.join(60)
+    for thread in streams:
+        thread.join(60)
     assert seen == {**busy, **engine}
     assert errors == []
     wait_idle(server)

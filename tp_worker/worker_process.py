@@ -131,7 +131,13 @@ def serve(
     decoder = msgspec.msgpack.Decoder(ForwardBatch)
     encoder = msgspec.msgpack.Encoder()
     while True:
-        frame = batches.recv()
+        try:
+            frame = batches.recv()
+        except EOFError:
+            # NOTE: the controller is gone (the server stops, or it failed and the server
+            # stops for it): no step can come any more.
+            logger.info("the controller closed the step channel; rank exits")
+            return
         try:
             batch = decoder.decode(frame)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
