@@ -32,11 +32,12 @@ def build_forward_batch(step_id: int, rows: list[ScheduledRow], num_steps: int =
 
 
 @dataclass(frozen=True)
-class DecodeRows:
-    """What a decode-only batch says about its rows that stays the same from step to step
-    while the rows do: which table rows, one token each, and every row's asks. A decode row's
-    asks are its request's (no prompt position to score, no restart of its penalty history);
-    only the stop ban (min_tokens counting down) is the step's own."""
+class RowsPart:
+    """What a batch says about its rows besides their tokens, positions and slots: which table
+    rows, how many new tokens each, and every row's asks. While a batch decodes the same
+    requests in the same table rows this stays the same from step to step: a decode row's
+    asks are its request's (no prompt position to score, no restart of its penalty history),
+    and only the stop ban (min_tokens counting down) is the step's own."""
 
     key: tuple[tuple[str, int], ...]  # (request id, table row) of each row, in batch order
     req_rows: Array
@@ -53,7 +54,7 @@ class BatchBuilder:
     batch): a step then packs its tokens, positions and slots only."""
 
     def __init__(self) -> None:
-        self._decode: DecodeRows | None = None
+        self._decode: RowsPart | None = None  # the last batch's, where it decoded only
 
     def build(self, step_id: int, rows: list[ScheduledRow], num_steps: int = 1) -> ForwardBatch:
         ids: list[int] = []
@@ -67,43 +68,41 @@ class BatchBuilder:
             slots += request.slots[row.start : row.end]
         # NOTE: a table row (re)fills with the slots of what the request computed before
         filled = [row for row in rows if row.request.fill_table]
-        decode = self._decode_rows(rows) if not filled else None
-        if decode is None:
-            decode = _rows_part(
-                rows
-            )  # NOTE: reads fill_table (penalty restarts): before it is cleared
-            self._decode = decode if _decodes_only(rows) else None
+        decodes = _decodes_only(rows)
+        part = self._same_rows(rows) if decodes and not filled else None
+        if part is None:
+            # NOTE: reads fill_table (penalty restarts): before it is cleared
+            part = _rows_part(rows, _key(rows) if decodes else ())
+            self._decode = part if decodes else None
         for row in filled:
             row.request.fill_table = False
-        stop_ban = _stop_ban(rows) if decode.min_tokens else None
+        stop_ban = _stop_ban(rows) if part.min_tokens else None
         return ForwardBatch(
             step_id=step_id,
             input_ids=_i32(ids),
             out_slots=_i32(slots),
-            req_rows=decode.req_rows,
+            req_rows=part.req_rows,
             prefix_lens=_i32([row.start for row in rows]),
-            extend_lens=decode.extend_lens,
-            is_prefill=decode.is_prefill,
+            extend_lens=part.extend_lens,
+            is_prefill=part.is_prefill,
             fill_rows=_i32([row.request.row for row in filled]) if filled else _NONE,
             fill_lens=_i32([row.start for row in filled]) if filled else _NONE,
             fill_slots=_i32([s for row in filled for s in row.request.slots[: row.start]])
             if filled
             else _NONE,
-            sampling=decode.sampling
+            sampling=part.sampling
             if stop_ban is None
-            else msgspec.structs.replace(decode.sampling, stop_ban=stop_ban),
-            logprobs=decode.logprobs,
+            else msgspec.structs.replace(part.sampling, stop_ban=stop_ban),
+            logprobs=part.logprobs,
             num_steps=num_steps,
             decode_slots=_decode_slots(rows, num_steps),
         )
 
-    def _decode_rows(self, rows: list[ScheduledRow]) -> DecodeRows | None:
-        """The last decode-only batch's rows' part, where these rows are the same requests in
-        the same table rows, each decoding again."""
+    def _same_rows(self, rows: list[ScheduledRow]) -> RowsPart | None:
+        """The last batch's rows' part, where it decoded only and these decode rows are the
+        same requests in the same table rows."""
         last = self._decode
-        if last is None or len(last.key) != len(rows):
-            return None
-        if any(row.is_prefill for row in rows) or _key(rows) != last.key:
+        if last is None or len(last.key) != len(rows) or _key(rows) != last.key:
             return None
         return last
 
@@ -116,11 +115,11 @@ def _decodes_only(rows: list[ScheduledRow]) -> bool:
     return not any(row.is_prefill or row.num_new != 1 for row in rows)
 
 
-def _rows_part(rows: list[ScheduledRow]) -> DecodeRows:
+def _rows_part(rows: list[ScheduledRow], key: tuple[tuple[str, int], ...]) -> RowsPart:
     params = [row.request.message.sampling for row in rows]
     asks = [row.request.message.logprobs for row in rows]
-    return DecodeRows(
-        key=_key(rows) if _decodes_only(rows) else (),
+    return RowsPart(
+        key=key,
         req_rows=_i32([row.request.row for row in rows]),
         extend_lens=_i32([row.num_new for row in rows]),
         is_prefill=pack_list([row.is_prefill for row in rows], "bool"),

@@ -99,28 +99,28 @@ class StepOutputs:
     def to_result(self, step_id: int) -> StepResult:
         steps, rows = len(self.sampled), len(self.sampled[0].next_ids)
 
-        def stacked(name: str) -> Array | None:
-            """[N, ...]: the field of every iteration, None where none computed it."""
+        absent = _absent(steps, rows)
+
+        def stacked(name: str) -> Array:
+            """[N, ...]: the field of every iteration, or the absent one where none computed
+            it."""
             parts = [getattr(s, name) for s in self.sampled]
             if parts[0] is None:
-                return None
+                return getattr(absent, name)
             arrays = [_host(t) for t in parts]
             # NOTE: [None] for one iteration (most steps): np.stack is ~10 Python-level calls
             array = arrays[0][None] if len(arrays) == 1 else np.stack(arrays)
             return pack(array.astype(np.int32) if name == "next_ids" else array)
 
-        absent = _absent(steps, rows)
         prompt = self.prompt  # NOTE: None: no row scored a prompt position (offsets all 0)
         offsets = self.inputs.prompt_offsets
-        next_ids = stacked("next_ids")
-        assert next_ids is not None, "every iteration samples"
         return StepResult(
             step_id=step_id,
-            next_ids=next_ids,
-            logprobs=stacked("logprobs") or absent.logprobs,
-            top_ids=stacked("top_ids") or absent.top_ids,
-            top_logprobs=stacked("top_logprobs") or absent.top_logprobs,
-            token_ids_logprobs=stacked("token_ids_logprobs") or absent.token_ids_logprobs,
+            next_ids=stacked("next_ids"),
+            logprobs=stacked("logprobs"),
+            top_ids=stacked("top_ids"),
+            top_logprobs=stacked("top_logprobs"),
+            token_ids_logprobs=stacked("token_ids_logprobs"),
             prompt_offsets=absent.prompt_offsets if prompt is None else pack(offsets),
             prompt_logprobs=_NO_PROMPT_LOGPROBS if prompt is None else pack(_host(prompt.logprobs)),
             prompt_top_ids=_NO_PROMPT_TOP_IDS if prompt is None else pack(_host(prompt.top_ids)),
@@ -131,7 +131,8 @@ class StepOutputs:
 
 
 class _Absent(NamedTuple):
-    """A result's arrays for what no row of a step asked, packed once per (steps, rows)."""
+    """A result's arrays for what no row of a step asked, packed once per (steps, rows).
+    NOTE: every iteration samples, so next_ids is never absent."""
 
     logprobs: Array  # [N, B] NaN
     top_ids: Array  # [N, 0, 0]
