@@ -156,26 +156,25 @@ class Scheduler:
         preempts the latest-admitted requests while the pool cannot give them (None, when
         ahead: the caller waits for the step in flight first)."""
         decoding = [r for r in self.running if not r.is_prefill and self._outputs_left(r) > 0]
-
-        def missing(r: Request) -> int:
-            return max(0, r.num_tokens_ahead - 1 + steps - len(r.slots))
-
-        needed = sum(missing(r) for r in decoding)
+        # NOTE: each request's count once (a step's scheduling is ~4 us of Python a row)
+        missing = [max(0, r.num_tokens_ahead - 1 + steps - len(r.slots)) for r in decoding]
+        needed = sum(missing)
         if ahead and needed > self.kv.num_available:
             return None
         while needed > self.kv.num_available:
             victim = max(self.running, key=lambda r: r.arrival)
             if victim in decoding:
-                decoding.remove(victim)
-                needed -= missing(victim)
+                i = decoding.index(victim)
+                needed -= missing.pop(i)
+                decoding.pop(i)
             self._preempt(victim)
         spare = self.kv.pool.num_free - needed - DECODE_SLOT_RUN * len(decoding)
-        for request in decoding:
-            if missing(request):
-                extra = min(DECODE_SLOT_RUN - 1, self._slots_left(request) - missing(request))
+        for request, short in zip(decoding, missing, strict=True):
+            if short:
+                extra = min(DECODE_SLOT_RUN - 1, self._slots_left(request) - short)
                 extra = max(0, min(extra, spare))
                 spare -= extra
-                request.slots += self.kv.alloc(missing(request) + extra)
+                request.slots += self.kv.alloc(short + extra)
         return decoding
 
     def _slots_left(self, request: Request) -> int:
