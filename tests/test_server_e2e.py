@@ -754,6 +754,8 @@ def test_serving_processes_yield_the_cores_under_load(server) -> None:
     """--serving-nice 10 (the default): with 4 or more requests in flight the frontend and the
     detokenizer run at niceness 10, every thread of them; with 2 or fewer at 0 again (this
     test runs as root, which may lower it); the controller and the worker never change."""
+    from test_server_faults import long_request
+
     roles = _serving_roles(server)
     idle = {"frontend": {0}, "tokenmill.detokenizer": {0}}
     busy = {"frontend": {10}, "tokenmill.detokenizer": {10}}
@@ -769,22 +771,10 @@ def test_serving_processes_yield_the_cores_under_load(server) -> None:
         for _ in range(6)
     ]
     together = threading.Barrier(len(clients))
-
-    def stream(client: openai.OpenAI) -> None:
-        together.wait(30)
-        try:
-            for _ in client.completions.create(
-                model=server.model,
-                prompt="x",
-                max_tokens=1000,
-                stream=True,
-                extra_body={"ignore_eos": True},
-            ):
-                pass
-        except Exception as e:
-            errors.append(e)
-
-    streams = [threading.Thread(target=stream, args=(c,)) for c in clients]
+    streams = [
+        threading.Thread(target=long_request, args=(server, errors, 1000, None, c, together))
+        for c in clients
+    ]
     for thread in streams:
         thread.start()
     deadline, seen = time.monotonic() + 20, {}

@@ -65,11 +65,16 @@ def long_request(
     errors: list[BaseException],
     max_tokens: int = 900,
     streaming: threading.Event | None = None,
+    client: openai.OpenAI | None = None,
+    together: threading.Barrier | None = None,
 ) -> None:
     """A stream long enough to be in flight when a test breaks the server; the error it
     must end in (not a hang, not a success) goes to `errors`. `streaming` is set when its
-    first token arrives."""
-    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+    first token arrives; `together`: the streams sharing it are sent at once (made with
+    their clients beforehand, which take a while to build)."""
+    client = client or openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+    if together is not None:
+        together.wait(30)
     try:
         for _ in client.completions.create(
             model=server.model,

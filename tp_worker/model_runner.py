@@ -132,12 +132,14 @@ class ModelRunner:
             self.table[rows, cols] = inputs.fill_slots
 
     def _write_table(self, inputs: StepInputs) -> None:
-        """Each new token's slot into its row's column for its position."""
-        if self.host_table is not None and inputs.table_writes is not None:
-            rows, positions, slots = inputs.table_writes
-            self.host_table[rows, positions] = slots
-        else:
+        """Each new token's slot into its row's column for its position. NOTE: where the
+        table lives in host memory, one numpy assignment over views of the step's tensors
+        (torch's index_put and the cast to int32 were ~70 us of a cold decode step)."""
+        if self.host_table is None:
             self.table[inputs.token_rows, inputs.positions] = inputs.out_slots.int()
+        else:
+            rows, positions = inputs.token_rows.numpy(), inputs.positions.numpy()
+            self.host_table[rows, positions] = inputs.out_slots.numpy()
 
     def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The final hidden states [P, hidden] of the prompt positions scored (None where the

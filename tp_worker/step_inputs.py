@@ -125,10 +125,6 @@ class StepInputs:
     sampled_logprobs: bool  # some row reads its sampled tokens' logprobs
     decode_slots: torch.Tensor | None  # [N-1, B] int64
     last_layer: LastLayerRows | None  # None: every token's final hidden state is kept
-    # NOTE: (table row, position, slot) of each new token in host memory, for a table that
-    # lives there (one numpy write instead of two torch calls); None in a multi-step run's
-    # later iterations, whose indices are made on the device.
-    table_writes: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     @staticmethod
     def from_batch(batch: ForwardBatch, device: torch.device) -> StepInputs:
@@ -137,7 +133,6 @@ class StepInputs:
         starts_np = np.cumsum(extend_np) - extend_np
         positions = np.repeat(prefix_np - starts_np, extend_np) + np.arange(extend_np.sum())
         req_rows = unpack(batch.req_rows).astype(np.int64)
-        token_rows = np.repeat(req_rows, extend_np)
         num_top = unpack(batch.logprobs.num_top)
         prompt = _prompt_plan(batch, extend_np, prefix_np, starts_np)
         s = batch.sampling
@@ -147,7 +142,7 @@ class StepInputs:
             positions=_on(positions, device),
             out_slots=_tensor(batch.out_slots, device),
             req_rows=_on(req_rows, device),
-            token_rows=_on(token_rows, device),
+            token_rows=_on(np.repeat(req_rows, extend_np), device),
             prefix_lens=_on(prefix_np, device),
             extend_lens=_on(extend_np, device),
             is_prefill=_tensor(batch.is_prefill, device, torch.bool),
@@ -183,7 +178,6 @@ class StepInputs:
             last_layer=LastLayerRows.plan(
                 extend_np, starts_np, prefix_np, prompt.keep_from, prompt.hidden_index, device
             ),
-            table_writes=(token_rows, positions, unpack(batch.out_slots)),
         )
 
     def next_tokens(self, batch: ForwardBatch, device: torch.device) -> StepInputs:
@@ -191,9 +185,7 @@ class StepInputs:
         (StepInputsBuilder checked it): its tokens, their positions and slots; the rest as
         here."""
         # NOTE: one new token a row: each token's position is its row's prefix length.
-        prefix_np = unpack(batch.prefix_lens).astype(np.int64)
-        prefix = _on(prefix_np, device)
-        rows = self.table_writes[0] if self.table_writes is not None else unpack(batch.req_rows)
+        prefix = _on(unpack(batch.prefix_lens).astype(np.int64), device)
         return replace(
             self,
             input_ids=_tensor(batch.input_ids, device),
@@ -203,7 +195,6 @@ class StepInputs:
             decode_slots=None
             if batch.decode_slots is None
             else _tensor(batch.decode_slots, device),
-            table_writes=(rows, prefix_np, unpack(batch.out_slots)),
         )
 
     def next_decode_step(self, step: int, sampled: torch.Tensor) -> StepInputs:
@@ -224,7 +215,6 @@ class StepInputs:
             last_index=None,
             input_ids=sampled,
             last_layer=None,
-            table_writes=None,
         )
 
 

@@ -122,23 +122,29 @@ class StepOutputs:
             top_logprobs=stacked("top_logprobs"),
             token_ids_logprobs=stacked("token_ids_logprobs"),
             prompt_offsets=absent.prompt_offsets if prompt is None else pack(offsets),
-            prompt_logprobs=_NO_PROMPT_LOGPROBS if prompt is None else pack(_host(prompt.logprobs)),
-            prompt_top_ids=_NO_PROMPT_TOP_IDS if prompt is None else pack(_host(prompt.top_ids)),
-            prompt_top_logprobs=_NO_PROMPT_TOP_LOGPROBS
+            prompt_logprobs=absent.prompt_logprobs
+            if prompt is None
+            else pack(_host(prompt.logprobs)),
+            prompt_top_ids=absent.prompt_top_ids if prompt is None else pack(_host(prompt.top_ids)),
+            prompt_top_logprobs=absent.prompt_top_logprobs
             if prompt is None
             else pack(_host(prompt.top_logprobs)),
         )
 
 
 class _Absent(NamedTuple):
-    """A result's arrays for what no row of a step asked, packed once per (steps, rows).
-    NOTE: every iteration samples, so next_ids is never absent."""
+    """A result's arrays for what no row of a step asked (most steps read no logprob and
+    score no prompt position), packed once per (steps, rows). NOTE: every iteration
+    samples, so next_ids is never absent."""
 
     logprobs: Array  # [N, B] NaN
     top_ids: Array  # [N, 0, 0]
     top_logprobs: Array  # [N, 0, 0]
     token_ids_logprobs: Array  # [N, 0]
     prompt_offsets: Array  # [B + 1] zeros
+    prompt_logprobs: Array  # [0]
+    prompt_top_ids: Array  # [0, 0]
+    prompt_top_logprobs: Array  # [0, 0]
 
 
 @functools.lru_cache(maxsize=64)
@@ -149,13 +155,10 @@ def _absent(steps: int, rows: int) -> _Absent:
         pack(np.zeros((steps, 0, 0), np.float32)),
         pack(np.zeros((steps, 0), np.float32)),
         pack(np.zeros(rows + 1, np.int32)),
+        pack(np.zeros(0, np.float32)),
+        pack(np.zeros((0, 0), np.int32)),
+        pack(np.zeros((0, 0), np.float32)),
     )
-
-
-# NOTE: made once: most steps score no prompt position.
-_NO_PROMPT_LOGPROBS = pack(np.zeros(0, np.float32))
-_NO_PROMPT_TOP_IDS = pack(np.zeros((0, 0), np.int32))
-_NO_PROMPT_TOP_LOGPROBS = pack(np.zeros((0, 0), np.float32))
 
 
 def _host(t: torch.Tensor) -> np.ndarray:
