@@ -82,18 +82,26 @@ def linear_cases(kinds: dict[str, str]) -> dict[str, dict[str, Callable[[], obje
     return cases
 
 
-def attention_case(rows: int, context: int, new: int, shared: bool = False) -> Callable[[], object]:
+def attention_case(
+    rows: int, context: int, new: int, shared: bool = False, runs: bool = False
+) -> Callable[[], object]:
     """`rows` rows of `new` tokens after `context` cached ones: each row's own slots, or
-    (`shared`) the same context slots for every row, as scoring items after one query."""
+    (`shared`) the same context slots for every row, as scoring items after one query. The
+    slots are scattered at random, or (`runs`) in runs as the controller's pool hands them
+    out to a fresh server: each row's positions on consecutive slots."""
     gen = torch.Generator().manual_seed(1)
+
+    def order(n: int) -> torch.Tensor:
+        return torch.arange(n) if runs else torch.randperm(n, generator=gen)
+
     if shared:
         slots = context + rows * new
-        own = context + torch.randperm(rows * new, generator=gen).view(rows, new)
-        prefix = torch.randperm(context, generator=gen).expand(rows, context)
+        own = context + order(rows * new).view(rows, new)
+        prefix = order(context).expand(rows, context)
         table = torch.cat([prefix, own], 1).int().contiguous()
     else:
         slots = rows * (context + new)
-        table = torch.randperm(slots, generator=gen).view(rows, context + new).int()
+        table = order(slots).view(rows, context + new).int()
     k, v = (torch.randn(KV_HEADS, slots, DIM, generator=gen).bfloat16() for _ in range(2))
     q = torch.randn(rows * new, HEADS, DIM, generator=gen).bfloat16()
     batch = torch.arange(rows)

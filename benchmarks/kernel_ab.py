@@ -4,15 +4,16 @@ percentile) over the rounds, and whether the two give the same bits.
 
 On a shared host whose speed swings 2x within minutes, two runs of a benchmark compare noise;
 two builds called in turn within one run compare the code. Cases: bfloat16 attention at the
-medium checkpoint's shapes (64 scoring items of 32 tokens after one shared 1,024-token query,
-64 decode rows at a context of 300, 8 prompts of 256) and bfloat16 linear layers (a prefill's
-gate/up and down products, each gate/up also with its fused silu(gate) x up epilogue, a
-scoring step's 8,192-row down product, a 64-row decode product, and a whole decode step's
-products at 1, 32 and 64 rows with weights of their own, streamed from memory; on the AMX kernels
-where the machine has tiles, else on the AVX-512 ones) and a decode step's small ones
-(RMSNorm of 32 and 64 rows, RoPE with the KV write of 32 and 64 tokens), and random sampling
-of 32 rows (flat and peaked logits), their greedy argmax and their log-softmax statistics
-with the top 5.
+medium checkpoint's shapes (64 scoring items of 32 tokens after one shared 1,024-token query, 64
+decode rows at a context of 300, 8 prompts of 256; the first and last also with each row's slots
+in runs, as a fresh server's slot pool hands them out, the others scattered) and bfloat16 linear
+layers (a prefill's gate/up and down products, each gate/up also with its fused silu(gate) x up
+epilogue, a scoring step's 8,192-row down product, a 64-row decode product, and a whole decode
+step's products at 1, 32 and 64 rows with weights of their own, streamed from memory; on the AMX
+kernels where the machine has tiles, else on the AVX-512 ones) and a decode step's small ones
+(RMSNorm of 32 and 64 rows, RoPE with the KV write of 32 and 64 tokens), and random sampling of
+32 rows (flat and peaked logits), their greedy argmax and their log-softmax statistics with the
+top 5.
 
     python benchmarks/kernel_ab.py [--against HEAD] [--rounds 20]
         [--only attention|linear|small|sampling]
@@ -51,9 +52,11 @@ LINEAR_SHAPES = [
 SMALL_ROWS = (32, 64)  # a decode step's batch
 STREAMED_ROWS = (1, 32, 64)  # a decode step's products with its weights streamed from memory
 ATTENTION_CASES = {
-    "attention, 64 x 32 after a shared 1024": (64, 1024, 32, True),
-    "attention, 64 decode rows x 300": (64, 300, 1, False),
-    "attention, 8 x 256 prompt": (8, 0, 256, False),
+    "attention, 64 x 32 after a shared 1024": (64, 1024, 32, True, False),
+    "attention, the same, slots in runs": (64, 1024, 32, True, True),
+    "attention, 64 decode rows x 300": (64, 300, 1, False, False),
+    "attention, 8 x 256 prompt": (8, 0, 256, False, False),
+    "attention, 8 x 256 prompt, slots in runs": (8, 0, 256, False, True),
 }
 
 
@@ -97,8 +100,8 @@ def timed(fn: Callable[[], torch.Tensor], times: list[float]) -> torch.Tensor:
 def attention_runs(libs: list[ctypes.CDLL]) -> dict[str, list[Callable[[], torch.Tensor]]]:
     """Each case's call, once per build: the plan calls whichever library it is handed."""
     runs = {}
-    for name, (rows, context, new, shared) in ATTENTION_CASES.items():
-        fn = attention_case(rows, context, new, shared)
+    for name, (rows, context, new, shared, in_runs) in ATTENTION_CASES.items():
+        fn = attention_case(rows, context, new, shared, in_runs)
 
         def with_lib(lib: ctypes.CDLL, fn: Callable[[], object] = fn) -> torch.Tensor:
             attention_cpu.library = lambda: lib  # type: ignore[assignment]

@@ -80,6 +80,16 @@ def _table(lens: list[int], width: int = 300) -> torch.Tensor:
     return perm.view(len(lens), width).int()
 
 
+def _in_runs(
+    table: torch.Tensor, caches: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The same keys and values moved so that each row's positions lie on consecutive slots:
+    (caches, table) for _run."""
+    runs = torch.arange(table.numel(), dtype=torch.int32).view(table.shape)
+    moved = tuple(c[:, table.flatten().long()].contiguous() for c in caches)
+    return (moved[0], moved[1]), runs
+
+
 @pytest.mark.parametrize("window", [0, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matches_float64_reference(dtype: torch.dtype, window: int, cpu_kernel: str) -> None:
@@ -145,6 +155,8 @@ def test_heads_of_128_match_float64_and_are_the_same_in_a_chunk_and_alone(cpu_ke
     q = torch.randn(len(rows), HEADS, dim, generator=gen).bfloat16()
     together = _run(q, caches, table, rows, positions, dim=dim)
     assert torch.equal(_run(q, caches, table, rows, positions, split=True, dim=dim), together)
+    in_runs, runs = _in_runs(table, caches)
+    assert torch.equal(_run(q, in_runs, runs, rows, positions, dim=dim), together)
     out = together.view(len(rows), HEADS, dim)
     for i in (0, 1, 40, 41, 100, len(rows) - 1):
         slots = table[rows[i], : positions[i] + 1].tolist()
@@ -186,3 +198,6 @@ def test_a_token_is_bitwise_the_same_in_any_company(
     slot_major = tuple(c.transpose(0, 1).contiguous().transpose(0, 1) for c in caches)
     assert slot_major[0].stride() != caches[0].stride()
     assert torch.equal(_run(q, slot_major, table, rows, positions, window), together)
+    # Where the keys lie changes no bit: the same keys on consecutive slots, as the slot pool
+    # hands out a row's positions (the prompt path reads such blocks in place, not copied).
+    assert torch.equal(_run(q, *_in_runs(table, caches), rows, positions, window), together)

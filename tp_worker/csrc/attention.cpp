@@ -74,11 +74,19 @@ inline void to_float(const uint16_t* src, float* dst, int64_t n) {
 // max and the denominator over the visible lanes only.
 void softmax_numerators(float* scores, const uint16_t* masks, int64_t num_keys, float* den) {
 #if defined(__AVX512F__)
-  __m512 max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t j = 0; j < num_keys; ++j)
-    max = _mm512_mask_max_ps(max, masks[j], max, _mm512_loadu_ps(scores + j * LANES));
+  // NOTE: four running maxima, not one: a max is exact in any order, and one chain waited
+  // on the latency of each max in turn (a third of this function's time).
+  __m512 m[4];
+  for (int c = 0; c < 4; ++c) m[c] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 4 <= num_keys; j += 4)
+    for (int c = 0; c < 4; ++c)
+      m[c] = _mm512_mask_max_ps(m[c], masks[j + c], m[c], _mm512_loadu_ps(scores + (j + c) * LANES));
+  for (; j < num_keys; ++j)
+    m[0] = _mm512_mask_max_ps(m[0], masks[j], m[0], _mm512_loadu_ps(scores + j * LANES));
+  const __m512 max = _mm512_max_ps(_mm512_max_ps(m[0], m[1]), _mm512_max_ps(m[2], m[3]));
   __m512 sum = _mm512_setzero_ps();
-  for (int64_t j = 0; j < num_keys; ++j) {
+  for (j = 0; j < num_keys; ++j) {
     const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(scores + j * LANES), max);
     const __m512 e = _mm512_maskz_mov_ps(masks[j], exp2_nonpositive16(x));
     _mm512_storeu_ps(scores + j * LANES, e);
@@ -388,11 +396,20 @@ void score_block_pairs(const uint32_t* q_pairs, const uint16_t* keys, const int3
 // (rows past nk repeat the last key: leftovers, never read): every key's pair is then one
 // fixed offset from one pointer, so 16 independent sums stay in flight with no address
 // juggling. The same sums, in the same order, as score_block_pairs.
+// Where the 16 keys already lie side by side in the cache (consecutive slots of a cache whose
+// slots are DIM apart: how the slot pool hands out a row's positions), they are read there.
 template <int DIM>
 void score_copied_block(const uint32_t* q_pairs, const uint16_t* keys, const int32_t* slots,
-                        int nk, int64_t stride, float scale, uint16_t* rows, float* scores) {
-  for (int kk = 0; kk < 16; ++kk)
-    std::memcpy(rows + kk * DIM, keys + slots[std::min(kk, nk - 1)] * stride, DIM * 2);
+                        int nk, int64_t stride, float scale, uint16_t* copy, float* scores) {
+  bool in_place = nk == 16 && stride == DIM;
+  for (int kk = 1; kk < 16 && in_place; ++kk) in_place = slots[kk] == slots[0] + kk;
+  const uint16_t* rows = copy;
+  if (in_place) {
+    rows = keys + slots[0] * stride;
+  } else {
+    for (int kk = 0; kk < 16; ++kk)
+      std::memcpy(copy + kk * DIM, keys + slots[std::min(kk, nk - 1)] * stride, DIM * 2);
+  }
   score_pairs16<16>(
       q_pairs, DIM / 2,
       [rows](int kk, int64_t p) {
