@@ -80,8 +80,10 @@ void softmax_numerators(float* scores, const uint16_t* masks, int64_t num_keys, 
   for (int c = 0; c < 4; ++c) m[c] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   int64_t j = 0;
   for (; j + 4 <= num_keys; j += 4)
-    for (int c = 0; c < 4; ++c)
-      m[c] = _mm512_mask_max_ps(m[c], masks[j + c], m[c], _mm512_loadu_ps(scores + (j + c) * LANES));
+    for (int c = 0; c < 4; ++c) {
+      const __m512 s = _mm512_loadu_ps(scores + (j + c) * LANES);
+      m[c] = _mm512_mask_max_ps(m[c], masks[j + c], m[c], s);
+    }
   for (; j < num_keys; ++j)
     m[0] = _mm512_mask_max_ps(m[0], masks[j], m[0], _mm512_loadu_ps(scores + j * LANES));
   const __m512 max = _mm512_max_ps(_mm512_max_ps(m[0], m[1]), _mm512_max_ps(m[2], m[3]));
@@ -392,12 +394,12 @@ void score_block_pairs(const uint32_t* q_pairs, const uint16_t* keys, const int3
 }
 
 #if defined(__AVX512F__)
-// score_block_pairs for 16 keys and a head of DIM columns, the keys first copied side by side
-// (rows past nk repeat the last key: leftovers, never read): every key's pair is then one
-// fixed offset from one pointer, so 16 independent sums stay in flight with no address
-// juggling. The same sums, in the same order, as score_block_pairs.
-// Where the 16 keys already lie side by side in the cache (consecutive slots of a cache whose
-// slots are DIM apart: how the slot pool hands out a row's positions), they are read there.
+// score_block_pairs for 16 keys and a head of DIM columns, the keys side by side: every key's
+// pair is then one fixed offset from one pointer, so 16 independent sums stay in flight with
+// no address juggling. The same sums, in the same order, as score_block_pairs. Where the 16
+// keys already lie so in the cache (consecutive slots DIM apart: the slot pool hands out a
+// row's positions in runs) they are read there; else they are copied into `copy` first
+// (rows past nk repeat the last key: leftovers, never read).
 template <int DIM>
 void score_copied_block(const uint32_t* q_pairs, const uint16_t* keys, const int32_t* slots,
                         int nk, int64_t stride, float scale, uint16_t* copy, float* scores) {
