@@ -15,7 +15,8 @@ class ControllerConfig:
     result_addr: str
     """Address the controller binds to receive rank 0's WorkerReady / StepResult (unix://)."""
     detokenizer_addr: str
-    """Address of the detokenizer's input (the controller connects)."""
+    """The detokenizer's input, a frame stream (unix://, protocol/step_channel.py) it listens
+    on; the controller connects."""
     report_addr: str
     """Address of the frontend's report input (the controller connects)."""
     max_running_requests: int

@@ -29,7 +29,7 @@ from tokenmill.protocol.process import exit_with_parent, setup_process
 from tokenmill.protocol.requests import AbortRequest, FrontendMessage, GenerateRequest
 from tokenmill.protocol.stats import EngineReport
 from tokenmill.protocol.step import StepResult, WorkerFailed, WorkerMessage, WorkerReady
-from tokenmill.protocol.step_channel import FrameListener, is_step_channel
+from tokenmill.protocol.step_channel import FrameListener, FrameStream, is_step_channel
 
 logger = logging.getLogger(__name__)
 
@@ -248,7 +248,8 @@ class ControllerSockets:
             if is_step_channel(config.result_addr)
             else self._socket(zmq.PULL, config.result_addr, bind=True)
         )
-        self.detokenizer = self._socket(zmq.PUSH, config.detokenizer_addr, bind=False)
+        # NOTE: a frame stream, not ZeroMQ: no I/O thread to wake for every step's outputs
+        self.detokenizer = FrameStream.connect(config.detokenizer_addr)
         self.reports = self._socket(zmq.PUSH, config.report_addr, bind=False)
         self.request_decoder = msgspec.msgpack.Decoder(FrontendMessage)
         self.result_decoder = msgspec.msgpack.Decoder(WorkerMessage)
@@ -305,7 +306,7 @@ class ControllerSockets:
             sock.send(frame)
 
     def send_outputs(self, batch: BatchOutput) -> None:
-        self.detokenizer.send(self.encoder.encode(batch), copy=False)
+        self.detokenizer.send(self.encoder.encode(batch))
 
     def send_report(self, report: EngineReport) -> None:
         self.reports.send(self.encoder.encode(report), copy=False)

@@ -15,7 +15,8 @@ class DetokenizerConfig:
     """The checkpoint directory (its tokenizer.json), or a tokenizer.json path."""
 
     input_addr: str
-    """ZMQ address the detokenizer binds, PULL: BatchOutput from the controller."""
+    """unix:// address the detokenizer listens on (a frame stream, protocol/step_channel.py):
+    BatchOutput from the controller."""
 
     output_addr: str
     """ZMQ address the detokenizer connects to, PUSH: DetokenizedBatch to the frontend."""

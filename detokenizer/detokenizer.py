@@ -1,8 +1,9 @@
 """The detokenizer process: BatchOutput arrays in, DetokenizedBatch text and entries out.
 
-Sits between the controller (PULL, bound) and the frontend (PUSH, connected). Holds one
-incremental decoder per running request, created by the request's first output (which
-carries its DetokenizeParams) and dropped when the request finishes.
+Sits between the controller (a frame stream it listens on: protocol/step_channel.py) and the
+frontend (ZeroMQ PUSH, connected). Holds one incremental decoder per running request,
+created by the request's first output (which carries its DetokenizeParams) and dropped when
+the request finishes.
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ from tokenmill.protocol.outputs import (
 )
 from tokenmill.protocol.process import ServingPriority, setup_process
 from tokenmill.protocol.requests import AbortRequest, DetokenizeParams
+from tokenmill.protocol.step_channel import FrameListener
 
 logger = logging.getLogger(__name__)
 
-_POLL_MS = 500
+_POLL_S = 0.5
 
 
 @dataclass
@@ -139,7 +141,7 @@ class _ParentWatch:
         return os.getppid() != self._parent_pid
 
 
-def decode_frame(decoder: msgspec.msgpack.Decoder, frame: bytes) -> BatchOutput | None:
+def decode_frame(decoder: msgspec.msgpack.Decoder, frame: bytes | bytearray) -> BatchOutput | None:
     """The frame as a BatchOutput, or None (logged) when it is not one."""
     try:
         return decoder.decode(frame)
@@ -149,9 +151,20 @@ def decode_frame(decoder: msgspec.msgpack.Decoder, frame: bytes) -> BatchOutput 
 
 
 def serve(detokenizer: Detokenizer, config: DetokenizerConfig, ctx: zmq.Context) -> None:
-    """The loop: receive a BatchOutput, detokenize it, send the DetokenizedBatch."""
-    pull = ctx.socket(zmq.PULL)
-    pull.bind(config.input_addr)
+    """The loop: receive a BatchOutput, detokenize it, send the DetokenizedBatch; until the
+    parent is gone or the controller has closed its end."""
+    inputs = FrameListener(config.input_addr)
+    try:
+        _serve(detokenizer, config, ctx, inputs)
+    except EOFError:
+        logger.info("the controller closed its outputs; detokenizer exits")
+    finally:
+        inputs.close()
+
+
+def _serve(
+    detokenizer: Detokenizer, config: DetokenizerConfig, ctx: zmq.Context, inputs: FrameListener
+) -> None:
     push = ctx.socket(zmq.PUSH)
     push.connect(config.output_addr)
     aborts = None
@@ -164,9 +177,9 @@ def serve(detokenizer: Detokenizer, config: DetokenizerConfig, ctx: zmq.Context)
     priority = ServingPriority(config.niceness)
     logger.info("detokenizer ready: in %s, out %s", config.input_addr, config.output_addr)
     while not watch.parent_gone():
-        if not pull.poll(_POLL_MS):
+        if not inputs.poll(_POLL_S):
             continue
-        msg = decode_frame(decoder, pull.recv(copy=True))
+        msg = decode_frame(decoder, inputs.recv())
         if msg is None:
             continue
         batch = detokenizer.handle_batch_output(msg)

@@ -1,25 +1,26 @@
-"""The step channel between the controller and the ranks on its node: length-prefixed frames
-over a Unix-domain stream socket (`unix://PATH`), written and read by the threads that use
-them.
+"""The step channel between the controller and the ranks on its node, and the controller's
+outputs to its detokenizer: length-prefixed frames over a Unix-domain stream socket
+(`unix://PATH`), written and read by the threads that use them.
 
 A ZeroMQ socket hands every frame to an I/O thread on each side, so one step's batch and its
 result cost six thread wake-ups between two processes; on a CPU server whose cores the model's
 threads fill, each waits for a core. An 800-byte round trip between two processes on the
 2-core EPYC here: median 131-161 us through ZeroMQ's ipc://, 27-30 us through this channel
-(`python benchmarks/step_channel.py`). The
-other channels (requests, outputs, reports) stay ZeroMQ: their ends poll several sockets or
-run in an event loop, and no step waits on them. Ranks on other nodes keep ZeroMQ over TCP
-with CURVE (`tcp://`).
+(`python benchmarks/step_channel.py`). The other channels (requests, detokenized outputs,
+reports) stay ZeroMQ: their ends poll several sockets or run in an event loop. Ranks on other
+nodes keep ZeroMQ over TCP with CURVE (`tcp://`).
 
-The controller listens (one path per rank's batches, one for rank 0's results) and takes its
-rank's connection when it first sends or receives; a rank connects, retrying until the
-controller has bound. The runtime directory the paths live in is private (mode 0700).
+The listening end (the controller for each rank's batches and rank 0's results, the
+detokenizer for the controller's outputs) takes its peer's connection when it first sends,
+receives or polls; the other end connects, retrying until the listener has bound. The
+runtime directory the paths live in is private (mode 0700).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import select
 import socket
 import struct
 import time
@@ -85,6 +86,10 @@ class FrameStream:
                 raise EOFError("the step channel's other end closed")
             got += n
 
+    def readable(self, timeout_s: float) -> bool:
+        """Whether a frame (or the other end's close) has begun to arrive within timeout_s."""
+        return bool(select.select([self._sock], [], [], timeout_s)[0])
+
     def close(self) -> None:
         self._sock.close()
 
@@ -110,6 +115,16 @@ class FrameListener:
 
     def recv(self) -> bytearray:
         return self._connected().recv()
+
+    def poll(self, timeout_s: float) -> bool:
+        """Whether recv() has something to read within timeout_s (the connection, when it has
+        not come yet, taken first if it comes in that time)."""
+        if self._stream is None:
+            if not select.select([self._sock], [], [], timeout_s)[0]:
+                return False
+            self._connected()
+        assert self._stream is not None
+        return self._stream.readable(timeout_s)
 
     def close(self) -> None:
         if self._stream is not None:

@@ -25,6 +25,7 @@ from tokenmill.protocol.outputs import (
     RequestOutput,
 )
 from tokenmill.protocol.requests import AbortRequest, DetokenizeParams
+from tokenmill.protocol.step_channel import FrameStream
 
 TEXTS = (
     "héllo naïve café — déjà vu",
@@ -382,15 +383,21 @@ def test_garbage_frame_raises_and_is_dropped() -> None:
         assert decode_frame(decoder, frame) is None
 
 
-def test_serve_loop_over_zmq(tmp_path: Path) -> None:
-    config = DetokenizerConfig(
+def _serve_config(tmp_path: Path, parent_check_s: float = 30.0) -> DetokenizerConfig:
+    return DetokenizerConfig(
         tokenizer_path=str(tmp_path),
-        input_addr=f"ipc://{tmp_path}/in",
+        input_addr=f"unix://{tmp_path}/in",
         output_addr=f"ipc://{tmp_path}/out",
         abort_addr=f"ipc://{tmp_path}/aborts",
-        parent_pid=-1,  # never our parent: the loop exits after one check period
-        parent_check_s=1.0,
+        parent_pid=-1,  # never our parent: the loop ends at the first check
+        parent_check_s=parent_check_s,
     )
+
+
+def test_serve_loop(tmp_path: Path) -> None:
+    """Outputs in through the frame stream (a garbage frame dropped), text out, the stop
+    string's abort to the controller; the loop ends when the controller closes its end."""
+    config = _serve_config(tmp_path)
     ctx = zmq.Context()
     try:
         results = ctx.socket(zmq.PULL)
@@ -399,8 +406,7 @@ def test_serve_loop_over_zmq(tmp_path: Path) -> None:
         aborts.bind(config.abort_addr)
         thread = threading.Thread(target=serve, args=(Detokenizer(fake_table(PIECES)), config, ctx))
         thread.start()
-        sender = ctx.socket(zmq.PUSH)
-        sender.connect(config.input_addr)
+        sender = FrameStream.connect(config.input_addr)
         sender.send(b"not a message")
         stopped = request_output("s", [0, 1, 2], detokenize=DetokenizeParams(stop=("lo",)))
         msg = BatchOutput([request_output("r", [0, 1], detokenize=DetokenizeParams()), stopped])
@@ -413,6 +419,20 @@ def test_serve_loop_over_zmq(tmp_path: Path) -> None:
         assert aborts.poll(5000)
         assert msgspec.msgpack.Decoder(AbortRequest).decode(aborts.recv()) == AbortRequest("s")
         assert not aborts.poll(200)
+        sender.close()  # NOTE: the controller gone: the loop ends long before a parent check
+        thread.join(timeout=5)
+        assert not thread.is_alive()
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_serve_loop_ends_when_the_parent_is_gone(tmp_path: Path) -> None:
+    """No controller ever connects: the parent check still ends the loop."""
+    config = _serve_config(tmp_path, parent_check_s=0.2)
+    ctx = zmq.Context()
+    try:
+        thread = threading.Thread(target=serve, args=(Detokenizer(fake_table(PIECES)), config, ctx))
+        thread.start()
         thread.join(timeout=5)
         assert not thread.is_alive()
     finally:

@@ -15,6 +15,7 @@ import zmq
 from tokenmill.controller.config import ControllerConfig
 from tokenmill.controller.controller import ControllerSockets
 from tokenmill.protocol.arrays import pack
+from tokenmill.protocol.outputs import BatchOutput, RequestOutput
 from tokenmill.protocol.requests import (
     AbortRequest,
     DetokenizeParams,
@@ -30,11 +31,13 @@ def test_controller_drops_frames_it_cannot_decode(tmp_path: Path) -> None:
     def ipc(name: str) -> str:
         return f"ipc://{tmp_path / name}"
 
+    outputs = f"unix://{tmp_path / 'outputs'}"
+    detokenizer = FrameListener(outputs)  # NOTE: the controller connects at its start
     config = ControllerConfig(
         ipc("requests"),
         (ipc("worker0"),),
         ipc("results"),
-        ipc("outputs"),
+        outputs,
         ipc("reports"),
         max_running_requests=4,
         max_prefill_tokens=64,
@@ -73,14 +76,16 @@ def test_controller_drops_frames_it_cannot_decode(tmp_path: Path) -> None:
     finally:
         context.destroy(linger=0)
         sockets.context.destroy(linger=0)
+        detokenizer.close()
 
 
 def test_controller_drops_frames_it_cannot_decode_on_the_step_channel(tmp_path: Path) -> None:
+    detokenizer = FrameListener(f"unix://{tmp_path / 'outputs'}")
     config = ControllerConfig(
         f"ipc://{tmp_path / 'requests'}",
         (f"unix://{tmp_path / 'worker0'}",),
         f"unix://{tmp_path / 'results'}",
-        f"ipc://{tmp_path / 'outputs'}",
+        f"unix://{tmp_path / 'outputs'}",
         f"ipc://{tmp_path / 'reports'}",
         max_running_requests=4,
         max_prefill_tokens=64,
@@ -95,11 +100,17 @@ def test_controller_drops_frames_it_cannot_decode_on_the_step_channel(tmp_path: 
         assert sockets.receive_result() == ready
         sockets.send_batch(ready)  # NOTE: any message: the channel carries frames
         assert msgspec.msgpack.decode(batches.recv(), type=WorkerReady) == ready
+        outputs = BatchOutput([RequestOutput("r1", pack(np.array([5], np.int32)))])
+        sockets.send_outputs(outputs)  # NOTE: to the detokenizer, a frame stream too
+        assert detokenizer.poll(5.0)
+        assert msgspec.msgpack.decode(detokenizer.recv(), type=BatchOutput) == outputs
+        assert not detokenizer.poll(0.05)
         worker.close()
         with pytest.raises(EOFError):
             sockets.receive_result()  # NOTE: rank 0 gone: the controller fails, not hangs
     finally:
         sockets.context.destroy(linger=0)
+        detokenizer.close()
 
 
 @pytest.mark.parametrize("size", [0, 1, 7, 8, 4096, 3 << 20])

@@ -37,7 +37,7 @@ class ReplicaAddresses:
 
     requests: str  # frontend -> controller
     results: str  # rank 0 -> controller (the step channel)
-    outputs: str  # controller -> detokenizer
+    outputs: str  # controller -> detokenizer (a frame stream, as the step channel)
     workers: tuple[str, ...]  # controller -> each rank (the step channel, or TCP off node 0)
 
 
@@ -49,8 +49,9 @@ class Addresses:
 
     @staticmethod
     def under(runtime_dir: Path, layout: ClusterLayout, num_replicas: int = 1) -> Addresses:
-        """`ipc://` under runtime_dir, the step channel's `unix://` there too (rank 0 is on
-        node 0), but TCP for the steps of ranks on other nodes."""
+        """`ipc://` under runtime_dir, the frame streams' `unix://` there too (the step
+        channel: rank 0 is on node 0; the outputs), but TCP for the steps of ranks on other
+        nodes."""
 
         def ipc(name: str) -> str:
             return f"ipc://{runtime_dir / name}"
@@ -62,7 +63,7 @@ class Addresses:
             return ReplicaAddresses(
                 ipc(f"requests{d}"),
                 unix(f"results{d}"),
-                ipc(f"outputs{d}"),
+                unix(f"outputs{d}"),
                 tuple(
                     unix(f"worker{d}.{r}") if layout.on_node0(r) else layout.step_addr(r)
                     for r in range(layout.world_size)
