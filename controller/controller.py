@@ -243,11 +243,7 @@ class ControllerSockets:
         self.authenticator: Authenticator | None = None
         self.requests = self._socket(zmq.PULL, config.request_addr, bind=True)
         self.workers = [self._worker_socket(a, config) for a in config.worker_addrs]
-        self.results = (
-            FrameListener(config.result_addr)
-            if is_step_channel(config.result_addr)
-            else self._socket(zmq.PULL, config.result_addr, bind=True)
-        )
+        self.results = FrameListener(config.result_addr)  # NOTE: rank 0 is on this node
         # NOTE: a frame stream, not ZeroMQ: no I/O thread to wake for every step's outputs
         self.detokenizer = FrameStream.connect(config.detokenizer_addr)
         self.reports = self._socket(zmq.PUSH, config.report_addr, bind=False)
@@ -264,11 +260,12 @@ class ControllerSockets:
         return sock
 
     def _worker_socket(self, addr: str, config: ControllerConfig) -> zmq.Socket | FrameListener:
-        """A rank's step input; over TCP (a rank on another node) only for the key's holders."""
+        """A rank's step input: the step channel on this node; over TCP (a rank on another
+        node) only for the key's holders."""
         if is_step_channel(addr):
             return FrameListener(addr)
         if not addr.startswith("tcp://"):
-            return self._socket(zmq.PUSH, addr, bind=True)
+            raise ValueError(f"a rank's step input is unix:// or tcp://, not {addr!r}")
         key = ClusterKey.load(config.cluster_key_file)
         if self.authenticator is None:
             self.authenticator = key.start_authenticator(self.context)

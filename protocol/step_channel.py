@@ -95,7 +95,8 @@ class FrameStream:
 
 
 class FrameListener:
-    """The controller's end of one rank's channel: bound at once, connected at first use."""
+    """The listening end of one channel (the controller's for a rank's batches or rank 0's
+    results, the detokenizer's for the outputs): bound at once, connected at first use."""
 
     def __init__(self, addr: str) -> None:
         self._path = _path(addr)

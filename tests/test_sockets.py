@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import msgspec
@@ -27,28 +28,27 @@ from tokenmill.protocol.step import WorkerReady
 from tokenmill.protocol.step_channel import FrameListener, FrameStream
 
 
-def test_controller_drops_frames_it_cannot_decode(tmp_path: Path) -> None:
-    def ipc(name: str) -> str:
-        return f"ipc://{tmp_path / name}"
-
-    outputs = f"unix://{tmp_path / 'outputs'}"
-    detokenizer = FrameListener(outputs)  # NOTE: the controller connects at its start
-    config = ControllerConfig(
-        ipc("requests"),
-        (ipc("worker0"),),
-        ipc("results"),
-        outputs,
-        ipc("reports"),
+def _controller_config(tmp_path: Path) -> ControllerConfig:
+    """ZeroMQ for requests and reports, frame streams for the rest, as the launcher has it."""
+    return ControllerConfig(
+        f"ipc://{tmp_path / 'requests'}",
+        (f"unix://{tmp_path / 'worker0'}",),
+        f"unix://{tmp_path / 'results'}",
+        f"unix://{tmp_path / 'outputs'}",
+        f"ipc://{tmp_path / 'reports'}",
         max_running_requests=4,
         max_prefill_tokens=64,
     )
+
+
+def test_controller_drops_frames_it_cannot_decode(tmp_path: Path) -> None:
+    config = _controller_config(tmp_path)
+    detokenizer = FrameListener(config.detokenizer_addr)  # NOTE: the controller connects
     sockets = ControllerSockets(config)
     context = zmq.Context()
     try:
         frontend = context.socket(zmq.PUSH)
         frontend.connect(config.request_addr)
-        worker = context.socket(zmq.PUSH)
-        worker.connect(config.result_addr)
         good = GenerateRequest(
             "r1",
             pack(np.array([1, 2], np.int32)),
@@ -69,29 +69,6 @@ def test_controller_drops_frames_it_cannot_decode(tmp_path: Path) -> None:
             if len(received) == 2:
                 break
         assert received == [good, AbortRequest("r1")]
-        worker.send(b"\x00not a worker message")
-        ready = WorkerReady(kv_cache_tokens=8, max_model_len=8, eos_token_ids=(1,))
-        worker.send(msgspec.msgpack.encode(ready))
-        assert sockets.receive_result() == ready
-    finally:
-        context.destroy(linger=0)
-        sockets.context.destroy(linger=0)
-        detokenizer.close()
-
-
-def test_controller_drops_frames_it_cannot_decode_on_the_step_channel(tmp_path: Path) -> None:
-    detokenizer = FrameListener(f"unix://{tmp_path / 'outputs'}")
-    config = ControllerConfig(
-        f"ipc://{tmp_path / 'requests'}",
-        (f"unix://{tmp_path / 'worker0'}",),
-        f"unix://{tmp_path / 'results'}",
-        f"unix://{tmp_path / 'outputs'}",
-        f"ipc://{tmp_path / 'reports'}",
-        max_running_requests=4,
-        max_prefill_tokens=64,
-    )
-    sockets = ControllerSockets(config)
-    try:
         worker = FrameStream.connect(config.result_addr)
         batches = FrameStream.connect(config.worker_addrs[0])
         worker.send(b"\x00not a worker message")
@@ -109,7 +86,18 @@ def test_controller_drops_frames_it_cannot_decode_on_the_step_channel(tmp_path: 
         with pytest.raises(EOFError):
             sockets.receive_result()  # NOTE: rank 0 gone: the controller fails, not hangs
     finally:
+        context.destroy(linger=0)
         sockets.context.destroy(linger=0)
+        detokenizer.close()
+
+
+def test_a_rank_s_step_input_is_a_frame_stream_or_tcp(tmp_path: Path) -> None:
+    config = replace(_controller_config(tmp_path), worker_addrs=(f"ipc://{tmp_path / 'w'}",))
+    detokenizer = FrameListener(config.detokenizer_addr)
+    try:
+        with pytest.raises(ValueError, match="unix:// or tcp://"):
+            ControllerSockets(config)
+    finally:
         detokenizer.close()
 
 

@@ -52,7 +52,7 @@ class WorkerConfig:
     """Address the controller pushes this rank's ForwardBatch messages to (we connect):
     unix:// on the controller's node, tcp:// from another."""
     result_addr: str
-    """Address of the controller's result input (rank 0 connects)."""
+    """The controller's result input, unix:// (rank 0 is on its node; rank 0 connects)."""
     parent_pid: int | None = None
     step_timing: bool = False
     """Time each step and its model forward, and send the figures with the result."""

@@ -73,20 +73,12 @@ def connect_batches(context: zmq.Context, config: WorkerConfig) -> zmq.Socket | 
     TCP, proving we hold the cluster key."""
     if is_step_channel(config.batch_addr):
         return FrameStream.connect(config.batch_addr)
+    if not config.batch_addr.startswith("tcp://"):
+        raise ValueError(f"a rank's step input is unix:// or tcp://, not {config.batch_addr!r}")
     batches = context.socket(zmq.PULL)
-    if config.batch_addr.startswith("tcp://"):
-        ClusterKey.load(config.cluster_key_file).connect_with(batches)
+    ClusterKey.load(config.cluster_key_file).connect_with(batches)
     batches.connect(config.batch_addr)
     return batches
-
-
-def connect_results(context: zmq.Context, config: WorkerConfig) -> zmq.Socket | FrameStream:
-    """Rank 0's output to the controller (always on the controller's node)."""
-    if is_step_channel(config.result_addr):
-        return FrameStream.connect(config.result_addr)
-    results = context.socket(zmq.PUSH)
-    results.connect(config.result_addr)
-    return results
 
 
 def run_tp_worker(config: WorkerConfig) -> None:
@@ -98,7 +90,7 @@ def run_tp_worker(config: WorkerConfig) -> None:
     batches = connect_batches(context, config)
     results = None
     if config.rank == 0:
-        results = connect_results(context, config)
+        results = FrameStream.connect(config.result_addr)  # NOTE: on the controller's node
         results.send(
             msgspec.msgpack.encode(
                 WorkerReady(
@@ -126,7 +118,7 @@ def run_tp_worker(config: WorkerConfig) -> None:
 def serve(
     runner: ModelRunner,
     batches: zmq.Socket | FrameStream,
-    results: zmq.Socket | FrameStream | None,
+    results: FrameStream | None,
 ) -> None:
     decoder = msgspec.msgpack.Decoder(ForwardBatch)
     encoder = msgspec.msgpack.Encoder()
