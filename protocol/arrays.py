@@ -41,8 +41,9 @@ _LIST_CODES = {
 }
 
 
-class Array(msgspec.Struct, frozen=True, array_like=True):
-    """A numpy array as bytes: C order, little-endian, dtype from a closed set."""
+class Array(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """A numpy array as bytes: C order, little-endian, dtype from a closed set. Not tracked by
+    the cyclic collector (a few per request per step; see protocol/outputs.py)."""
 
     dtype: str
     shape: tuple[int, ...]

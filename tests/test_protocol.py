@@ -7,6 +7,7 @@ path exists anywhere in the package.
 
 from __future__ import annotations
 
+import gc
 import re
 from pathlib import Path
 
@@ -24,6 +25,14 @@ from tokenmill.protocol.arrays import (
     unpack_list,
 )
 from tokenmill.protocol.cluster import NodeBeat, NodeDown, NodeHello, NodeMessage
+from tokenmill.protocol.outputs import (
+    BatchOutput,
+    DetokenizedBatch,
+    DetokenizedOutput,
+    PositionLogprobs,
+    RequestOutput,
+    TokenEntry,
+)
 from tokenmill.protocol.step import (
     ForwardBatch,
     LogprobAsks,
@@ -353,3 +362,32 @@ def test_node_link_messages_round_trip(message: msgspec.Struct) -> None:
     assert decoder.decode(msgspec.msgpack.encode(message)) == message
     with pytest.raises(msgspec.ValidationError):
         decoder.decode(msgspec.msgpack.encode(WorkerFailed(9, "not a node message")))
+
+
+def test_per_request_output_structs_are_not_tracked_by_the_collector() -> None:
+    """protocol/outputs.py: a step's hundreds of output structs must not drive the cyclic
+    collector in the detokenizer and frontend; decoded ones neither. Their lists still are."""
+    entry = TokenEntry(7, "a", b"a", -0.5)
+    position = PositionLogprobs(entry, [entry, entry])
+    detokenized = DetokenizedOutput("r", "a", [7], [position])
+    request = RequestOutput("r", pack(np.array([7], dtype=np.int32)))
+    decoded = msgspec.msgpack.decode(
+        msgspec.msgpack.encode(DetokenizedBatch([detokenized])), type=DetokenizedBatch
+    ).outputs[0]
+    decoded_request = msgspec.msgpack.decode(
+        msgspec.msgpack.encode(BatchOutput([request])), type=BatchOutput
+    ).outputs[0]
+    for struct in (
+        entry,
+        position,
+        detokenized,
+        request,
+        request.new_ids,
+        decoded,
+        decoded.logprobs[0],
+        decoded.logprobs[0].top[0],
+        decoded_request,
+        decoded_request.new_ids,
+    ):
+        assert not gc.is_tracked(struct), type(struct).__name__
+    assert decoded == detokenized and decoded_request == request
