@@ -1,0 +1,68 @@
+// The arithmetic peak this CPU gives the kernels' two inner instructions (benchmarks/
+// cpu_peak.py): VDPBF16PS (the bfloat16 products: linear layers, attention's q.k) and
+// VFMADD231PS (float32 multiply-adds: attention's p.V), each in 12 independent chains per
+// thread, so that neither latency nor memory limits it. Not part of the server.
+#include <cstdint>
+
+#include <immintrin.h>
+#include <omp.h>
+
+namespace {
+
+constexpr int CHAINS = 12;
+volatile float g_sink;  // NOTE: the chains' sums land here, so none is dead code
+
+// NOTE: the empty asm makes every chain's start opaque, so the compiler can neither fold
+// the chains into one nor drop them.
+template <typename Step>
+float chains(int64_t iters, Step step) {
+  __m512 c[CHAINS];
+  for (int i = 0; i < CHAINS; ++i) {
+    c[i] = _mm512_set1_ps(static_cast<float>(i));
+    __asm__ volatile("" : "+v"(c[i]));
+  }
+  // NOTE: unrolled, so that the chains live in registers, not on the stack.
+  for (int64_t n = 0; n < iters; ++n) {
+#pragma GCC unroll 12
+    for (int i = 0; i < CHAINS; ++i) c[i] = step(c[i]);
+  }
+  __m512 sum = c[0];
+  for (int i = 1; i < CHAINS; ++i) sum = _mm512_add_ps(sum, c[i]);
+  return _mm512_reduce_add_ps(sum);
+}
+
+}  // namespace
+
+extern "C" {
+
+// Seconds for `threads` threads to run `iters` rounds of 12 instructions each; kind 0 =
+// VDPBF16PS (64 flops an instruction), 1 = VFMADD231PS (32 flops). -1 where this build
+// lacks the instruction.
+double tm_peak_seconds(int kind, int threads, int64_t iters) {
+#if defined(__AVX512BF16__)
+  const bool have = true;
+#else
+  const bool have = kind == 1;
+#endif
+  if (!have) return -1.0;
+  float sink = 0.0f;
+  const double started = omp_get_wtime();
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+  {
+    __m512 a = _mm512_set1_ps(1.0f), b = _mm512_set1_ps(1e-30f);
+    __asm__ volatile("" : "+v"(a), "+v"(b));
+    if (kind == 1) {
+      sink += chains(iters, [&](__m512 c) { return _mm512_fmadd_ps(a, b, c); });
+#if defined(__AVX512BF16__)
+    } else {
+      const __m512bh ah = (__m512bh)_mm512_set1_epi32(0x3f803f80);
+      const __m512bh bh = (__m512bh)_mm512_set1_epi32(0x00010001);
+      sink += chains(iters, [&](__m512 c) { return _mm512_dpbf16_ps(c, ah, bh); });
+#endif
+    }
+  }
+  const double seconds = omp_get_wtime() - started;
+  g_sink = sink;
+  return seconds;
+}
+}

@@ -1,0 +1,58 @@
+"""This CPU's arithmetic peak for the two instructions the kernels' inner loops run.
+
+VDPBF16PS (bfloat16 pairs into float32: the linear layers and attention's q.k) and
+VFMADD231PS (float32: attention's p.V, where the accuracy promise keeps the softmax weights
+in float32), 12 independent chains a thread, on 1 thread and on every thread torch uses,
+best of --rounds. The ceiling against which the README's "% of peak" figures are read: a
+kernel at this rate does nothing but its arithmetic. Compiles benchmarks/cpu_peak.cpp with
+the kernels' compiler and -march=native (needs AVX-512).
+
+    python benchmarks/cpu_peak.py [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from tokenmill.tp_worker.cpu_kernels import _compiler
+
+SOURCE = Path(__file__).with_name("cpu_peak.cpp")
+ITERS = 20_000_000
+KINDS = {"VDPBF16PS (bfloat16)": (0, 64), "VFMADD231PS (float32)": (1, 32)}
+
+
+def load(workdir: Path) -> ctypes.CDLL:
+    target = workdir / "cpu_peak.so"
+    command = [_compiler(), "-march=native", "-O3", "-fopenmp", "-shared", "-fPIC"]
+    subprocess.run([*command, str(SOURCE), "-o", str(target)], check=True)
+    lib = ctypes.CDLL(str(target))
+    lib.tm_peak_seconds.restype = ctypes.c_double
+    lib.tm_peak_seconds.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64]
+    return lib
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=5, help="rounds, best kept (default 5)")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        lib = load(Path(tmp))
+        for threads in sorted({1, torch.get_num_threads()}):
+            for name, (kind, flops) in KINDS.items():
+                times = [lib.tm_peak_seconds(kind, threads, ITERS) for _ in range(args.rounds)]
+                if min(times) < 0:
+                    print(f"{threads} thread(s)  {name:<24} not in this build")
+                    continue
+                rate = threads * ITERS * 12 * flops / min(times) / 1e9
+                print(f"{threads} thread(s)  {name:<24} {rate:8.0f} GFLOP/s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
