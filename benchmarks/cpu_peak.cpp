@@ -56,7 +56,7 @@ double tm_peak_seconds(int kind, int threads, int64_t iters) {
 #if defined(__AVX512BF16__)
     } else {
       const __m512bh ah = (__m512bh)_mm512_set1_epi32(0x3f803f80);
-      const __m512bh bh = (__m512bh)_mm512_set1_epi32(0x00010001);
+      const __m512bh bh = (__m512bh)_mm512_set1_epi32(0x3f803f80);
       sink += chains(iters, [&](__m512 c) { return _mm512_dpbf16_ps(c, ah, bh); });
 #endif
     }

@@ -30,7 +30,11 @@ KINDS = {"VDPBF16PS (bfloat16)": (0, 64), "VFMADD231PS (float32)": (1, 32)}
 def load(workdir: Path) -> ctypes.CDLL:
     target = workdir / "cpu_peak.so"
     command = [_compiler(), "-march=native", "-O3", "-fopenmp", "-shared", "-fPIC"]
-    subprocess.run([*command, str(SOURCE), "-o", str(target)], check=True)
+    built = subprocess.run(
+        [*command, str(SOURCE), "-o", str(target)], capture_output=True, text=True
+    )
+    if built.returncode != 0:
+        raise SystemExit(f"cpu_peak.cpp did not build here (it needs AVX-512):\n{built.stderr}")
     lib = ctypes.CDLL(str(target))
     lib.tm_peak_seconds.restype = ctypes.c_double
     lib.tm_peak_seconds.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64]
