@@ -30,6 +30,7 @@ from tokenmill.protocol.outputs import (
     DetokenizedBatch,
     DetokenizedOutput,
     PositionLogprobs,
+    PromptLogprobs,
     RequestOutput,
     TokenEntry,
 )
@@ -370,7 +371,10 @@ def test_per_request_output_structs_are_not_tracked_by_the_collector() -> None:
     entry = TokenEntry(7, "a", b"a", -0.5)
     position = PositionLogprobs(entry, [entry, entry])
     detokenized = DetokenizedOutput("r", "a", [7], [position])
-    request = RequestOutput("r", pack(np.array([7], dtype=np.int32)))
+    ids = pack(np.array([7], dtype=np.int32))
+    values = pack(np.zeros((0,), dtype=np.float32))
+    prompt = PromptLogprobs(0, ids, values, empty("int32", 0, 0), empty("float32", 0, 0))
+    request = RequestOutput("r", ids, prompt=prompt)
     decoded = msgspec.msgpack.decode(
         msgspec.msgpack.encode(DetokenizedBatch([detokenized])), type=DetokenizedBatch
     ).outputs[0]
@@ -383,11 +387,13 @@ def test_per_request_output_structs_are_not_tracked_by_the_collector() -> None:
         detokenized,
         request,
         request.new_ids,
+        prompt,
         decoded,
         decoded.logprobs[0],
         decoded.logprobs[0].top[0],
         decoded_request,
         decoded_request.new_ids,
+        decoded_request.prompt,
     ):
         assert not gc.is_tracked(struct), type(struct).__name__
     assert decoded == detokenized and decoded_request == request
