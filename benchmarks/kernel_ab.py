@@ -1,6 +1,6 @@
 """A/B of the CPU kernels in one process: the working tree's csrc/ against the same sources at
 a git revision, both built here and called alternately on the same inputs, minimum (and 25th
-percentile) over the rounds, and whether the two give the same bits.
+percentile and median) over the rounds, and whether the two give the same bits.
 
 On a shared host whose speed swings 2x within minutes, two runs of a benchmark compare noise;
 two builds called in turn within one run compare the code. Cases: bfloat16 attention at the
@@ -15,8 +15,13 @@ kernels where the machine has tiles, else on the AVX-512 ones) and a decode step
 32 rows (flat and peaked logits), their greedy argmax and their log-softmax statistics with the
 top 5.
 
+--busy N starts N stand-ins for the server's other processes (frontend, detokenizer,
+controller, the client) for the run: each wakes every few milliseconds and burns 0.5 ms of CPU
+at niceness 10, as they do on the model's cores under load. Then the median says more than the
+minimum: how much of a stolen core each build turns into lost time.
+
     python benchmarks/kernel_ab.py [--against HEAD] [--rounds 20]
-        [--only attention|linear|small|sampling]
+        [--only attention|linear|small|sampling] [--busy N]
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -298,13 +304,45 @@ def small_runs(libs: list[ctypes.CDLL]) -> dict[str, list[Callable[[], torch.Ten
     return runs
 
 
+# One stand-in serving process: a short burst of Python every few milliseconds, niced as
+# ServingPriority nices the real ones under load.
+BUSY_LOOP = """
+import os, sys, time
+os.nice(10)
+period = float(sys.argv[1])
+while True:
+    time.sleep(period)
+    start = time.thread_time()
+    while time.thread_time() - start < 0.0005:
+        pass
+"""
+
+
+def start_busy(count: int) -> list[subprocess.Popen[bytes]]:
+    # NOTE: different periods, so that their bursts do not line up.
+    periods = [0.003 + 0.0017 * i for i in range(count)]
+    return [subprocess.Popen([sys.executable, "-c", BUSY_LOOP, str(p)]) for p in periods]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--against", default="HEAD", help="git revision to compare with (HEAD)")
     p.add_argument("--rounds", type=int, default=20, help="alternating rounds (default 20)")
     kinds = ["attention", "linear", "small", "sampling"]
     p.add_argument("--only", choices=kinds, help="one kind of case")
+    p.add_argument(
+        "--busy", type=int, default=0, help="stand-ins for the serving processes to run meanwhile"
+    )
     args = p.parse_args()
+    busy = start_busy(args.busy)
+    try:
+        return run(args)
+    finally:
+        for proc in busy:
+            proc.kill()
+
+
+def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         base = build(sources_at(args.against, Path(tmp) / "base"), Path(tmp) / "base.so")
         ours = build(CSRC, Path(tmp) / "ours.so")
@@ -322,6 +360,7 @@ def main() -> int:
         kind = "AMX tiles" if amx else "no AMX tiles: the AVX-512 kernels"
         print(
             f"{args.against} against the working tree, {args.rounds} rounds, alternating ({kind})"
+            + (f", {args.busy} busy stand-ins" if args.busy else "")
         )
         for name, (theirs, mine) in cases.items():
             times: tuple[list[float], list[float]] = ([], [])
@@ -330,11 +369,12 @@ def main() -> int:
                 timed(theirs, times[0])
                 timed(mine, times[1])
             a, b = (sorted(t) for t in times)
-            q = args.rounds // 4
+            q, h = args.rounds // 4, args.rounds // 2
             print(
-                f"{name:<40} {args.against} {a[0] * 1e3:8.3f} ms (p25 {a[q] * 1e3:.3f})"
-                f"  tree {b[0] * 1e3:8.3f} ms (p25 {b[q] * 1e3:.3f})"
-                f"  {a[0] / b[0]:5.2f}x  same bits: {torch.equal(first, second)}"
+                f"{name:<40} {args.against} {a[0] * 1e3:8.3f} ms (p25 {a[q] * 1e3:.3f}, "
+                f"median {a[h] * 1e3:.3f})  tree {b[0] * 1e3:8.3f} ms (p25 {b[q] * 1e3:.3f}, "
+                f"median {b[h] * 1e3:.3f})  {a[0] / b[0]:5.2f}x (median {a[h] / b[h]:.2f}x)"
+                f"  same bits: {torch.equal(first, second)}"
             )
     return 0
 

@@ -121,6 +121,25 @@ def test_a_row_is_bitwise_the_same_in_any_company(
             assert torch.equal(layer(x[start : start + rows]), together[start : start + rows])
 
 
+@pytest.mark.parametrize("n", [72, 1000])
+def test_panels_taken_by_any_thread_give_the_same_bits(n: int, cpu_kernel: str) -> None:
+    """More threads than cores (their shares of the panels taken by whichever thread is
+    running: panel_queue.h), fewer panels than threads (empty shares) and several passes over
+    x: the bits of one thread, every time."""
+    x, weight, bias = _case(300, 2048, n, torch.bfloat16)
+    layer = PackedLinear(weight, bias)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = layer(x)
+        torch.set_num_threads(7)
+        for _ in range(10):
+            assert torch.equal(layer(x), alone)
+            assert torch.equal(layer(x[:5]), alone[:5])
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_matches_the_transformers_formula_and_is_row_invariant(
     dtype: torch.dtype,

@@ -46,6 +46,7 @@ HEADERS = tuple(
         "bf16.h",
         "epilogue.h",
         "exp.h",
+        "panel_queue.h",
         "silu.h",
     )
 )
