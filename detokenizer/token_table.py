@@ -117,6 +117,7 @@ class TokenTable:
         self._bytes = piece_bytes
         self._strings = strings
         self._special = special
+        self._blanks: list[str] | None = None  # lookup_lists without text, made once
         # SentencePiece-style: the first word's "▁" is a dummy prefix the decoder drops
         self.strips_first_space = strips_first_space
 
@@ -154,6 +155,16 @@ class TokenTable:
 
     def __len__(self) -> int:
         return len(self._bytes)
+
+    def lookup_lists(self, with_text: bool = True) -> tuple[list[str], list[bytes | None]]:
+        """The display strings (all "" without text) and bytes by id, the table's own lists
+        (not to be changed): for loops over many ids, where a call per lookup costs more than
+        the lookup."""
+        if with_text:
+            return self._strings, self._bytes
+        if self._blanks is None:
+            self._blanks = [""] * len(self._strings)
+        return self._blanks, self._bytes
 
     def token_bytes(self, token_id: int) -> bytes | None:
         """Exact bytes of the token's piece; None for special tokens and unknown ids."""
