@@ -612,14 +612,15 @@ def test_a_request_the_engine_turns_away(
     assert fake_server.post(CMPL, _cmpl(max_tokens=1))[0] == 200
 
 
-def test_client_disconnect_aborts(fake_server: Server, fake_client: openai.OpenAI) -> None:
+@pytest.mark.parametrize("n", [1, 2])  # one choice streams straight from the engine
+def test_client_disconnect_aborts(fake_server: Server, fake_client: openai.OpenAI, n: int) -> None:
     fake_server.engine.delay = 0.02
     stream = fake_client.completions.create(
-        model=MODEL, prompt="x = 1", max_tokens=200, n=2, stream=True
+        model=MODEL, prompt="x = 1", max_tokens=200, n=n, stream=True
     )
     first = next(iter(stream))
     stream.close()
-    ids = {f"{first.id}-0", f"{first.id}-1"}
+    ids = {f"{first.id}-{i}" for i in range(n)}
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and not ids <= set(fake_server.engine.aborted):
         time.sleep(0.02)

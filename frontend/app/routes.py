@@ -97,11 +97,20 @@ async def _pump(
             await aclose()
 
 
-async def merge_outputs(
+def merge_outputs(
     engine: EngineClient, choices: list[Choice], metrics: ApiMetrics
 ) -> AsyncGenerator[tuple[int, DetokenizedOutput], None]:
     """(choice index, output) of all choices as they come; when left early (an error, a
     client gone), the unfinished requests are cancelled and aborted."""
+    if len(choices) == 1:
+        return _one_choice(engine, choices[0], metrics)
+    return _merged(engine, choices, metrics)
+
+
+async def _merged(
+    engine: EngineClient, choices: list[Choice], metrics: ApiMetrics
+) -> AsyncGenerator[tuple[int, DetokenizedOutput], None]:
+    """merge_outputs of several choices: a task per choice feeds one queue."""
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
     tasks = [asyncio.create_task(_pump(engine, c, queue)) for c in choices]
     running = {c.index for c in choices}
@@ -122,6 +131,30 @@ async def merge_outputs(
         for c in choices:
             if c.index in running:
                 await _abort(engine, c.request.req_id)
+
+
+async def _one_choice(
+    engine: EngineClient, choice: Choice, metrics: ApiMetrics
+) -> AsyncGenerator[tuple[int, DetokenizedOutput], None]:
+    """merge_outputs of one choice (most requests): the engine's outputs as they come, with
+    no task and queue between (those cost ~4 us of the frontend's CPU a token)."""
+    outputs = engine.generate(choice.request)
+    finished = False
+    try:
+        async for out in outputs:
+            finished = out.finish_reason is not None
+            yield choice.index, out
+            if finished:
+                return
+        raise RuntimeError("engine output ended without a finish")
+    finally:
+        if not finished:
+            metrics.on_aborted(1)
+        aclose = getattr(outputs, "aclose", None)
+        if aclose is not None:
+            await aclose()
+        if not finished:
+            await _abort(engine, choice.request.req_id)
 
 
 async def _abort(engine: EngineClient, req_id: str) -> None:
