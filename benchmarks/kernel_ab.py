@@ -340,6 +340,7 @@ def main() -> int:
     finally:
         for proc in busy:
             proc.kill()
+            proc.wait()
 
 
 def run(args: argparse.Namespace) -> int:
