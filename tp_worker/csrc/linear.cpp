@@ -185,11 +185,48 @@ inline int64_t rows_per_pass(int64_t k_len, int64_t elem_bytes) {
   return std::max<int64_t>(MR, rows);
 }
 
+// One product's operands; `panel` runs one panel over rows [first, last) of x.
+template <typename T, typename Out, template <int, bool> class K>
+struct Product {
+  const T* x;
+  int64_t k_len, lda;
+  const T* packed;
+  int64_t panel_elems, n;
+  const float* bias;
+  Out* out;
+  int64_t ldc;
+  const Out* residual;
+  bool glu;
+
+  void panel(int64_t p, int64_t first, int64_t last) const {
+    alignas(64) float acc[MR * NR];
+    const int64_t col0 = p * NR, cols = std::min<int64_t>(NR, n - col0);
+    const float* b = bias ? bias + col0 : nullptr;
+    for (int64_t m0 = first; m0 < last; m0 += MR) {
+      const int rows = static_cast<int>(std::min<int64_t>(MR, last - m0));
+      // NOTE: the first block of a pass brings the panel in; the others find it in L2.
+      kernel_for<T, K>(rows, m0 == first)(x + m0 * lda, lda, packed + p * panel_elems, k_len,
+                                          acc);
+      for (int r = 0; r < rows; ++r) {
+        const int64_t row = m0 + r;
+        if (glu) {
+          tokenmill::write_glu_row(acc + r * NR, b, out + row * ldc + p * NR / 2);
+        } else {
+          tokenmill::write_row(acc + r * NR, cols, b, out + row * ldc + col0,
+                               residual ? residual + row * ldc + col0 : nullptr);
+        }
+      }
+    }
+  }
+};
+
 template <typename T, typename Out, template <int, bool> class K>
 void linear(const T* x, int64_t m, int64_t k_len, int64_t lda, const T* packed, int64_t n,
             const float* bias, Out* out, int64_t ldc, const Out* residual, bool glu) {
   const int64_t num_panels = (n + NR - 1) / NR;
   const int64_t panel_elems = (std::is_same<T, float>::value ? k_len : (k_len + 31) / 32 * 32) * NR;
+  const Product<T, Out, K> product{x, k_len, lda, packed, panel_elems, n,
+                                   bias, out, ldc, residual, glu};
   const int64_t pass_rows = rows_per_pass(k_len, sizeof(T));
   const int64_t num_passes = (m + pass_rows - 1) / pass_rows;
   // NOTE: no barrier between passes: each has its own shares (panel_queue.h).
@@ -199,26 +236,8 @@ void linear(const T* x, int64_t m, int64_t k_len, int64_t lda, const T* packed, 
     const int thread = omp_get_thread_num();
     for (int64_t pass = 0; pass < num_passes; ++pass) {
       const int64_t first = pass * pass_rows, last = std::min(m, first + pass_rows);
-      for (int64_t p = queue.next(pass, thread); p >= 0; p = queue.next(pass, thread)) {
-        alignas(64) float acc[MR * NR];
-        const int64_t col0 = p * NR, cols = std::min<int64_t>(NR, n - col0);
-        for (int64_t m0 = first; m0 < last; m0 += MR) {
-          const int rows = static_cast<int>(std::min<int64_t>(MR, last - m0));
-          // NOTE: the first block of a pass brings the panel in; the others find it in L2.
-          kernel_for<T, K>(rows, m0 == first)(x + m0 * lda, lda, packed + p * panel_elems,
-                                              k_len, acc);
-          for (int r = 0; r < rows; ++r) {
-            const int64_t row = m0 + r;
-            const float* b = bias ? bias + col0 : nullptr;
-            if (glu) {
-              tokenmill::write_glu_row(acc + r * NR, b, out + row * ldc + p * NR / 2);
-            } else {
-              tokenmill::write_row(acc + r * NR, cols, b, out + row * ldc + col0,
-                                   residual ? residual + row * ldc + col0 : nullptr);
-            }
-          }
-        }
-      }
+      for (int64_t p = queue.next(pass, thread); p >= 0; p = queue.next(pass, thread))
+        product.panel(p, first, last);
     }
   }
 }
