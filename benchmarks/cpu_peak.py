@@ -41,6 +41,21 @@ def load(workdir: Path) -> ctypes.CDLL:
     return lib
 
 
+def rates(lib: ctypes.CDLL, threads: int, rounds: int) -> dict[str, float | None]:
+    """GFLOP/s of each instruction on `threads` threads, best of `rounds` (None: not built)."""
+    out: dict[str, float | None] = {}
+    for name, (kind, flops) in KINDS.items():
+        times = [lib.tm_peak_seconds(kind, threads, ITERS) for _ in range(rounds)]
+        out[name] = None if min(times) < 0 else threads * ITERS * 12 * flops / min(times) / 1e9
+    return out
+
+
+def measure(rounds: int = 5) -> dict[str, float | None]:
+    """This machine's peaks on every thread torch uses (what the kernels run on)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        return rates(load(Path(tmp)), torch.get_num_threads(), rounds)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=5, help="rounds, best kept (default 5)")
@@ -48,13 +63,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         lib = load(Path(tmp))
         for threads in sorted({1, torch.get_num_threads()}):
-            for name, (kind, flops) in KINDS.items():
-                times = [lib.tm_peak_seconds(kind, threads, ITERS) for _ in range(args.rounds)]
-                if min(times) < 0:
-                    print(f"{threads} thread(s)  {name:<24} not in this build")
-                    continue
-                rate = threads * ITERS * 12 * flops / min(times) / 1e9
-                print(f"{threads} thread(s)  {name:<24} {rate:8.0f} GFLOP/s")
+            for name, rate in rates(lib, threads, args.rounds).items():
+                figure = "not in this build" if rate is None else f"{rate:8.0f} GFLOP/s"
+                print(f"{threads} thread(s)  {name:<24} {figure}")
     return 0
 
 

@@ -16,6 +16,11 @@ vllm_cli.py) on the same checkpoint after tokenmill has stopped, with the settin
 side_by_side.py uses, and measures its /generative_scoring and completions the same way;
 --peer-url measures an already running server's /generative_scoring instead. Nothing else
 should run on the machine meanwhile.
+
+Last, with the servers stopped, the request's arithmetic at this machine's peak rates
+(cpu_peak.py: the products and q.k at the VDPBF16PS rate, p.V at the float32 one, as
+tokenmill's bfloat16 kernels run them): the items/s no kernel could beat here, and the share
+of it each server reached.
 """
 
 from __future__ import annotations
@@ -35,10 +40,12 @@ import time
 from pathlib import Path
 
 import aiohttp
+import cpu_peak
 from serving import add_model_args, resolve_model, start_server, stop_server
 
 from tokenmill.frontend.engine.cluster_layout import free_port
-from tokenmill.tp_worker.model_config import load_model_config
+from tokenmill.tp_worker.cpu_ops import amx_enabled
+from tokenmill.tp_worker.model_config import ModelConfig, load_model_config
 
 PEERS = Path(__file__).resolve().parents[2] / "shared" / "peers"
 LABELS = [100, 200]
@@ -202,6 +209,57 @@ def distances(
           "float32: " + ", ".join(parts), flush=True)  # fmt: skip
 
 
+def request_arithmetic(config: ModelConfig, args: argparse.Namespace) -> tuple[float, float]:
+    """The least arithmetic one request needs, in FLOP: the products' (every layer for the
+    query's and the items' tokens, except that past its keys and values the last layer and
+    the lm_head need each item's last token only) and q.k's (p.V's is the same): each item
+    token sees the query and its item's tokens up to itself, each query token the query's
+    tokens up to itself."""
+    h, d, layers = config.hidden_size, config.head_dim, config.num_layers
+    q_dim, kv_dim = config.num_heads * d, 2 * config.num_kv_heads * d
+    layer = 2 * h * (q_dim + kv_dim) + 2 * q_dim * h + 3 * 2 * h * config.intermediate_size
+    kv = 2 * h * kv_dim
+    item_tokens = args.items * args.item_len
+    tokens = args.query_len + item_tokens
+    products = tokens * ((layers - 1) * layer + kv)
+    products += args.items * (layer - kv + 2 * h * config.vocab_size)
+    item_keys = args.query_len + (args.item_len + 1) / 2  # what an item token sees, on average
+    query_keys = (args.query_len + 1) / 2
+    per_key = 2 * config.num_heads * d
+    seen = (layers - 1) * (item_tokens * item_keys + args.query_len * query_keys)
+    seen += args.items * item_keys  # the last layer: each item's last token
+    return products, seen * per_key
+
+
+def print_bound(model: Path, args: argparse.Namespace, **servers: float) -> None:
+    """The request's arithmetic at this machine's peak rates (cpu_peak.py), and how close
+    each server's items/s come to it: tokenmill's kernels run the products and q.k in
+    bfloat16 pairs (VDPBF16PS) and p.V in float32 multiply-adds; float32 runs all three so."""
+    if args.dtype == "bfloat16" and amx_enabled():
+        print("no arithmetic bound here: the bfloat16 kernels run on AMX tiles, which "
+              "cpu_peak.py does not measure", flush=True)  # fmt: skip
+        return
+    try:
+        peaks = cpu_peak.measure(rounds=3)
+    except SystemExit as why:  # cpu_peak.cpp needs AVX-512
+        print(f"no arithmetic bound here: {str(why).splitlines()[0]}", flush=True)
+        return
+    bf16, f32 = peaks["VDPBF16PS (bfloat16)"], peaks["VFMADD231PS (float32)"]
+    assert f32 is not None
+    pairs = bf16 if args.dtype == "bfloat16" and bf16 is not None else f32
+    products, qk = request_arithmetic(load_model_config(model), args)
+    seconds = (products + qk) / (pairs * 1e9) + qk / (f32 * 1e9)
+    bound = args.items / seconds
+    shares = ", ".join(f"{name} {rate / bound:.0%}" for name, rate in servers.items())
+    print(f"arithmetic bound: {products / 1e12:.3f} TFLOP of products and {qk / 1e9:.1f} GFLOP "
+          f"each of q.k and p.V at {pairs:.0f} / {f32:.0f} GFLOP/s (cpu_peak.py here) take "
+          f"{seconds:.2f} s a request = {bound:.1f} items/s (the softmax not counted); "
+          f"reached: {shares}", flush=True)  # fmt: skip
+    if "peer" in servers:
+        print(f"1.5x the peer would be {1.5 * servers['peer'] / bound:.0%} of the bound",
+              flush=True)  # fmt: skip
+
+
 def main() -> int:
     args = parse_args()
     model = resolve_model(args)
@@ -227,6 +285,7 @@ def main() -> int:
         peer, peer_url = start_vllm(args, model, logs / "vllm.log")
     if peer_url is None:
         distances(model, work, args, tokenmill=our_values)
+        print_bound(model, args, tokenmill=ours["/v1/score"])
         return 0
     try:
         theirs = report("peer", measure(peer_url, "/generative_scoring", work, args.rounds))
@@ -238,6 +297,7 @@ def main() -> int:
           f"{ours['/v1/score'] / theirs['/generative_scoring']:.2f}x; completions: "
           f"{ours['/v1/completions'] / theirs['/v1/completions']:.2f}x", flush=True)  # fmt: skip
     distances(model, work, args, tokenmill=our_values, peer=their_values)
+    print_bound(model, args, tokenmill=ours["/v1/score"], peer=theirs["/generative_scoring"])
     return 0
 
 
