@@ -227,7 +227,7 @@ def request_arithmetic(config: ModelConfig, args: argparse.Namespace) -> tuple[f
     query_keys = (args.query_len + 1) / 2
     per_key = 2 * config.num_heads * d
     seen = (layers - 1) * (item_tokens * item_keys + args.query_len * query_keys)
-    seen += args.items * item_keys  # the last layer: each item's last token
+    seen += args.items * (args.query_len + args.item_len)  # the last layer: items' last tokens
     return products, seen * per_key
 
 
