@@ -10,7 +10,7 @@ the median decides the exit status.
 
 Then, in this process, one prefill step of --prefill-tokens tokens (8 prompts) through the
 real runner: its model forward's achieved GFLOP/s (the layers' and lm_head's multiply-adds
-plus attention's, counting the work done: the last layer computes past its q/k/v projection
+plus attention's, counting the work done: the last layer computes past its keys and values
 only each prompt's last token) against a bare torch F.linear of [prefill-tokens x hidden x
 intermediate] on the same machine and dtype, the speed a GEMM library reaches on that shape.
 
@@ -184,15 +184,17 @@ def prefill_gflops(model: Path, args: argparse.Namespace) -> None:
 
 def prefill_flop(c: ModelConfig, num_prompts: int, per_prompt: int) -> float:
     """Multiply-adds x 2 of prefilling num_prompts prompts of per_prompt tokens: every layer
-    for every token, except that the last layer computes past its q/k/v projection only
-    each prompt's last token (the one state the step reads), and the lm_head that token."""
+    for every token, except that the last layer computes keys and values for every token and
+    the rest (q, with its k/v again) only for each prompt's last token (the one state the
+    step reads), and the lm_head that token."""
     tokens = num_prompts * per_prompt
-    q_kv = c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    kv = c.hidden_size * 2 * c.num_kv_heads * c.head_dim
+    q_kv = c.hidden_size * c.num_heads * c.head_dim + kv
     rest = c.hidden_size * (c.num_heads * c.head_dim + 3 * c.intermediate_size)
     attention = 2 * c.num_heads * c.head_dim * per_prompt * (per_prompt + 1)  # q.k and p.V
     last_attention = 2 * 2 * c.num_heads * c.head_dim * per_prompt  # one query of each
-    flop = 2 * c.num_layers * q_kv * tokens + 2 * (c.num_layers - 1) * rest * tokens
-    flop += 2 * rest * num_prompts + 2 * c.hidden_size * c.vocab_size * num_prompts
+    flop = 2 * (c.num_layers - 1) * (q_kv + rest) * tokens + 2 * kv * tokens
+    flop += 2 * (q_kv + rest) * num_prompts + 2 * c.hidden_size * c.vocab_size * num_prompts
     return flop + num_prompts * ((c.num_layers - 1) * attention + last_attention)
 
 

@@ -166,7 +166,8 @@ def test_a_last_layer_of_the_tokens_read_equals_one_of_every_token(
     tiny_checkpoint, dtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Prefill steps compute the last layer only for the states they read (each row's last,
-    its scored prompt positions); computing it for every token gives the same bits."""
+    its scored prompt positions): every token's keys and values, the rest (q included) for
+    those alone; computing it for every token gives the same bits."""
     model = tiny_checkpoint("llama")
     requests = _requests(sampled=True)
     requests += [OfflineRequest(list(range(3, 90)), max_tokens=3, prompt_logprob_start=0)]
@@ -180,8 +181,21 @@ def test_a_last_layer_of_the_tokens_read_equals_one_of_every_token(
         return plan
 
     monkeypatch.setattr(model_runner, "plan_last_layer", counted)
+    last = engine.runner.model.layers[-1]
+    products: list[tuple[str, int]] = []  # the last layer's q/k/v products, rows in order
+    last.qkv_proj.register_forward_hook(lambda m, x, y: products.append(("qkv", x[0].shape[0])))
+    real_kv = last.kv_kernel
+
+    def kv_rows(x: torch.Tensor) -> torch.Tensor:
+        products.append(("kv", x.shape[0]))
+        return real_kv(x)
+
+    last.kv_kernel = kv_rows
     trimmed = engine.generate(requests)
     assert any(trims)
+    # NOTE: a trimmed step's kept tokens go through q/k/v just before every token's k/v.
+    pairs = [(products[i - 1], p) for i, p in enumerate(products) if p[0] == "kv"]
+    assert len(pairs) == sum(trims) and all(q[0] == "qkv" and q[1] < kv[1] for q, kv in pairs)
     monkeypatch.setattr(model_runner, "plan_last_layer", lambda attention, rows: None)
     whole = make_engine(model, max_prefill_tokens=40, dtype=dtype).generate(requests)
     for a, b in zip(trimmed, whole, strict=True):

@@ -98,3 +98,25 @@ class PagedAttention:
         if self.query_index is not None:
             q = q[self.query_index]
         return self.attend(q, kv[0], kv[1], scale)
+
+    def attend_kept(
+        self,
+        kept_qkv: torch.Tensor,
+        kv_rows: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, ...],
+        kv: tuple[torch.Tensor, torch.Tensor],
+        num_heads: int,
+        num_kv_heads: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """attend_projection when only the kept tokens' q was computed: kept_qkv [K, (Hq +
+        2 Hkv) * D] of the tokens `query_index` holds, kv_rows [T, 2 Hkv * D] every token's
+        keys and values. The same rotations and the same writes, so the same bits."""
+        assert self.query_index is not None
+        rope_store_cpu(kv_rows, cos_sin, kv, self.out_slots, 0, num_kv_heads)
+        index = self.query_index
+        kept_q = kept_qkv[:, : num_heads * kv[0].shape[2]]
+        q = rope_store_cpu(
+            kept_q, tuple(c[index] for c in cos_sin), kv, self.out_slots[index], num_heads, 0
+        )
+        return self.attend(q, kv[0], kv[1], scale)

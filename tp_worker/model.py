@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from tokenmill.tp_worker.attention import Attention
+from tokenmill.tp_worker.attention_cpu import PagedAttention
 from tokenmill.tp_worker.cpu_ops import PackedLinear, rms_norm_cpu
 from tokenmill.tp_worker.model_config import ModelConfig
 from tokenmill.tp_worker.parallel import ShardedLinear, TpGroup, VocabEmbedding, invariant_linear
@@ -65,6 +66,20 @@ class DecoderLayer(nn.Module):
             hidden, 2 * inter, False, False, group, dtype, device, glu=True
         )
         self.down_proj = ShardedLinear(inter, hidden, False, True, group, dtype, device)
+        # NOTE: the last layer's keys and values alone (use_kv_kernel), for the steps where
+        # it attends from a few tokens only: their q/k/v then go through qkv_proj, and every
+        # other token's q is never computed.
+        self.kv_kernel: PackedLinear | None = None
+
+    def use_kv_kernel(self) -> None:
+        """Packs the k and v rows of qkv_proj on their own (before its weights are freed).
+        Each output column sums its own products in one order whichever panel holds it
+        (csrc/linear.cpp's rule), so k and v get the fused product's bits."""
+        q_out = self.num_heads * self.head_dim
+        bias = self.qkv_proj.bias
+        self.kv_kernel = PackedLinear(
+            self.qkv_proj.weight.data[q_out:], None if bias is None else bias.data[q_out:]
+        )
 
     def forward(
         self,
@@ -76,10 +91,23 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; with `keep` [K] (the tokens `attention` attends),
         every token's key and value into the cache and [K, hidden] out."""
-        qkv = self.qkv_proj(self.input_layernorm(x))
-        attended = attention.attend_projection(
-            qkv, cos_sin, kv, self.num_heads, self.num_kv_heads, self.scale
-        )
+        normed = self.input_layernorm(x)
+        if keep is not None and self.kv_kernel is not None:
+            assert isinstance(attention, PagedAttention)
+            attended = attention.attend_kept(
+                self.qkv_proj(normed[keep]),
+                self.kv_kernel(normed),
+                cos_sin,
+                kv,
+                self.num_heads,
+                self.num_kv_heads,
+                self.scale,
+            )
+        else:
+            qkv = self.qkv_proj(normed)
+            attended = attention.attend_projection(
+                qkv, cos_sin, kv, self.num_heads, self.num_kv_heads, self.scale
+            )
         if keep is not None:
             x = x[keep]
         x = self.o_proj(attended, residual=x)
@@ -112,6 +140,9 @@ class CausalLM(nn.Module):
 
     def use_cpu_kernels(self) -> None:
         """Run the dense layers through csrc/ (after the weights are loaded)."""
+        last = self.layers[-1]
+        assert isinstance(last, DecoderLayer)
+        last.use_kv_kernel()
         for module in self.modules():
             if isinstance(module, ShardedLinear):
                 module.use_cpu_kernel()
