@@ -92,31 +92,19 @@ class PagedAttention:
         num_heads: int,
         num_kv_heads: int,
         scale: float,
+        kv_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """RoPE and the KV write in one pass (csrc/rope.cpp), then `attend` (see Attention)."""
-        q = rope_store_cpu(qkv, cos_sin, kv, self.out_slots, num_heads, num_kv_heads)
-        if self.query_index is not None:
-            q = q[self.query_index]
-        return self.attend(q, kv[0], kv[1], scale)
-
-    def attend_kept(
-        self,
-        kept_qkv: torch.Tensor,
-        kv_rows: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, ...],
-        kv: tuple[torch.Tensor, torch.Tensor],
-        num_heads: int,
-        num_kv_heads: int,
-        scale: float,
-    ) -> torch.Tensor:
-        """attend_projection when only the kept tokens' q was computed: kept_qkv [K, (Hq +
-        2 Hkv) * D] of the tokens `query_index` holds, kv_rows [T, 2 Hkv * D] every token's
-        keys and values. The same rotations and the same writes, so the same bits."""
-        assert self.query_index is not None
-        rope_store_cpu(kv_rows, cos_sin, kv, self.out_slots, 0, num_kv_heads)
-        index = self.query_index
-        kept_q = kept_qkv[:, : num_heads * kv[0].shape[2]]
-        q = rope_store_cpu(
-            kept_q, tuple(c[index] for c in cos_sin), kv, self.out_slots[index], num_heads, 0
-        )
+        """RoPE and the KV write in one pass (csrc/rope.cpp), then `attend` (see Attention).
+        With kv_rows [T, 2 Hkv * D], every token's keys and values, qkv holds the rows of the
+        tokens `query_index` keeps only: the same rotations and writes, so the same bits."""
+        if kv_rows is None:
+            q = rope_store_cpu(qkv, cos_sin, kv, self.out_slots, num_heads, num_kv_heads)
+            if self.query_index is not None:
+                q = q[self.query_index]
+        else:
+            index = self.query_index
+            assert index is not None
+            rope_store_cpu(kv_rows, cos_sin, kv, self.out_slots, 0, num_kv_heads)
+            kept_q, kept_cos_sin = qkv[:, : num_heads * kv[0].shape[2]], [c[index] for c in cos_sin]
+            q = rope_store_cpu(kept_q, tuple(kept_cos_sin), kv, self.out_slots[index], num_heads, 0)
         return self.attend(q, kv[0], kv[1], scale)

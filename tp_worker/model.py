@@ -92,22 +92,13 @@ class DecoderLayer(nn.Module):
         """x [T, hidden] -> [T, hidden]; with `keep` [K] (the tokens `attention` attends),
         every token's key and value into the cache and [K, hidden] out."""
         normed = self.input_layernorm(x)
+        rest = (cos_sin, kv, self.num_heads, self.num_kv_heads, self.scale)
         if keep is not None and self.kv_kernel is not None:
             assert isinstance(attention, PagedAttention)
-            attended = attention.attend_kept(
-                self.qkv_proj(normed[keep]),
-                self.kv_kernel(normed),
-                cos_sin,
-                kv,
-                self.num_heads,
-                self.num_kv_heads,
-                self.scale,
-            )
+            kept = self.qkv_proj(normed[keep])
+            attended = attention.attend_projection(kept, *rest, kv_rows=self.kv_kernel(normed))
         else:
-            qkv = self.qkv_proj(normed)
-            attended = attention.attend_projection(
-                qkv, cos_sin, kv, self.num_heads, self.num_kv_heads, self.scale
-            )
+            attended = attention.attend_projection(self.qkv_proj(normed), *rest)
         if keep is not None:
             x = x[keep]
         x = self.o_proj(attended, residual=x)
