@@ -41,7 +41,7 @@ from pathlib import Path
 
 import aiohttp
 import cpu_peak
-from serving import add_model_args, resolve_model, start_server, stop_server
+from serving import add_model_args, layer_multiply_adds, resolve_model, start_server, stop_server
 
 from tokenmill.frontend.engine.cluster_layout import free_port
 from tokenmill.tp_worker.cpu_ops import amx_enabled
@@ -215,17 +215,16 @@ def request_arithmetic(config: ModelConfig, args: argparse.Namespace) -> tuple[f
     the lm_head need each item's last token only) and q.k's (p.V's is the same): each item
     token sees the query and its item's tokens up to itself, each query token the query's
     tokens up to itself."""
-    h, d, layers = config.hidden_size, config.head_dim, config.num_layers
-    q_dim, kv_dim = config.num_heads * d, 2 * config.num_kv_heads * d
-    layer = 2 * h * (q_dim + kv_dim) + 2 * q_dim * h + 3 * 2 * h * config.intermediate_size
-    kv = 2 * h * kv_dim
+    layers = config.num_layers
+    kv, q_kv, rest = (2 * n for n in layer_multiply_adds(config))
+    layer = q_kv + rest
     item_tokens = args.items * args.item_len
     tokens = args.query_len + item_tokens
     products = tokens * ((layers - 1) * layer + kv)
-    products += args.items * (layer - kv + 2 * h * config.vocab_size)
+    products += args.items * (layer - kv + 2 * config.hidden_size * config.vocab_size)
     item_keys = args.query_len + (args.item_len + 1) / 2  # what an item token sees, on average
     query_keys = (args.query_len + 1) / 2
-    per_key = 2 * config.num_heads * d
+    per_key = 2 * config.num_heads * config.head_dim
     seen = (layers - 1) * (item_tokens * item_keys + args.query_len * query_keys)
     seen += args.items * (args.query_len + args.item_len)  # the last layer: items' last tokens
     return products, seen * per_key

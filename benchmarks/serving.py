@@ -1,4 +1,5 @@
-"""Shared by the benchmarks: start and stop one `tokenmill serve`, read its /metrics.
+"""Shared by the benchmarks: start and stop one `tokenmill serve`, read its /metrics, count a
+layer's multiply-adds.
 
 Benchmarks are scripts (python benchmarks/NAME.py); this module sits next to them.
 """
@@ -11,6 +12,7 @@ import urllib.request
 from pathlib import Path
 
 from tokenmill.cli.server_subprocess import launch, stop
+from tokenmill.tp_worker.model_config import ModelConfig
 
 
 def add_model_args(parser: argparse.ArgumentParser, default_preset: str) -> None:
@@ -56,3 +58,12 @@ def read_metrics(base_url: str) -> dict[str, float]:
             name, _, value = line.rpartition(" ")
             values[name] = float(value)
     return values
+
+
+def layer_multiply_adds(c: ModelConfig) -> tuple[int, int, int]:
+    """One token's multiply-adds in one decoder layer: its keys and values' (k/v), its q/k/v
+    projection's (q with k/v), and the rest's (o and the MLP's gate/up and down)."""
+    kv = c.hidden_size * 2 * c.num_kv_heads * c.head_dim
+    q_kv = c.hidden_size * c.num_heads * c.head_dim + kv
+    rest = c.hidden_size * (c.num_heads * c.head_dim + 3 * c.intermediate_size)
+    return kv, q_kv, rest

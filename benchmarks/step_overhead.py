@@ -27,7 +27,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from serving import add_model_args, read_metrics, resolve_model, start_server, stop_server
+from serving import (
+    add_model_args,
+    layer_multiply_adds,
+    read_metrics,
+    resolve_model,
+    start_server,
+    stop_server,
+)
 
 from tokenmill.cli.bench.client import BenchOptions, fetch_model_id, run_requests
 from tokenmill.cli.bench.datasets import random_requests
@@ -188,9 +195,7 @@ def prefill_flop(c: ModelConfig, num_prompts: int, per_prompt: int) -> float:
     the rest (q, with its k/v again) only for each prompt's last token (the one state the
     step reads), and the lm_head that token."""
     tokens = num_prompts * per_prompt
-    kv = c.hidden_size * 2 * c.num_kv_heads * c.head_dim
-    q_kv = c.hidden_size * c.num_heads * c.head_dim + kv
-    rest = c.hidden_size * (c.num_heads * c.head_dim + 3 * c.intermediate_size)
+    kv, q_kv, rest = layer_multiply_adds(c)
     attention = 2 * c.num_heads * c.head_dim * per_prompt * (per_prompt + 1)  # q.k and p.V
     last_attention = 2 * 2 * c.num_heads * c.head_dim * per_prompt  # one query of each
     flop = 2 * (c.num_layers - 1) * (q_kv + rest) * tokens + 2 * kv * tokens
