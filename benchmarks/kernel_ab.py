@@ -193,7 +193,9 @@ def norm_runs(libs: list[ctypes.CDLL], rows: int) -> list[Callable[[], torch.Ten
     code = DTYPE_CODES[x.dtype]
 
     def call(lib: ctypes.CDLL, out: torch.Tensor) -> torch.Tensor:
-        lib.tm_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, HIDDEN, 1e-5, code)
+        lib.tm_rms_norm(
+            x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, HIDDEN, HIDDEN, 1e-5, code
+        )
         return out
 
     outs = [torch.empty_like(x) for _ in libs]

@@ -84,6 +84,40 @@ def test_a_fused_gate_up_has_the_bits_of_silu_mul_after_the_product(
     assert torch.equal(out, silu_mul_cpu(PackedLinear(weight, b)(x)))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_a_multiple_of_4_kib_long_are_read_and_written_a_line_apart_with_the_same_bits(
+    dtype: torch.dtype, cpu_kernel: str
+) -> None:
+    """product_rows gives 4 KiB rows one cache line more (cpu_ops' note): the products read
+    x's row stride, and RMSNorm and a glu product (whose outputs the next products read)
+    write it; every number is the one of contiguous rows."""
+    width = 4096 // dtype.itemsize
+    line = 64 // dtype.itemsize
+    x, weight, bias = _case(37, width, 2 * width, dtype)
+    layer = PackedLinear(weight[:70], bias[:70])
+    padded = cpu_ops.product_rows(37, width, dtype)
+    padded.copy_(x)
+    assert padded.stride() == (width + line, 1)
+    assert torch.equal(layer(padded), layer(x))
+    assert torch.equal(layer(padded[5:6]), layer(x[5:6]))
+    assert cpu_ops.product_rows(3, width - line, dtype).is_contiguous()
+
+    gain = weight[0, :width].contiguous()
+    norm = rms_norm_cpu(x, gain, 1e-5)
+    assert norm.stride() == (width + line, 1)
+    dense = torch.empty_like(x)
+    code = cpu_ops.DTYPE_CODES[dtype]
+    lib = cpu_kernels.library()
+    status = lib.tm_rms_norm(
+        x.data_ptr(), gain.data_ptr(), dense.data_ptr(), 37, width, width, 1e-5, code
+    )
+    assert status == 0 and torch.equal(norm, dense)
+
+    glu = PackedLinear(weight, None, glu=True)(x)
+    assert glu.stride() == (width + line, 1)
+    assert torch.equal(glu, silu_mul_cpu(PackedLinear(weight, None)(x)))
+
+
 @pytest.mark.parametrize("inter", [24, 32])
 def test_a_gate_up_layer_gives_silu_mul_whether_or_not_it_fuses(inter: int) -> None:
     """ShardedLinear(glu=True) through the CPU kernel: fused where 2 x inter is a multiple of

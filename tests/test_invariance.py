@@ -16,7 +16,7 @@ from helpers import make_engine
 
 from tokenmill.protocol.arrays import unpack
 from tokenmill.protocol.step import ForwardBatch, StepResult
-from tokenmill.tp_worker import model_runner
+from tokenmill.tp_worker import cpu_ops, model_runner
 from tokenmill.tp_worker.offline import OfflineOutput, OfflineRequest
 from tokenmill.tp_worker.step_inputs import LastLayerRows
 
@@ -110,6 +110,34 @@ def test_chunked_prefill_and_multi_step(
         model, max_prefill_tokens=max_prefill_tokens, decode_steps=decode_steps, dtype=dtype
     ).generate(requests)
     for a, b in zip(reference, other, strict=True):
+        _assert_same(a, b, atol=0.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_laid_a_cache_line_apart_give_the_same_numbers(
+    tiny_checkpoint, dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cpu_ops.product_rows pads rows a multiple of 4 KiB long; the tiny model has none, so
+    here every width counts as one (64 and 128 features are multiples of 128 bytes in both
+    dtypes): the norms' and the MLP's outputs then reach the next products a line apart, and
+    every token and logprob is the one of contiguous rows."""
+    model = tiny_checkpoint("llama")
+    requests = _requests(sampled=True)
+    contiguous = make_engine(model, dtype=dtype).generate(requests)
+    monkeypatch.setattr(cpu_ops, "ALIASING_ROW_BYTES", 128)
+    strides: list[tuple[int, int]] = []  # (row stride, width) of each one laid out
+    product_rows = cpu_ops.product_rows
+
+    def recorded(rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        out = product_rows(rows, width, dtype)
+        strides.append((out.stride(0), width))
+        return out
+
+    monkeypatch.setattr(cpu_ops, "product_rows", recorded)
+    padded = make_engine(model, dtype=dtype).generate(requests)
+    assert {width for _, width in strides} == {64, 128}  # the norms', the MLP's
+    assert all(stride > width for stride, width in strides)
+    for a, b in zip(contiguous, padded, strict=True):
         _assert_same(a, b, atol=0.0)
 
 

@@ -52,7 +52,8 @@ float sum_of_squares(const T* x, int64_t hidden) {
 }
 
 template <typename T>
-void rms_norm(const T* x, const T* weight, T* out, int64_t rows, int64_t hidden, float eps) {
+void rms_norm(const T* x, const T* weight, T* out, int64_t rows, int64_t hidden,
+              int64_t out_stride, float eps) {
   // NOTE: threads from ~16K elements: a decode step's 32 rows of 768 took 17 us on one
   // thread and 11 on two with the vector loop below (a 2-core Xeon, kernel_ab.py --only
   // small), where the old bound of 256K elements left them on one.
@@ -60,7 +61,7 @@ void rms_norm(const T* x, const T* weight, T* out, int64_t rows, int64_t hidden,
   for (int64_t r = 0; r < rows; ++r) {
     const T* row = x + r * hidden;
     const float inv = 1.0f / std::sqrt(sum_of_squares(row, hidden) / static_cast<float>(hidden) + eps);
-    T* o = out + r * hidden;
+    T* o = out + r * out_stride;
     int64_t d = 0;
 #if defined(__AVX512F__)
     // NOTE: the loop below in 16 lanes, the same operations per element.
@@ -79,16 +80,16 @@ void rms_norm(const T* x, const T* weight, T* out, int64_t rows, int64_t hidden,
 
 extern "C" {
 
-// x, out [rows, hidden]; weight [hidden]; dtype 0 = float32, 1 = bfloat16 (all alike).
-// Returns 0, or -1 for an unknown dtype.
+// x [rows, hidden]; out [rows, hidden] with rows out_stride elements apart; weight [hidden];
+// dtype 0 = float32, 1 = bfloat16 (all alike). Returns 0, or -1 for an unknown dtype.
 int tm_rms_norm(const void* x, const void* weight, void* out, int64_t rows, int64_t hidden,
-                float eps, int dtype) {
+                int64_t out_stride, float eps, int dtype) {
   if (dtype == 0) {
     rms_norm(static_cast<const float*>(x), static_cast<const float*>(weight),
-             static_cast<float*>(out), rows, hidden, eps);
+             static_cast<float*>(out), rows, hidden, out_stride, eps);
   } else if (dtype == 1) {
     rms_norm(static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(weight),
-             static_cast<uint16_t*>(out), rows, hidden, eps);
+             static_cast<uint16_t*>(out), rows, hidden, out_stride, eps);
   } else {
     return -1;
   }
