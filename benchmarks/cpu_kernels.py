@@ -4,9 +4,11 @@ AMX), at the medium checkpoint's shapes, rounds interleaved, medians printed.
 
 Linear: a decode step's weights (every projection of the 12 layers, each weight distinct so
 that it streams from memory as in a real step) at 1, 12 (one block of rows), 32 and 64 rows,
-and one prefill product of [2048 x 768 x 4096] (gate/up). Attention: 64 decode rows at a
-context of 300, 8 prompts of 256 tokens, and 64 scoring items of 32 tokens after one shared
-1,024-token query.
+one prefill product of [2048 x 768 x 4096] (gate/up), and the prefill's down product [2048 x
+2048 x 768] with x's rows laid out as the engine lays them (cpu_ops.product_rows: 4 KiB rows
+a cache line apart) and as they were before (4 KiB apart: one L1 set per block). Attention:
+64 decode rows at a context of 300, 8 prompts of 256 tokens, and 64 scoring items of 32
+tokens after one shared 1,024-token query.
 GFLOP/s count 2 x multiply-adds; GB/s count the weights' bytes.
 
     python benchmarks/cpu_kernels.py [--rounds 7]
@@ -24,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.tp_worker.attention_cpu import PagedAttention
-from tokenmill.tp_worker.cpu_ops import PackedLinear, amx_enabled
+from tokenmill.tp_worker.cpu_kernels import library
+from tokenmill.tp_worker.cpu_ops import PackedLinear, amx_enabled, product_rows
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, DIM = 768, 2048, 12, 12, 4, 64
 # (in, out) of each projection of one layer: q/k/v fused, o, gate/up fused, down
@@ -57,7 +60,7 @@ def linear_cases(kinds: dict[str, str]) -> dict[str, dict[str, Callable[[], obje
         packed[label] = [PackedLinear(w, None) for w in weights]
     cases: dict[str, dict[str, Callable[[], object]]] = {}
     for rows in (1, 12, 32, 64):
-        xs = {k: torch.randn(rows, k, generator=gen).bfloat16() for k in (HIDDEN, INTER)}
+        xs = {k: laid_out(torch.randn(rows, k, generator=gen).bfloat16()) for k in (HIDDEN, INTER)}
 
         def ours(layers: list[PackedLinear], xs: dict = xs) -> None:
             for layer in layers:
@@ -79,7 +82,43 @@ def linear_cases(kinds: dict[str, str]) -> dict[str, dict[str, Callable[[], obje
         layer = PackedLinear(w, None)
         prefill[label] = lambda layer=layer: layer(x)
     cases["prefill [2048 x 768 x 4096]"] = {**prefill, "torch F.linear": lambda: F.linear(x, w)}
+    cases["prefill [2048 x 2048 x 768]"] = down_case(kinds, gen)
     return cases
+
+
+def laid_out(x: torch.Tensor) -> torch.Tensor:
+    """x in the rows the engine gives a product (product_rows)."""
+    return product_rows(x.shape[0], x.shape[1], x.dtype).copy_(x)
+
+
+def down_case(kinds: dict[str, str], gen: torch.Generator) -> dict[str, Callable[[], object]]:
+    """The down product with its rows laid out, and with them 4 KiB apart as they come from a
+    contiguous tensor (the kernel called directly: PackedLinear would copy them a line apart)."""
+    x = torch.randn(2048, INTER, generator=gen).bfloat16()
+    w = (torch.randn(HIDDEN, INTER, generator=gen) * INTER**-0.5).bfloat16()
+    padded, out = laid_out(x), torch.empty(2048, HIDDEN, dtype=torch.bfloat16)
+    variants: dict[str, Callable[[], object]] = {}
+    for label, flag in kinds.items():
+        os.environ["TOKENMILL_CPU_AMX"] = flag
+        layer = PackedLinear(w, None)
+        kernel = library().tm_linear_amx if layer.amx else library().tm_linear
+        variants[label] = lambda layer=layer: layer(padded)
+        variants[f"{label}, 4K rows"] = lambda layer=layer, kernel=kernel: kernel(
+            x.data_ptr(),
+            2048,
+            INTER,
+            INTER,
+            layer.packed.data_ptr(),
+            HIDDEN,
+            None,
+            out.data_ptr(),
+            HIDDEN,
+            1,
+            1,
+            None,
+            0,
+        )
+    return {**variants, "torch F.linear": lambda: F.linear(x, w)}
 
 
 def attention_case(
@@ -140,7 +179,7 @@ def main() -> int:
             flop = 2 * rows * weight_bytes / 2
             extra = {label: f"{weight_bytes / ms / 1e6:.1f} GB/s" for label, ms in medians.items()}
         else:
-            flop = 2 * 2048 * HIDDEN * 2 * INTER
+            flop = 2 * 2048 * HIDDEN * 2 * INTER if "4096" in name else 2 * 2048 * INTER * HIDDEN
             extra = dict.fromkeys(medians, "")
         for label, ms in medians.items():
             print(
