@@ -4,9 +4,10 @@ AMX), at the medium checkpoint's shapes, rounds interleaved, medians printed.
 
 Linear: a decode step's weights (every projection of the 12 layers, each weight distinct so
 that it streams from memory as in a real step) at 1, 12 (one block of rows), 32 and 64 rows,
-one prefill product of [2048 x 768 x 4096] (gate/up), and the prefill's down product [2048 x
-2048 x 768] with x's rows laid out as the engine lays them (cpu_ops.product_rows: 4 KiB rows
-a cache line apart) and as they were before (4 KiB apart: one L1 set per block). Attention:
+one prefill product of [2048 x 768 x 4096] (gate/up); products whose x has rows of 4 KiB (the
+prefill's down [2048 x 2048 x 768], Llama-8B's o projection at 32 and 512 rows) with the rows
+laid out as the engine lays them (cpu_ops.product_rows: a cache line apart) and as they were
+before (4 KiB apart: a block's rows in one L1 set). Attention:
 64 decode rows at a context of 300, 8 prompts of 256 tokens, and 64 scoring items of 32
 tokens after one shared 1,024-token query.
 GFLOP/s count 2 x multiply-adds; GB/s count the weights' bytes.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -82,7 +84,10 @@ def linear_cases(kinds: dict[str, str]) -> dict[str, dict[str, Callable[[], obje
         layer = PackedLinear(w, None)
         prefill[label] = lambda layer=layer: layer(x)
     cases["prefill [2048 x 768 x 4096]"] = {**prefill, "torch F.linear": lambda: F.linear(x, w)}
-    cases["prefill [2048 x 2048 x 768]"] = down_case(kinds, gen)
+    # NOTE: medium's prefill down product; Llama-8B's o projection (32 heads of 128) at a
+    # decode step and in a prefill.
+    for m, k, n in ((2048, INTER, HIDDEN), (32, 4096, 4096), (512, 4096, 4096)):
+        cases[f"rows of 4 KiB, [{m} x {k} x {n}]"] = rows_case(kinds, gen, m, k, n)
     return cases
 
 
@@ -91,28 +96,31 @@ def laid_out(x: torch.Tensor) -> torch.Tensor:
     return product_rows(x.shape[0], x.shape[1], x.dtype).copy_(x)
 
 
-def down_case(kinds: dict[str, str], gen: torch.Generator) -> dict[str, Callable[[], object]]:
-    """The down product with its rows laid out, and with them 4 KiB apart as they come from a
-    contiguous tensor (the kernel called directly: PackedLinear would copy them a line apart)."""
-    x = torch.randn(2048, INTER, generator=gen).bfloat16()
-    w = (torch.randn(HIDDEN, INTER, generator=gen) * INTER**-0.5).bfloat16()
-    padded, out = laid_out(x), torch.empty(2048, HIDDEN, dtype=torch.bfloat16)
+def rows_case(
+    kinds: dict[str, str], gen: torch.Generator, m: int, k: int, n: int
+) -> dict[str, Callable[[], object]]:
+    """[m x k x n] with x's rows laid out, and 4 KiB apart as they come in a contiguous tensor
+    (the kernel called directly: PackedLinear would copy them a line apart)."""
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    w = (torch.randn(n, k, generator=gen) * k**-0.5).bfloat16()
+    padded, out = laid_out(x), torch.empty(m, n, dtype=torch.bfloat16)
     variants: dict[str, Callable[[], object]] = {}
     for label, flag in kinds.items():
         os.environ["TOKENMILL_CPU_AMX"] = flag
         layer = PackedLinear(w, None)
         kernel = library().tm_linear_amx if layer.amx else library().tm_linear
         variants[label] = lambda layer=layer: layer(padded)
+        # NOTE: the call reads x and out when it runs, so the closure keeps both alive.
         variants[f"{label}, 4K rows"] = lambda layer=layer, kernel=kernel: kernel(
             x.data_ptr(),
-            2048,
-            INTER,
-            INTER,
+            m,
+            k,
+            k,
             layer.packed.data_ptr(),
-            HIDDEN,
+            n,
             None,
             out.data_ptr(),
-            HIDDEN,
+            n,
             1,
             1,
             None,
@@ -179,11 +187,12 @@ def main() -> int:
             flop = 2 * rows * weight_bytes / 2
             extra = {label: f"{weight_bytes / ms / 1e6:.1f} GB/s" for label, ms in medians.items()}
         else:
-            flop = 2 * 2048 * HIDDEN * 2 * INTER if "4096" in name else 2 * 2048 * INTER * HIDDEN
+            m, k, n = (int(d) for d in re.findall(r"\d+", name.split("[")[1]))
+            flop = 2 * m * k * n
             extra = dict.fromkeys(medians, "")
         for label, ms in medians.items():
             print(
-                f"{name:<34}{label:<16}{ms:8.2f} ms {flop / ms / 1e6:8.0f} GFLOP/s {extra[label]}"
+                f"{name:<36}{label:<16}{ms:8.2f} ms {flop / ms / 1e6:8.0f} GFLOP/s {extra[label]}"
             )
     cases = {
         "attention, 64 decode rows x 300": (64, 300, 1, False),
@@ -194,7 +203,7 @@ def main() -> int:
         fn = attention_case(rows, context, new, shared)
         medians = run(name, dict.fromkeys(kinds, fn), kinds, args.rounds)
         for label, ms in medians.items():
-            print(f"{name:<34}{label:<16}{ms:8.2f} ms")
+            print(f"{name:<36}{label:<16}{ms:8.2f} ms")
     return 0
 
 
