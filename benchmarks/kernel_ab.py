@@ -186,7 +186,9 @@ def streamed_runs(
 
 
 def norm_runs(libs: list[ctypes.CDLL], rows: int) -> list[Callable[[], torch.Tensor]]:
-    """RMSNorm of `rows` bfloat16 rows; each build writes its own output, allocated once."""
+    """RMSNorm of `rows` bfloat16 rows; each build writes its own output, allocated once.
+    NOTE: builds before b0d9189 take no output row stride: against one of them this case
+    passes its arguments wrong (the others are unchanged)."""
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, HIDDEN, generator=gen).bfloat16()
     weight = torch.randn(HIDDEN, generator=gen).bfloat16()
