@@ -110,22 +110,13 @@ def rows_case(
         layer = PackedLinear(w, None)
         kernel = library().tm_linear_amx if layer.amx else library().tm_linear
         variants[label] = lambda layer=layer: layer(padded)
-        # NOTE: the call reads x and out when it runs, so the closure keeps both alive.
-        variants[f"{label}, 4K rows"] = lambda layer=layer, kernel=kernel: kernel(
-            x.data_ptr(),
-            m,
-            k,
-            k,
-            layer.packed.data_ptr(),
-            n,
-            None,
-            out.data_ptr(),
-            n,
-            1,
-            1,
-            None,
-            0,
-        )
+
+        def in_place(layer: PackedLinear = layer, kernel: Callable[..., int] = kernel) -> None:
+            # NOTE: reads x and out when it runs, so the closure keeps both alive.
+            pointers = (x.data_ptr(), m, k, k, layer.packed.data_ptr(), n, None, out.data_ptr())
+            assert kernel(*pointers, n, 1, 1, None, 0) == 0
+
+        variants[f"{label}, 4K rows"] = in_place
     return {**variants, "torch F.linear": lambda: F.linear(x, w)}
 
 

@@ -84,35 +84,69 @@ def test_a_fused_gate_up_has_the_bits_of_silu_mul_after_the_product(
     assert torch.equal(out, silu_mul_cpu(PackedLinear(weight, b)(x)))
 
 
+def _in_place(layer: PackedLinear, x: torch.Tensor) -> torch.Tensor:
+    """The product over contiguous x read where it lies (row stride K, no copy)."""
+    out = torch.empty(x.shape[0], layer.out_features, dtype=x.dtype)
+    lib = cpu_kernels.library()
+    code = cpu_ops.DTYPE_CODES[x.dtype]
+    status = (lib.tm_linear_amx if layer.amx else lib.tm_linear)(
+        x.data_ptr(), x.shape[0], x.shape[1], x.shape[1], layer.packed.data_ptr(),
+        layer.out_features, layer.bias.data_ptr(), out.data_ptr(), layer.out_features,
+        code, code, None, 0,
+    )  # fmt: skip
+    assert status == 0
+    return out
+
+
+def _rows_of_4_kib(dtype: torch.dtype) -> tuple[int, int]:
+    """(width, one cache line) in elements of `dtype`."""
+    return 4096 // dtype.itemsize, 64 // dtype.itemsize
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rows_a_multiple_of_4_kib_long_are_read_and_written_a_line_apart_with_the_same_bits(
+def test_a_product_reads_x_rows_a_cache_line_apart_with_the_same_bits(
     dtype: torch.dtype, cpu_kernel: str
 ) -> None:
-    """product_rows gives 4 KiB rows one cache line more (cpu_ops' note): the products read
-    x's row stride, and RMSNorm and a glu product (whose outputs the next products read)
-    write it; every number is the one of contiguous rows."""
-    width = 4096 // dtype.itemsize
-    line = 64 // dtype.itemsize
-    x, weight, bias = _case(37, width, 2 * width, dtype)
-    layer = PackedLinear(weight[:70], bias[:70])
-    padded = cpu_ops.product_rows(37, width, dtype)
-    padded.copy_(x)
-    assert padded.stride() == (width + line, 1)
-    assert torch.equal(layer(padded), layer(x))
-    assert torch.equal(layer(padded[5:6]), layer(x[5:6]))
+    """product_rows gives 4 KiB rows one cache line more (cpu_ops' note); the product reads
+    x's row stride (NaN in the padding: a read of it would show) and gives the bits of x
+    read in place, contiguous; a contiguous x of such rows is copied so first."""
+    width, line = _rows_of_4_kib(dtype)
+    x, weight, bias = _case(37, width, 70, dtype)
+    layer = PackedLinear(weight, bias)
+    assert layer.amx == (cpu_kernel == "amx" and dtype == torch.bfloat16)
+    padded = torch.full((37, width + line), float("nan"), dtype=dtype)[:, :width].copy_(x)
+    expected = _in_place(layer, x)
+    assert torch.equal(layer(padded), expected)
+    assert torch.equal(layer(x), expected)
+    assert cpu_ops.product_input(x).stride() == (width + line, 1)
+    assert cpu_ops.product_rows(37, width, dtype).stride() == (width + line, 1)
     assert cpu_ops.product_rows(3, width - line, dtype).is_contiguous()
 
-    gain = weight[0, :width].contiguous()
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_writes_rows_a_cache_line_apart_with_the_same_bits(dtype: torch.dtype) -> None:
+    width, line = _rows_of_4_kib(dtype)
+    x, weight, _ = _case(37, width, 1, dtype)
+    gain = weight[0]
     norm = rms_norm_cpu(x, gain, 1e-5)
     assert norm.stride() == (width + line, 1)
     dense = torch.empty_like(x)
     code = cpu_ops.DTYPE_CODES[dtype]
-    lib = cpu_kernels.library()
-    status = lib.tm_rms_norm(
+    status = cpu_kernels.library().tm_rms_norm(
         x.data_ptr(), gain.data_ptr(), dense.data_ptr(), 37, width, width, 1e-5, code
     )
     assert status == 0 and torch.equal(norm, dense)
+    assert torch.equal(rms_norm_cpu(x.view(1, 37, width), gain, 1e-5)[0], dense)
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_glu_product_writes_rows_a_cache_line_apart_with_the_same_bits(
+    dtype: torch.dtype, cpu_kernel: str
+) -> None:
+    """The fused gate/up's output (the down product's x) in laid-out rows: silu_mul's bits
+    over the unfused product."""
+    width, line = _rows_of_4_kib(dtype)
+    x, weight, _ = _case(13, 64, 2 * width, dtype)
     glu = PackedLinear(weight, None, glu=True)(x)
     assert glu.stride() == (width + line, 1)
     assert torch.equal(glu, silu_mul_cpu(PackedLinear(weight, None)(x)))

@@ -10,7 +10,7 @@ import pytest
 
 # NOTE: a fresh process each, since the setting is for the whole process. Twelve calls of a
 # gate_up layer with its SiLU epilogue on 8,192 rows, as a large prefill step runs it: its
-# 32 MiB output (glibc's automatic mmap threshold stops at 32 MiB) made and freed each time.
+# ~32 MiB output (glibc's automatic mmap threshold stops at 32 MiB) made and freed each time.
 # With the setting the first calls may grow the heap (torch's aligned allocations ask for a
 # little more than the block just freed, until freed blocks merge: up to 7 calls, by 4-8
 # outputs, in 6 probes here), then none does.

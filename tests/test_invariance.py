@@ -115,7 +115,7 @@ def test_chunked_prefill_and_multi_step(
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rows_laid_a_cache_line_apart_give_the_same_numbers(
-    tiny_checkpoint, dtype: str, monkeypatch: pytest.MonkeyPatch
+    tiny_checkpoint, dtype: str, monkeypatch: pytest.MonkeyPatch, cpu_kernel: str
 ) -> None:
     """cpu_ops.product_rows pads rows a multiple of 4 KiB long; the tiny model has none, so
     here every width counts as one (64 and 128 features are multiples of 128 bytes in both

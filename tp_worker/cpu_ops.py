@@ -27,7 +27,7 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 # NOTE: a product reads x a block of 12 rows at a time, one word of each row per step (csrc/
 # linear.cpp). Rows a multiple of 4 KiB long put those 12 words in one set of the L1 data
-# cache (64 sets of 64 B lines: 8 ways on Zen 4 and on recent Xeons), so the block's own x
+# cache (64 sets of 64 B lines: 8 ways on Zen 4, 12 on recent Xeons), so the block's own x
 # evicted itself at every step: [64 x 2048 x 768] in bfloat16 ran 1.09x, 32 rows 1.22x, faster
 # with its rows one line longer (a 2-core Zen 4). Llama shapes hit it everywhere (4,096 hidden,
 # 14,336 intermediate); the medium preset in the down product (2,048). 2 KiB rows (6 words a
@@ -42,11 +42,23 @@ def rows_alias(stride: int, dtype: torch.dtype) -> bool:
 
 
 def product_rows(rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
-    """An empty [rows, width] for a product to read as x: rows whose length is a multiple of
-    4 KiB get one cache line more between them (the view hides it; PackedLinear reads the
-    row stride), so that a block of rows does not fall in one cache set."""
+    """An empty [rows, width] on the CPU for a product to read as x: rows whose length is a
+    multiple of 4 KiB get one cache line more between them (the view hides it; PackedLinear
+    reads the row stride), so that a block of rows does not fall in one cache set."""
     stride = width + (CACHE_LINE_BYTES // dtype.itemsize if rows_alias(width, dtype) else 0)
-    return torch.empty(rows, stride, dtype=dtype)[:, :width]
+    return torch.empty(rows, stride, dtype=dtype, device="cpu")[:, :width]
+
+
+def product_input(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as the products read it: unit-stride rows that do not alias (see above), x
+    itself where its rows already are, else one copy into product_rows."""
+    readable = x.stride(1) == 1 and row_stride(x) >= x.shape[1]
+    if readable and not (x.shape[0] > 1 and rows_alias(x.stride(0), x.dtype)):
+        return x
+    # NOTE: where a producer does not lay its rows out (attention's output, for Llama's 32
+    # heads of 128), the copy costs ~4% of a [512 x 4096 x 4096] product that then runs ~1.2x
+    # faster.
+    return product_rows(x.shape[0], x.shape[1], x.dtype).copy_(x)
 
 
 def row_stride(x: torch.Tensor) -> int:
@@ -134,13 +146,7 @@ class PackedLinear:
         assert x.dtype == self.dtype and x.shape[-1] == self.in_features, (x.dtype, x.shape)
         assert not (self.glu and residual is not None), "a glu product takes no residual"
         assert x.dim() == 2, x.shape
-        if x.stride(1) != 1 or row_stride(x) < x.shape[1]:
-            x = x.contiguous()
-        if x.shape[0] > 1 and rows_alias(x.stride(0), x.dtype):
-            # NOTE: rows from a producer that does not lay them out (attention's output, for
-            # Llama's 32 heads of 128): one copy, ~4% of a [512 x 4096 x 4096] product that
-            # then runs ~1.2x faster.
-            x = product_rows(x.shape[0], x.shape[1], x.dtype).copy_(x)
+        x = product_input(x)
         width = self.out_features // 2 if self.glu else self.out_features
         dtype = out_dtype or self.dtype
         # NOTE: a glu product's output is the next product's x (an MLP's down projection).
@@ -152,6 +158,8 @@ class PackedLinear:
         if residual is not None:
             assert residual.shape == out.shape and residual.dtype == out.dtype, residual.shape
             residual = residual.contiguous()
+            # NOTE: the kernel reads residual with out's row stride (ldc).
+            assert row_stride(residual) == row_stride(out), (residual.stride(), out.stride())
         if x.shape[0] == 0:
             return out
         lib = library()
