@@ -6,7 +6,7 @@ Linear: a decode step's weights (every projection of the 12 layers, each weight 
 that it streams from memory as in a real step) at 1, 12 (one block of rows), 32 and 64 rows,
 one prefill product of [2048 x 768 x 4096] (gate/up); products whose x has rows of 4 KiB (the
 prefill's down [2048 x 2048 x 768], Llama-8B's o projection at 32 and 512 rows) with the rows
-laid out as the engine lays them (cpu_ops.product_rows: a cache line apart) and as they were
+laid out as the engine lays them (cpu_ops.product_input: a cache line apart) and as they were
 before (4 KiB apart: a block's rows in one L1 set). Attention:
 64 decode rows at a context of 300, 8 prompts of 256 tokens, and 64 scoring items of 32
 tokens after one shared 1,024-token query.
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from tokenmill.tp_worker.attention_cpu import PagedAttention
 from tokenmill.tp_worker.cpu_kernels import library
-from tokenmill.tp_worker.cpu_ops import PackedLinear, amx_enabled, product_rows
+from tokenmill.tp_worker.cpu_ops import PackedLinear, amx_enabled, product_input
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, DIM = 768, 2048, 12, 12, 4, 64
 # (in, out) of each projection of one layer: q/k/v fused, o, gate/up fused, down
@@ -62,7 +62,10 @@ def linear_cases(kinds: dict[str, str]) -> dict[str, dict[str, Callable[[], obje
         packed[label] = [PackedLinear(w, None) for w in weights]
     cases: dict[str, dict[str, Callable[[], object]]] = {}
     for rows in (1, 12, 32, 64):
-        xs = {k: laid_out(torch.randn(rows, k, generator=gen).bfloat16()) for k in (HIDDEN, INTER)}
+        xs = {
+            k: product_input(torch.randn(rows, k, generator=gen).bfloat16())
+            for k in (HIDDEN, INTER)
+        }
 
         def ours(layers: list[PackedLinear], xs: dict = xs) -> None:
             for layer in layers:
@@ -91,11 +94,6 @@ def linear_cases(kinds: dict[str, str]) -> dict[str, dict[str, Callable[[], obje
     return cases
 
 
-def laid_out(x: torch.Tensor) -> torch.Tensor:
-    """x in the rows the engine gives a product (product_rows)."""
-    return product_rows(x.shape[0], x.shape[1], x.dtype).copy_(x)
-
-
 def rows_case(
     kinds: dict[str, str], gen: torch.Generator, m: int, k: int, n: int
 ) -> dict[str, Callable[[], object]]:
@@ -103,7 +101,7 @@ def rows_case(
     (the kernel called directly: PackedLinear would copy them a line apart)."""
     x = torch.randn(m, k, generator=gen).bfloat16()
     w = (torch.randn(n, k, generator=gen) * k**-0.5).bfloat16()
-    padded, out = laid_out(x), torch.empty(m, n, dtype=torch.bfloat16)
+    padded, out = product_input(x), torch.empty(m, n, dtype=torch.bfloat16)
     variants: dict[str, Callable[[], object]] = {}
     for label, flag in kinds.items():
         os.environ["TOKENMILL_CPU_AMX"] = flag

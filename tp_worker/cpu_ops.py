@@ -52,8 +52,12 @@ def product_rows(rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
 def product_input(x: torch.Tensor) -> torch.Tensor:
     """x [M, K] as the products read it: unit-stride rows that do not alias (see above), x
     itself where its rows already are, else one copy into product_rows."""
-    readable = x.stride(1) == 1 and row_stride(x) >= x.shape[1]
-    if readable and not (x.shape[0] > 1 and rows_alias(x.stride(0), x.dtype)):
+    stride = row_stride(x)
+    if (
+        x.stride(1) == 1
+        and stride >= x.shape[1]
+        and not (x.shape[0] > 1 and rows_alias(stride, x.dtype))
+    ):
         return x
     # NOTE: where a producer does not lay its rows out (attention's output, for Llama's 32
     # heads of 128), the copy costs ~4% of a [512 x 4096 x 4096] product that then runs ~1.2x
@@ -155,11 +159,12 @@ class PackedLinear:
             if self.glu
             else x.new_empty(x.shape[0], width, dtype=dtype)
         )
+        ldc = row_stride(out)
         if residual is not None:
             assert residual.shape == out.shape and residual.dtype == out.dtype, residual.shape
             residual = residual.contiguous()
-            # NOTE: the kernel reads residual with out's row stride (ldc).
-            assert row_stride(residual) == row_stride(out), (residual.stride(), out.stride())
+            # NOTE: the kernel reads residual with out's row stride.
+            assert row_stride(residual) == ldc, (residual.stride(), out.stride())
         if x.shape[0] == 0:
             return out
         lib = library()
@@ -172,7 +177,7 @@ class PackedLinear:
             self.out_features,
             None if self.bias is None else self.bias.data_ptr(),
             out.data_ptr(),
-            row_stride(out),
+            ldc,
             DTYPE_CODES[x.dtype],
             DTYPE_CODES[out.dtype],
             None if residual is None else residual.data_ptr(),
