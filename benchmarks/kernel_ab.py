@@ -13,7 +13,7 @@ step's products at 1, 32 and 64 rows with weights of their own, streamed from me
 kernels where the machine has tiles, else on the AVX-512 ones) and a decode step's small ones
 (RMSNorm of 32 and 64 rows, RoPE with the KV write of 32 and 64 tokens), and random sampling of
 32 rows (flat and peaked logits), their greedy argmax and their log-softmax statistics with the
-top 5.
+top 5. `--dtype float32` runs the linear cases in float32 (the AVX-512 kernels).
 
 --busy N starts N stand-ins for the server's other processes (frontend, detokenizer,
 controller, the client) for the run: each wakes every few milliseconds and burns 0.5 ms of CPU
@@ -21,7 +21,7 @@ at niceness 10, as they do on the model's cores under load. Then the median says
 minimum: how much of a stolen core each build turns into lost time.
 
     python benchmarks/kernel_ab.py [--against HEAD] [--rounds 20]
-        [--only attention|linear|small|sampling] [--busy N]
+        [--only attention|linear|small|sampling] [--busy N] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -132,39 +132,44 @@ def per_build(
 def linear_call(
     amx: bool, x: torch.Tensor, w: torch.Tensor, n: int, glu: bool
 ) -> Callable[[ctypes.CDLL, torch.Tensor], torch.Tensor]:
-    """One product through the AMX kernel (where the machine has tiles) or the AVX-512 one."""
+    """One product through the AMX kernel (where the machine has tiles and x is bfloat16) or
+    the AVX-512 one, in x's dtype."""
 
     def call(lib: ctypes.CDLL, out: torch.Tensor) -> torch.Tensor:
         rows, k = x.shape
         # NOTE: the residual (null) and glu are past older builds' signature: they ignore
         # them (a glu case needs a build that has it).
         args = (x.data_ptr(), rows, k, k, w.data_ptr(), n, None, out.data_ptr(), out.shape[1])
-        args += (1, 1, None, int(glu))
+        code = DTYPE_CODES[x.dtype]
+        args += (code, code, None, int(glu))
         assert (lib.tm_linear_amx if amx else lib.tm_linear)(*args) == 0
         return out
 
     return call
 
 
-def linear_runs(libs: list[ctypes.CDLL], amx: bool) -> dict[str, list[Callable[[], torch.Tensor]]]:
+def linear_runs(
+    libs: list[ctypes.CDLL], amx: bool, dtype: torch.dtype
+) -> dict[str, list[Callable[[], torch.Tensor]]]:
     gen = torch.Generator().manual_seed(0)
     runs = {}
-    kind = "AMX" if amx else "AVX-512"
+    amx = amx and dtype == torch.bfloat16
+    kind = ("AMX" if amx else "AVX-512") + ("" if dtype == torch.bfloat16 else ", float32")
     for m, k, n, glu in LINEAR_SHAPES:
-        x = torch.randn(m, k, generator=gen).bfloat16()
-        weight = (torch.randn(n, k, generator=gen) * k**-0.5).bfloat16()
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        weight = (torch.randn(n, k, generator=gen) * k**-0.5).to(dtype)
         w = pack(gate_up_panels(weight) if glu else weight)
         cols = n // 2 if glu else n
         name = f"{'gate_up + silu' if glu else 'linear'} ({kind}) [{m} x {k} x {n}]"
-        outs = [torch.empty(m, cols, dtype=torch.bfloat16) for _ in libs]
+        outs = [torch.empty(m, cols, dtype=dtype) for _ in libs]
         runs[name] = per_build(libs, outs, linear_call(amx, x, w, n, glu))
     for rows in STREAMED_ROWS:
-        runs[f"decode step ({kind}), {rows} rows, streamed"] = streamed_runs(libs, amx, rows)
+        runs[f"decode step ({kind}), {rows} rows, streamed"] = streamed_runs(libs, amx, rows, dtype)
     return runs
 
 
 def streamed_runs(
-    libs: list[ctypes.CDLL], amx: bool, rows: int
+    libs: list[ctypes.CDLL], amx: bool, rows: int, dtype: torch.dtype
 ) -> list[Callable[[], torch.Tensor]]:
     """Every projection of the medium checkpoint's 12 layers at `rows` rows, each weight its
     own (~150 MB: they stream from memory, as in a decode step); the last layer's down
@@ -172,8 +177,8 @@ def streamed_runs(
     gen = torch.Generator().manual_seed(rows)
     calls = []
     for k, n in LAYER * LAYERS:
-        weight = (torch.randn(n, k, generator=gen) * k**-0.5).bfloat16()
-        x = torch.randn(rows, k, generator=gen).bfloat16()
+        weight = (torch.randn(n, k, generator=gen) * k**-0.5).to(dtype)
+        x = torch.randn(rows, k, generator=gen).to(dtype)
         calls.append((linear_call(amx, x, pack(weight), n, False), n))
 
     def call(lib: ctypes.CDLL, outs: list[torch.Tensor]) -> torch.Tensor:
@@ -181,14 +186,16 @@ def streamed_runs(
             fn(lib, out)
         return outs[-1]
 
-    outs = [[torch.empty(rows, n, dtype=torch.bfloat16) for _, n in calls] for _ in libs]
+    outs = [[torch.empty(rows, n, dtype=dtype) for _, n in calls] for _ in libs]
     return per_build(libs, outs, call)
 
 
 def norm_runs(libs: list[ctypes.CDLL], rows: int) -> list[Callable[[], torch.Tensor]]:
     """RMSNorm of `rows` bfloat16 rows; each build writes its own output, allocated once.
     NOTE: builds before b0d9189 take no output row stride, so they read this call's stride
-    as the dtype and refuse it: this case then stops the run (`--only` another group skips it)."""
+    as the dtype and refuse it: this case then stops the run (`--only` another group skips it).
+    The input is bfloat16, which builds before and after the float32 residual stream take
+    (the model now passes float32)."""
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, HIDDEN, generator=gen).bfloat16()
     weight = torch.randn(HIDDEN, generator=gen).bfloat16()
@@ -196,7 +203,7 @@ def norm_runs(libs: list[ctypes.CDLL], rows: int) -> list[Callable[[], torch.Ten
 
     def call(lib: ctypes.CDLL, out: torch.Tensor) -> torch.Tensor:
         status = lib.tm_rms_norm(
-            x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, HIDDEN, HIDDEN, 1e-5, code
+            x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, HIDDEN, HIDDEN, 1e-5, code, code
         )
         assert status == 0, "a build before b0d9189: tm_rms_norm takes no out_stride there"
         return out
@@ -338,6 +345,12 @@ def main() -> int:
     p.add_argument(
         "--busy", type=int, default=0, help="stand-ins for the serving processes to run meanwhile"
     )
+    p.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        default="bfloat16",
+        help="the linear cases' dtype (float32: the AVX-512 kernels)",
+    )
     args = p.parse_args()
     busy = start_busy(args.busy)
     try:
@@ -358,7 +371,7 @@ def run(args: argparse.Namespace) -> int:
         if args.only in (None, "attention"):
             cases.update(attention_runs(libs))
         if args.only in (None, "linear"):
-            cases.update(linear_runs(libs, amx))
+            cases.update(linear_runs(libs, amx, getattr(torch, args.dtype)))
         if args.only in (None, "small"):
             cases.update(small_runs(libs))
         if args.only in (None, "sampling"):

@@ -4,9 +4,9 @@ with weights packed once at load time; RMSNorm through csrc/rms_norm.cpp;
 the MLP's SiLU(gate) x up through csrc/activation.cpp; RoPE and the KV-cache write through
 csrc/rope.cpp. Attention is attention_cpu.py.
 
-Every output element sums its products in ascending k in float32 whatever the number of
-rows (the rule is at the top of csrc/linear.cpp), so a row's result does not depend on its
-batch and no row padding is needed: a decode step multiplies its own rows only.
+Every output element sums its products in float32 in an order fixed by K alone, whatever
+the number of rows (the rule is at the top of csrc/linear.cpp), so a row's result does not
+depend on its batch and no row padding is needed: a decode step multiplies its own rows only.
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def fuses_gate_up(out_features: int) -> bool:
 class PackedLinear:
     """y = x W^T (+ b) for x [M, K] in the weight's dtype; with `glu` (W an MLP's gate_up,
     gate rows then up rows, fuses_gate_up), y = silu(x Wg^T) * (x Wu^T) [M, N / 2], with the
-    bits of silu_mul_cpu over the unfused product."""
+    bits of silu_mul_cpu over the unfused product's float32 output."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, glu: bool = False) -> None:
         self.out_features, self.in_features = weight.shape
@@ -188,12 +188,13 @@ class PackedLinear:
 
 
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of x [..., hidden] through csrc/rms_norm.cpp (its rule is at the file's top),
-    into rows laid out for the products that read it (product_rows)."""
+    """RMSNorm of x [..., hidden] (float32, or the weight's dtype) through csrc/rms_norm.cpp
+    (its rule is at the file's top), in the weight's dtype, into rows laid out for the
+    products that read it (product_rows)."""
     x = x.contiguous()
     hidden = x.shape[-1]
     rows = x.numel() // hidden
-    out = product_rows(rows, hidden, x.dtype)
+    out = product_rows(rows, hidden, weight.dtype)
     status = library().tm_rms_norm(
         x.data_ptr(),
         weight.data_ptr(),
@@ -202,22 +203,29 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
         hidden,
         row_stride(out),
         eps,
+        DTYPE_CODES[weight.dtype],
         DTYPE_CODES[x.dtype],
     )
-    assert status == 0, f"tm_rms_norm: unsupported {x.dtype}"
+    assert status == 0, f"tm_rms_norm: unsupported {x.dtype} -> {weight.dtype}"
     return out.view(*x.shape[:-1], hidden)
 
 
-def silu_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for gate_up [N, 2 * inter] through csrc/activation.cpp -> [N, inter]."""
+def silu_mul_cpu(gate_up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """silu(gate) * up for gate_up [N, 2 * inter] through csrc/activation.cpp -> [N, inter]
+    in out_dtype (default gate_up's), computed in float32 and rounded once."""
     assert gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0, gate_up.shape
     gate_up = gate_up.contiguous()
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    out = gate_up.new_empty(rows, inter)
+    out = gate_up.new_empty(rows, inter, dtype=out_dtype or gate_up.dtype)
     status = library().tm_silu_mul(
-        gate_up.data_ptr(), out.data_ptr(), rows, inter, DTYPE_CODES[gate_up.dtype]
+        gate_up.data_ptr(),
+        out.data_ptr(),
+        rows,
+        inter,
+        DTYPE_CODES[gate_up.dtype],
+        DTYPE_CODES[out.dtype],
     )
-    assert status == 0, f"tm_silu_mul: unsupported {gate_up.dtype}"
+    assert status == 0, f"tm_silu_mul: unsupported {gate_up.dtype} -> {out.dtype}"
     return out
 
 

@@ -47,7 +47,9 @@ class LogSoftmax:
         also finds each row's `top` largest logits."""
         if not cpu_kernel:
             max_ = logits.amax(dim=-1)
-            logsum = torch.log(torch.exp(logits - max_[:, None]).sum(dim=-1))
+            # NOTE: summed in float64, as csrc/log_softmax.cpp sums (why: its NOTE).
+            sums = torch.exp(logits - max_[:, None]).sum(dim=-1, dtype=torch.float64)
+            logsum = sums.log().float()
             return LogSoftmax(logits, max_, None, logsum)
         assert logits.dtype == torch.float32 and logits.device.type == "cpu"
         assert logits.dim() == 2 and logits.stride(1) == 1

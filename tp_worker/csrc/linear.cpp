@@ -5,11 +5,19 @@
 // gate_up) and the epilogue writes silu(gate) * up for those 16 columns instead, with the bits
 // of activation.cpp over the unfused output (epilogue.h, shared with linear_amx.cpp).
 //
-// The rule: every output element is one accumulator that sums its K products in ascending k
-// (bfloat16: ascending pairs of k, each pair as one VDPBF16PS lane does it), in float32,
-// whatever M is, wherever the row sits in its block and whichever thread runs it. So a row's
-// result is the same alone, in a batch of 64 or in a prefill chunk of 2,048: no padding to a
-// fixed row count is needed, and decode pays for one row, not 32.
+// The rule: every output element sums its K products in float32 in an order fixed by K alone,
+// whatever M is, wherever the row sits in its block and whichever thread runs it. bfloat16:
+// one accumulator over ascending pairs of k, each pair as one VDPBF16PS lane does it. float32:
+// blocks of KB = 64 k, each summed from zero in ascending k (one fma a step), and the block
+// sums added in ascending order (the last block may be shorter). So a row's result is the same
+// alone, in a batch of 64 or in a prefill chunk of 2,048: no padding to a fixed row count is
+// needed, and decode pays for one row, not 32.
+// NOTE: why blocks in float32: one accumulator over K = 576..14,336 products rounds against an
+// ever larger sum; a block's sum stays small. On SmolLM2-135M (K 576 and 1,536) the blocked sums
+// took tokenmill float32 from 4.0e-5 largest / 4.5e-6 mean logprob error against a float64
+// reference to 1.3e-5 / 1.3e-6 (transformers float32: 1.7e-5 / 2.2e-6), for 2-4% of a float32
+// product's time (benchmarks/float64_distance.py, kernel_ab.py --dtype float32; a 2-core Zen 4).
+// In bfloat16 the rounding of the inputs dominates: blocks would change nothing measurable.
 //
 // W is packed once at load time into panels of NR = 32 output features:
 //   float32  [N/32][K][32]        bfloat16  [N/32][K/2][32][2]
@@ -39,6 +47,7 @@ namespace {
 
 constexpr int NR = 32;
 constexpr int MR = 12;
+constexpr int64_t KB = 64;  // float32: k per block sum (the rule above)
 constexpr int64_t AHEAD = 32;  // k steps (float32) or pairs of k (bfloat16) ahead, 4 KiB
 
 using tokenmill::store;
@@ -63,11 +72,15 @@ inline void ask_ahead(const T* panel, int64_t elements) {
 // --- microkernels: acc[R][NR] = A[R rows, K] . panel[K][NR] -------------------------------
 
 #if defined(__AVX512F__)
-template <int R, bool STREAM>
-void kernel_f32(const float* a, int64_t lda, const float* panel, int64_t k_len, float* acc) {
-  __m512 c[R][2];
-  for (int r = 0; r < R; ++r) c[r][0] = c[r][1] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < k_len; ++k) {
+// c[R][2] += A[R rows, k0 .. k0 + COUNT) . panel (COUNT < 0: k0 .. k_len).
+template <int R, bool STREAM, int64_t COUNT>
+inline void block_f32(const float* a, int64_t lda, const float* panel, int64_t k0, int64_t k_len,
+                      __m512 (&c)[R][2]) {
+  // NOTE: a whole block counts to a constant: with its bound in a register of its own, gcc
+  // (out of general registers with 12 rows' pointers) kept it on the stack, 5% slower.
+  const int64_t count = COUNT < 0 ? k_len - k0 : COUNT;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t k = k0 + i;
     if (STREAM) ask_ahead(panel, (k + AHEAD) * NR);
     const __m512 b0 = _mm512_loadu_ps(panel + k * NR);
     const __m512 b1 = _mm512_loadu_ps(panel + k * NR + 16);
@@ -77,19 +90,37 @@ void kernel_f32(const float* a, int64_t lda, const float* panel, int64_t k_len, 
       c[r][1] = _mm512_fmadd_ps(x, b1, c[r][1]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    _mm512_storeu_ps(acc + r * NR, c[r][0]);
-    _mm512_storeu_ps(acc + r * NR + 16, c[r][1]);
+}
+
+template <int R, bool STREAM>
+void kernel_f32(const float* a, int64_t lda, const float* panel, int64_t k_len, float* acc) {
+  for (int64_t k0 = 0; k0 < k_len; k0 += KB) {
+    __m512 c[R][2];
+    for (int r = 0; r < R; ++r) c[r][0] = c[r][1] = _mm512_setzero_ps();
+    if (k0 + KB <= k_len)
+      block_f32<R, STREAM, KB>(a, lda, panel, k0, k_len, c);
+    else
+      block_f32<R, STREAM, -1>(a, lda, panel, k0, k_len, c);
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h) {
+        float* out = acc + r * NR + 16 * h;
+        _mm512_storeu_ps(out, k0 == 0 ? c[r][h] : _mm512_add_ps(_mm512_loadu_ps(out), c[r][h]));
+      }
   }
 }
 #else
 template <int R, bool>
 void kernel_f32(const float* a, int64_t lda, const float* panel, int64_t k_len, float* acc) {
-  std::fill(acc, acc + R * NR, 0.0f);
-  for (int64_t k = 0; k < k_len; ++k)
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < NR; ++j)
-        acc[r * NR + j] = std::fma(a[r * lda + k], panel[k * NR + j], acc[r * NR + j]);
+  float block[R * NR];
+  for (int64_t k0 = 0; k0 < k_len; k0 += KB) {
+    std::fill(block, block + R * NR, 0.0f);
+    const int64_t k1 = std::min(k_len, k0 + KB);
+    for (int64_t k = k0; k < k1; ++k)
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < NR; ++j)
+          block[r * NR + j] = std::fma(a[r * lda + k], panel[k * NR + j], block[r * NR + j]);
+    for (int i = 0; i < R * NR; ++i) acc[i] = k0 == 0 ? block[i] : acc[i] + block[i];
+  }
 }
 #endif
 

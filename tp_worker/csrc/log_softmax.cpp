@@ -5,11 +5,15 @@
 // computes it.
 //
 // The sum's order is fixed here: lane l of 16 sums exp(x_j - max) over the columns
-// j = l (mod 16) below the last whole block of 16, in ascending order; the lanes combine by
-// tree_sum16; the leftover columns follow one by one, ascending. exp(d) is exp.h's
-// exp2_nonpositive(d * log2(e)) (d = x_j - max, so the max itself adds exactly 1; terms below
-// 2^-125 add +0.0, which no sum of at least 1 would notice); the log is taken in double and
-// rounded to float. So a row's numbers depend on the row alone, and are
+// j = l (mod 16) below the last whole block of 16, in ascending order and in double; the lanes
+// combine by a fixed tree (as tree_sum16's); the leftover columns follow one by one, ascending.
+// exp(d) is exp.h's exp2_nonpositive(d * log2(e)) in float (d = x_j - max, so the max itself
+// adds exactly 1; terms below 2^-125 add +0.0, which no sum of at least 1 would notice); the log
+// is taken in double and rounded to float.
+// NOTE: why double: a trained model's 49,152-token tail is thousands of terms each below half
+// an ulp of a float sum near 1, which float32 lanes drop: the logsum came out low and every
+// logprob high, by 6e-6 on average on SmolLM2-135M (torch's float32 log_softmax too); in double
+// the bias is gone, for a conversion and an add per 8 terms beside the exp's ~20 operations. So a row's numbers depend on the row alone, and are
 // the same in the AVX-512 and the portable form. A row whose max is not finite (a NaN or a
 // +inf logit, or every logit -inf) gets logsum NaN, as torch's log_softmax gives NaN there.
 
@@ -30,7 +34,6 @@ namespace {
 using tokenmill::exp2_nonpositive;
 using tokenmill::LOG2E;
 using tokenmill::row_max;
-using tokenmill::tree_sum16;
 #if defined(__AVX512F__)
 using tokenmill::exp2_nonpositive16;
 #endif
@@ -40,23 +43,29 @@ constexpr int LANES = 16;
 float row_logsum(const float* x, int64_t n, float max) {
   if (!std::isfinite(max)) return std::numeric_limits<float>::quiet_NaN();
   const int64_t whole = n / LANES * LANES;
-  alignas(64) float lane[LANES] = {};
+  alignas(64) double lane[LANES] = {};
 #if defined(__AVX512F__)
-  __m512 acc = _mm512_setzero_ps();
+  __m512d low = _mm512_setzero_pd(), high = _mm512_setzero_pd();
   const __m512 m = _mm512_set1_ps(max), to_base2 = _mm512_set1_ps(LOG2E);
   for (int64_t j = 0; j < whole; j += LANES) {
     const __m512 d = _mm512_sub_ps(_mm512_loadu_ps(x + j), m);
-    acc = _mm512_add_ps(acc, exp2_nonpositive16(_mm512_mul_ps(d, to_base2)));
+    const __m512 e = exp2_nonpositive16(_mm512_mul_ps(d, to_base2));
+    low = _mm512_add_pd(low, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
+    high = _mm512_add_pd(high, _mm512_cvtps_pd(_mm512_extractf32x8_ps(e, 1)));
   }
-  _mm512_store_ps(lane, acc);
+  _mm512_store_pd(lane, low);
+  _mm512_store_pd(lane + 8, high);
 #else
   for (int64_t j = 0; j < whole; j += LANES)
     for (int l = 0; l < LANES; ++l)
-      lane[l] = lane[l] + exp2_nonpositive((x[j + l] - max) * LOG2E);
+      lane[l] = lane[l] + static_cast<double>(exp2_nonpositive((x[j + l] - max) * LOG2E));
 #endif
-  float sum = tree_sum16(lane);
-  for (int64_t j = whole; j < n; ++j) sum = sum + exp2_nonpositive((x[j] - max) * LOG2E);
-  return static_cast<float>(std::log(static_cast<double>(sum)));
+  for (int width = 8; width > 0; width /= 2)
+    for (int l = 0; l < width; ++l) lane[l] = lane[l] + lane[l + width];
+  double sum = lane[0];
+  for (int64_t j = whole; j < n; ++j)
+    sum = sum + static_cast<double>(exp2_nonpositive((x[j] - max) * LOG2E));
+  return static_cast<float>(std::log(sum));
 }
 
 // The k largest logits of a row (k <= vocab) into ids / values, largest first; of equal
