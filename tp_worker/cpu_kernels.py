@@ -134,9 +134,9 @@ def load(path: Path) -> ctypes.CDLL:
     lib.tm_linear_amx.restype = ctypes.c_int
     lib.tm_amx_ready.argtypes = []
     lib.tm_amx_ready.restype = ctypes.c_int
-    lib.tm_rms_norm.argtypes = [_P, _P, _P, _I, _I, _I, ctypes.c_float, ctypes.c_int]
+    lib.tm_rms_norm.argtypes = [_P, _P, _P, _I, _I, _I, ctypes.c_float, ctypes.c_int, ctypes.c_int]
     lib.tm_rms_norm.restype = ctypes.c_int
-    lib.tm_silu_mul.argtypes = [_P, _P, _I, _I, ctypes.c_int]
+    lib.tm_silu_mul.argtypes = [_P, _P, _I, _I, ctypes.c_int, ctypes.c_int]
     lib.tm_silu_mul.restype = ctypes.c_int
     lib.tm_rope_store.argtypes = [*[_P] * 7, *[_I] * 6, ctypes.c_int]
     lib.tm_rope_store.restype = ctypes.c_int

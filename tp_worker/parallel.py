@@ -96,36 +96,42 @@ class ShardedLinear(nn.Module):
         self.weight.data = self.weight.data.new_empty(0)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x W^T (+ b), plus `residual` where given (the bits of `residual + y` either way:
-        the CPU kernel adds it in its epilogue, except where a rank holds part of the sum)."""
+        """x W^T (+ b), plus `residual` where given (the float32 residual stream: the sum is
+        float32, y unrounded where the CPU kernel adds it in its epilogue or a rank holds part
+        of the sum)."""
         if self.glu:
             assert residual is None, "a glu layer takes no residual"
             return self._gated(x)
+        out_dtype = None if residual is None else residual.dtype
         whole = not self.row_parallel or (self.group.size == 1 and self.bias is None)
         if self.kernel is not None and residual is not None and whole:
-            return self.kernel(x, residual=residual)
+            return self.kernel(x, out_dtype, residual=residual)
         if not self.row_parallel:
-            out = self._matmul(x, self.bias)
+            out = self._matmul(x, self.bias, out_dtype)
         else:
-            out = self.group.all_reduce(self._matmul(x, None))
+            out = self.group.all_reduce(self._matmul(x, None, out_dtype))
             out = out if self.bias is None else out + self.bias
         return out if residual is None else residual + out
 
     def _gated(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up: in the kernel's epilogue, else after the product (the same bits
-        on the CPU: csrc/silu.h either way)."""
+        on the CPU: the float32 sums, rounded once)."""
         if self.kernel is not None and self.kernel.glu:
             return self.kernel(x)
-        gate_up = self._matmul(x, self.bias)
         if self.kernel is not None:
-            return silu_mul_cpu(gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
+            return silu_mul_cpu(self.kernel(x, torch.float32), x.dtype)
+        gate, up = self._matmul(x, self.bias).chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _matmul(
+        self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """x W^T (+ bias) in out_dtype (default x's)."""
         if self.kernel is not None:
-            return self.kernel(x)  # NOTE: packed with the bias of a column-parallel layer
-        return invariant_linear(x, self.weight, bias)
+            # NOTE: packed with the bias of a column-parallel layer
+            return self.kernel(x, out_dtype)
+        out = invariant_linear(x, self.weight, bias)
+        return out if out_dtype is None else out.to(out_dtype)
 
 
 # NOTE: where csrc/linear.cpp does not run (CUDA, float16), BLAS picks its kernel (and so its

@@ -35,8 +35,8 @@ inline void write_row(const float* acc, int64_t cols, const float* bias, Out* ds
 }
 
 // A row of a gate/up panel's sums (16 gate features, then the same 16 up features) as 16
-// columns of silu(gate) * up, gate and up rounded to the output's dtype first: the bits of
-// activation.cpp over the unfused product.
+// columns of silu(gate) * up from the float32 sums, rounded once by the store: the bits of
+// activation.cpp over the unfused product's float32 output.
 template <typename Out>
 inline void write_glu_row(const float* acc, const float* bias, Out* dst) {
 #if defined(__AVX512F__)
@@ -45,12 +45,12 @@ inline void write_glu_row(const float* acc, const float* bias, Out* dst) {
     g = _mm512_add_ps(g, _mm512_loadu_ps(bias));
     u = _mm512_add_ps(u, _mm512_loadu_ps(bias + 16));
   }
-  store16(dst, silu_times16(round16(g, dst), round16(u, dst), dst));
+  store16(dst, silu_times16(g, u));
 #else
   for (int j = 0; j < 16; ++j) {
     const float g = bias ? acc[j] + bias[j] : acc[j];
     const float u = bias ? acc[j + 16] + bias[j + 16] : acc[j + 16];
-    store(dst + j, silu_times(round_to(g, dst), round_to(u, dst), dst));
+    store(dst + j, silu_times(g, u));
   }
 #endif
 }

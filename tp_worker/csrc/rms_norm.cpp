@@ -2,9 +2,11 @@
 //
 // The rule, per row: the sum of squares is LANES partial sums (lane d % LANES, fma over d
 // ascending) combined by a fixed tree; r = 1 / sqrt(sum / hidden + eps) (both correctly
-// rounded); out = weight * round_to_dtype(x * r), as transformers computes it (the
-// normalised row is rounded to the model's dtype before the weight multiplies it). A row's
+// rounded); out = weight * (x * r) in float32, rounded once to the output's dtype. A row's
 // result depends on nothing but the row: not on the batch, the thread or the CPU.
+// x is the residual stream (float32 whatever the model's dtype: model.py), weight and out the
+// model's dtype. In float32 this is transformers' formula; in bfloat16 transformers rounds
+// x * r to bfloat16 before the weight multiplies it, a second rounding this skips.
 
 #include <cmath>
 #include <cstdint>
@@ -21,11 +23,9 @@ namespace {
 constexpr int LANES = 16;
 
 using tokenmill::load;
-using tokenmill::round_to;
 using tokenmill::store;
 #if defined(__AVX512F__)
 using tokenmill::load16;
-using tokenmill::round16;
 using tokenmill::store16;
 #endif
 
@@ -51,15 +51,15 @@ float sum_of_squares(const T* x, int64_t hidden) {
   return tokenmill::tree_sum16(lane);
 }
 
-template <typename T>
-void rms_norm(const T* x, const T* weight, T* out, int64_t rows, int64_t hidden,
+template <typename In, typename T>
+void rms_norm(const In* x, const T* weight, T* out, int64_t rows, int64_t hidden,
               int64_t out_stride, float eps) {
   // NOTE: threads from ~16K elements: a decode step's 32 rows of 768 took 17 us on one
   // thread and 11 on two with the vector loop below (a 2-core Xeon, kernel_ab.py --only
   // small), where the old bound of 256K elements left them on one.
 #pragma omp parallel for schedule(static) if (rows * hidden >= (1 << 14))
   for (int64_t r = 0; r < rows; ++r) {
-    const T* row = x + r * hidden;
+    const In* row = x + r * hidden;
     const float inv = 1.0f / std::sqrt(sum_of_squares(row, hidden) / static_cast<float>(hidden) + eps);
     T* o = out + r * out_stride;
     int64_t d = 0;
@@ -67,12 +67,12 @@ void rms_norm(const T* x, const T* weight, T* out, int64_t rows, int64_t hidden,
     // NOTE: the loop below in 16 lanes, the same operations per element.
     const __m512 inv16 = _mm512_set1_ps(inv);
     for (; d + LANES <= hidden; d += LANES) {
-      const __m512 n = round16(_mm512_mul_ps(load16(row + d), inv16), row);
+      const __m512 n = _mm512_mul_ps(load16(row + d), inv16);
       store16(o + d, _mm512_mul_ps(load16(weight + d), n));
     }
 #endif
     for (; d < hidden; ++d)
-      store(o + d, load(weight + d) * round_to(load(row + d) * inv, row));
+      store(o + d, load(weight + d) * (load(row + d) * inv));
   }
 }
 
@@ -80,14 +80,18 @@ void rms_norm(const T* x, const T* weight, T* out, int64_t rows, int64_t hidden,
 
 extern "C" {
 
-// x [rows, hidden]; out [rows, hidden] with rows out_stride elements apart; weight [hidden];
-// dtype 0 = float32, 1 = bfloat16 (all alike). Returns 0, or -1 for an unknown dtype.
+// x [rows, hidden] in x_dtype; out [rows, hidden] with rows out_stride elements apart and
+// weight [hidden] in dtype; dtype codes 0 = float32, 1 = bfloat16. Returns 0, or -1 for an
+// unknown dtype.
 int tm_rms_norm(const void* x, const void* weight, void* out, int64_t rows, int64_t hidden,
-                int64_t out_stride, float eps, int dtype) {
-  if (dtype == 0) {
+                int64_t out_stride, float eps, int dtype, int x_dtype) {
+  if (dtype == 0 && x_dtype == 0) {
     rms_norm(static_cast<const float*>(x), static_cast<const float*>(weight),
              static_cast<float*>(out), rows, hidden, out_stride, eps);
-  } else if (dtype == 1) {
+  } else if (dtype == 1 && x_dtype == 0) {
+    rms_norm(static_cast<const float*>(x), static_cast<const uint16_t*>(weight),
+             static_cast<uint16_t*>(out), rows, hidden, out_stride, eps);
+  } else if (dtype == 1 && x_dtype == 1) {
     rms_norm(static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(weight),
              static_cast<uint16_t*>(out), rows, hidden, out_stride, eps);
   } else {

@@ -19,12 +19,8 @@ inline float silu(float x) {
   return (x >= 0.0f ? x : x * e) / (1.0f + e);
 }
 
-// silu(gate) * up as torch's `F.silu(gate) * up` on tensors of the tag's dtype: silu(gate)
-// rounded to it, then the product, rounded again by the store.
-template <typename T>
-inline float silu_times(float gate, float up, const T* tag) {
-  return round_to(silu(gate), tag) * up;
-}
+// silu(gate) * up in float32: the caller's store rounds it once to the output's dtype.
+inline float silu_times(float gate, float up) { return silu(gate) * up; }
 
 #if defined(__AVX512F__)
 inline __m512 silu16(__m512 x) {
@@ -36,10 +32,7 @@ inline __m512 silu16(__m512 x) {
   return _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
 }
 
-template <typename T>
-inline __m512 silu_times16(__m512 gate, __m512 up, const T* tag) {
-  return _mm512_mul_ps(round16(silu16(gate), tag), up);
-}
+inline __m512 silu_times16(__m512 gate, __m512 up) { return _mm512_mul_ps(silu16(gate), up); }
 #endif
 
 }  // namespace tokenmill
