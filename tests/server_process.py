@@ -57,7 +57,7 @@ class ServerProcess:
 
 
 def start_server(
-    model: Path,
+    model: Path | str | None,
     log_path: Path,
     *args: str,
     timeout: float = 120.0,

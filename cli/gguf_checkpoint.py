@@ -1,0 +1,114 @@
+"""GGUF checkpoints: the file's converted Hugging Face directory, cached (main process).
+
+The first start from a GGUF file converts it in a subprocess (gguf_convert.py: it imports
+torch, transformers and gguf, which the frontend never needs) into
+~/.cache/tokenmill/gguf/<key>/, where the key is the file's SHA-256 with the versions of
+the converter, transformers and gguf. Every later start finds that directory and loads it as
+it loads any safetensors checkpoint. The file's digest is kept by its path, size, mtime and
+inode, so a later start reads the file's metadata, not its bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tokenmill.frontend.cache import cache_dir
+
+logger = logging.getLogger(__name__)
+
+# NOTE: bumped whenever gguf_convert.py writes something else for the same file.
+CONVERTER_VERSION = 1
+_CHUNK = 1 << 20
+
+
+def gguf_file(path: Path) -> Path | None:
+    """The GGUF file `--model path` names: the file itself, or the only .gguf in a directory
+    that holds no config.json; None where `path` is no GGUF checkpoint."""
+    if path.is_file():
+        return path if path.suffix.lower() == ".gguf" or _has_gguf_magic(path) else None
+    if not path.is_dir() or (path / "config.json").exists():
+        return None
+    found = sorted(p for p in path.iterdir() if p.suffix.lower() == ".gguf")
+    if len(found) > 1:
+        names = ", ".join(p.name for p in found)
+        raise ValueError(f"{path} holds several GGUF files ({names}): name one of them")
+    return found[0] if found else None
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def gguf_checkpoint(path: Path) -> Path:
+    """The Hugging Face directory converted from the GGUF file `path` (converted on first
+    use). Raises ValueError, naming the reason, for a file tokenmill cannot serve."""
+    path = path.resolve()
+    out = cache_dir() / "gguf" / _key(path)
+    if (out / "config.json").is_file():
+        return out
+    started = time.monotonic()
+    logger.info("converting %s into %s (once per file)", path, out)
+    partial = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+    shutil.rmtree(partial, ignore_errors=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "tokenmill.cli.gguf_convert", str(path), str(partial)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        lines = done.stderr.strip().splitlines() or ["no output"]
+        raise ValueError(f"{path}: {lines[-1]}")
+    try:
+        partial.rename(out)  # NOTE: atomic; a concurrent start may have renamed its own first
+    except OSError:
+        shutil.rmtree(partial, ignore_errors=True)
+    logger.info("%s (%.1f s)", done.stderr.strip().splitlines()[-1], time.monotonic() - started)
+    return out
+
+
+def _key(path: Path) -> str:
+    digest = hashlib.sha256(content_digest(path).encode())
+    for package in ("transformers", "gguf"):
+        digest.update(f"{package}={importlib.metadata.version(package)}".encode())
+    digest.update(f"converter={CONVERTER_VERSION}".encode())
+    return digest.hexdigest()[:32]
+
+
+def content_digest(path: Path) -> str:
+    """The SHA-256 of the file's bytes, hashed once per (path, size, mtime, inode)."""
+    index_path = cache_dir() / "gguf" / "digests.json"
+    stat = path.stat()
+    seen = f"{stat.st_size}:{stat.st_mtime_ns}:{stat.st_ino}"
+    index = _read_index(index_path)
+    entry = index.get(str(path))
+    if isinstance(entry, dict) and entry.get("stat") == seen:
+        return str(entry["sha256"])
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    index[str(path)] = {"stat": seen, "sha256": digest.hexdigest()}
+    index_path.parent.mkdir(parents=True, exist_ok=True)
+    partial = index_path.with_name(f"digests.{os.getpid()}.tmp")
+    partial.write_text(json.dumps(index, indent=1))
+    partial.replace(index_path)
+    return digest.hexdigest()
+
+
+def _read_index(path: Path) -> dict:
+    try:
+        index = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return index if isinstance(index, dict) else {}

