@@ -92,12 +92,16 @@ def checkpoint_dir(model: str | None) -> tuple[str, Path]:
     return resolved.argument, resolved.directory
 
 
-def transformers_logprobs(model_dir: Path, ids: list[int], dtype: torch.dtype) -> np.ndarray:
+def transformers_logprobs(
+    model_dir: Path, ids: list[int], dtype: torch.dtype, softmax_dtype: torch.dtype
+) -> np.ndarray:
+    """Teacher-forced logprobs of `ids`, the model in `dtype`, its logits' log-softmax in
+    `softmax_dtype`."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     with torch.no_grad():
-        logits = hf(torch.tensor([ids])).logits[0].double()
+        logits = hf(torch.tensor([ids])).logits[0].to(softmax_dtype)
     logprobs = torch.log_softmax(logits, dim=-1)[:-1]
-    return logprobs[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].numpy()
+    return logprobs[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].double().numpy()
 
 
 def echo_logprobs(base_url: str, ids: list[int]) -> np.ndarray:
@@ -139,11 +143,17 @@ def main() -> int:
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     ids = tokenizer.encode(TEXT)[: args.tokens]
     started = time.monotonic()
-    exact = transformers_logprobs(model_dir, ids, torch.float64)
+    exact = transformers_logprobs(model_dir, ids, torch.float64, torch.float64)
     print(f"{served}: {len(ids)} tokens, float64 reference in {time.monotonic() - started:.0f} s")
     rows: dict[str, np.ndarray] = {}
+    # NOTE: transformers' rows take the log-softmax of its logits in float64 (only its forward
+    # pass in the dtype) and, as a user's torch.log_softmax(logits.float()) does, in float32.
     for dtype in ("float32", "bfloat16"):
-        rows[f"transformers {dtype}"] = transformers_logprobs(model_dir, ids, getattr(torch, dtype))
+        for softmax in ("float64", "float32"):
+            name = f"transformers {dtype}, {softmax} log-softmax"
+            rows[name] = transformers_logprobs(
+                model_dir, ids, getattr(torch, dtype), getattr(torch, softmax)
+            )
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in ("float32", "bfloat16"):
             log = Path(tmp) / f"tokenmill-{dtype}.log"
@@ -152,10 +162,10 @@ def main() -> int:
             for dtype in ("float32", "bfloat16"):
                 log = Path(tmp) / f"vllm-{dtype}.log"
                 rows[f"vLLM {dtype}"] = vllm_logprobs(args, model_dir, ids, dtype, log)
-    print(f"{'source':<24} {'largest difference':>20} {'mean':>10}")
+    print(f"{'source':<44} {'largest difference':>20} {'mean':>10}")
     for name, values in rows.items():
         error = np.abs(values - exact)
-        print(f"{name:<24} {error.max():>20.3g} {error.mean():>10.3g}")
+        print(f"{name:<44} {error.max():>20.3g} {error.mean():>10.3g}")
     return 0
 
 

@@ -5,18 +5,23 @@
 // computes it.
 //
 // The sum's order is fixed here: lane l of 16 sums exp(x_j - max) over the columns
-// j = l (mod 16) below the last whole block of 16, in ascending order and in double; the lanes
-// combine by a fixed tree (as tree_sum16's); the leftover columns follow one by one, ascending.
+// j = l (mod 16) below the last whole block of 16, in ascending order: in float32 within each
+// run of 256 columns (16 terms a lane), each run's float32 sum then added to the lane's double
+// total; the lanes combine by a fixed tree (as tree_sum16's); the leftover columns follow one
+// by one, ascending, in double.
 // exp(d) is exp.h's exp2_nonpositive(d * log2(e)) in float (d = x_j - max, so the max itself
 // adds exactly 1; terms below 2^-125 add +0.0, which no sum of at least 1 would notice); the log
 // is taken in double and rounded to float.
 // NOTE: why double: a trained model's 49,152-token tail is thousands of terms each below half
 // an ulp of a float sum near 1, which float32 lanes drop: the logsum came out low and every
-// logprob high, by 6e-6 on average on SmolLM2-135M (torch's float32 log_softmax too); in double
-// the bias is gone, for a conversion and an add per 8 terms beside the exp's ~20 operations. So a row's numbers depend on the row alone, and are
+// logprob high, by 6e-6 on average on SmolLM2-135M (torch's float32 log_softmax too); with
+// double totals the bias is gone. Runs of 16 float32 terms a lane before the double add keep
+// its cost to 0.5% of the pass (a double add per term cost 27%); a run loses a tail term only
+// beside one near 1, in the few runs that hold one. So a row's numbers depend on the row alone, and are
 // the same in the AVX-512 and the portable form. A row whose max is not finite (a NaN or a
 // +inf logit, or every logit -inf) gets logsum NaN, as torch's log_softmax gives NaN there.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -39,6 +44,7 @@ using tokenmill::exp2_nonpositive16;
 #endif
 
 constexpr int LANES = 16;
+constexpr int64_t BLOCK = 16 * LANES;  // columns summed in float32 before the double lanes
 
 float row_logsum(const float* x, int64_t n, float max) {
   if (!std::isfinite(max)) return std::numeric_limits<float>::quiet_NaN();
@@ -47,18 +53,27 @@ float row_logsum(const float* x, int64_t n, float max) {
 #if defined(__AVX512F__)
   __m512d low = _mm512_setzero_pd(), high = _mm512_setzero_pd();
   const __m512 m = _mm512_set1_ps(max), to_base2 = _mm512_set1_ps(LOG2E);
-  for (int64_t j = 0; j < whole; j += LANES) {
-    const __m512 d = _mm512_sub_ps(_mm512_loadu_ps(x + j), m);
-    const __m512 e = exp2_nonpositive16(_mm512_mul_ps(d, to_base2));
-    low = _mm512_add_pd(low, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
-    high = _mm512_add_pd(high, _mm512_cvtps_pd(_mm512_extractf32x8_ps(e, 1)));
+  for (int64_t b = 0; b < whole; b += BLOCK) {
+    const int64_t end = std::min(whole, b + BLOCK);
+    __m512 part = _mm512_setzero_ps();
+    for (int64_t j = b; j < end; j += LANES) {
+      const __m512 d = _mm512_sub_ps(_mm512_loadu_ps(x + j), m);
+      part = _mm512_add_ps(part, exp2_nonpositive16(_mm512_mul_ps(d, to_base2)));
+    }
+    low = _mm512_add_pd(low, _mm512_cvtps_pd(_mm512_castps512_ps256(part)));
+    high = _mm512_add_pd(high, _mm512_cvtps_pd(_mm512_extractf32x8_ps(part, 1)));
   }
   _mm512_store_pd(lane, low);
   _mm512_store_pd(lane + 8, high);
 #else
-  for (int64_t j = 0; j < whole; j += LANES)
-    for (int l = 0; l < LANES; ++l)
-      lane[l] = lane[l] + static_cast<double>(exp2_nonpositive((x[j + l] - max) * LOG2E));
+  for (int64_t b = 0; b < whole; b += BLOCK) {
+    const int64_t end = std::min(whole, b + BLOCK);
+    float part[LANES] = {};
+    for (int64_t j = b; j < end; j += LANES)
+      for (int l = 0; l < LANES; ++l)
+        part[l] = part[l] + exp2_nonpositive((x[j + l] - max) * LOG2E);
+    for (int l = 0; l < LANES; ++l) lane[l] = lane[l] + static_cast<double>(part[l]);
+  }
 #endif
   for (int width = 8; width > 0; width /= 2)
     for (int l = 0; l < width; ++l) lane[l] = lane[l] + lane[l + width];
