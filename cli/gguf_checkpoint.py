@@ -73,7 +73,8 @@ def gguf_checkpoint(path: Path) -> Path:
         partial.rename(out)  # NOTE: atomic; a concurrent start may have renamed its own first
     except OSError:
         shutil.rmtree(partial, ignore_errors=True)
-    logger.info("%s (%.1f s)", done.stderr.strip().splitlines()[-1], time.monotonic() - started)
+    summary = (done.stderr.strip().splitlines() or ["converted"])[-1]
+    logger.info("%s (%.1f s with the subprocess's start)", summary, time.monotonic() - started)
     return out
 
 

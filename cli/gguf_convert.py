@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 # NOTE: the file's `general.architecture`: llama.cpp writes Mistral checkpoints as llama
-# (transformers tells them apart by the model's name), Qwen2 as qwen2.
+# (transformers' config tells them apart by `general.name`), Qwen2 as qwen2.
 ARCHITECTURES = ("llama", "mistral", "qwen2")
 MODEL_CLASSES = {
     "llama": "LlamaForCausalLM",
