@@ -3,7 +3,7 @@
 VDPBF16PS (bfloat16 pairs into float32: the linear layers and attention's q.k) and
 VFMADD231PS (float32: attention's p.V, where the accuracy promise keeps the softmax weights
 in float32), 12 independent chains a thread, on 1 thread and on every thread torch uses,
-best of --rounds. The ceiling against which the README's "% of peak" figures are read: a
+best of --rounds. The ceiling against which docs/performance.md's "% of peak" figures are read: a
 kernel at this rate does nothing but its arithmetic. Compiles benchmarks/cpu_peak.cpp with
 the kernels' compiler and -march=native (needs AVX-512).
 

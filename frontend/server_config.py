@@ -137,7 +137,7 @@ class ScoringArgs:
     at most; more is a 400."""
     rerank_template: str = ""
     """The prompt /v1/rerank scores, with {query} and {document} in it: the text itself or a
-    file that holds it (default: a built-in yes/no relevance question, shown in the README)."""
+    file that holds it (default: a built-in yes/no relevance question, shown in docs/api.md)."""
     rerank_labels: str = "yes,no"
     """The rerank prompt's two answers, comma-separated and taken literally, one token each:
     relevance = P(first) / (P(first) + P(second)) of the token after the prompt."""
