@@ -39,9 +39,12 @@ def resolve_model(model: str | None) -> ResolvedModel:
     if model is None:
         return default_model()
     path = Path(model)
-    found = gguf_file(path)
-    if found is not None:
-        return ResolvedModel(model, gguf_checkpoint(found), model)
+    try:
+        found = gguf_file(path)
+        if found is not None:
+            return ResolvedModel(model, gguf_checkpoint(found), model)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"--model {model}: {e}") from None
     if not (path / "config.json").is_file():
         raise ValueError(
             f"--model {model}: neither a checkpoint directory (no config.json there) "
@@ -70,7 +73,7 @@ def default_model() -> ResolvedModel:
     try:
         return ResolvedModel(str(file), gguf_checkpoint(file), DEFAULT_MODEL_NAME)
     except ValueError as e:
-        return demo_model(f"its file cannot be served: {e}")
+        return demo_model(f"its file {file} cannot be served: {e}")
 
 
 def demo_model(why: str) -> ResolvedModel:

@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,6 +29,7 @@ logger = logging.getLogger(__name__)
 # NOTE: bumped whenever gguf_convert.py writes something else for the same file.
 CONVERTER_VERSION = 1
 _CHUNK = 1 << 20
+_STALE_S = 24 * 3600
 
 
 def gguf_file(path: Path) -> Path | None:
@@ -40,7 +42,7 @@ def gguf_file(path: Path) -> Path | None:
     found = sorted(p for p in path.iterdir() if p.suffix.lower() == ".gguf")
     if len(found) > 1:
         names = ", ".join(p.name for p in found)
-        raise ValueError(f"{path} holds several GGUF files ({names}): name one of them")
+        raise ValueError(f"the directory holds several GGUF files ({names}): name one of them")
     return found[0] if found else None
 
 
@@ -51,31 +53,60 @@ def _has_gguf_magic(path: Path) -> bool:
 
 def gguf_checkpoint(path: Path) -> Path:
     """The Hugging Face directory converted from the GGUF file `path` (converted on first
-    use). Raises ValueError, naming the reason, for a file tokenmill cannot serve."""
+    use). Raises ValueError, saying why (the caller names the file), for a file tokenmill
+    cannot serve or a cache it cannot write."""
     path = path.resolve()
-    out = cache_dir() / "gguf" / _key(path)
-    if (out / "config.json").is_file():
-        return out
+    try:
+        out = cache_dir() / "gguf" / _key(path)
+        if (out / "config.json").is_file():
+            return out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _sweep(out.parent)
+        partial = Path(tempfile.mkdtemp(prefix=f"{out.name}.", suffix=".tmp", dir=out.parent))
+    except (OSError, importlib.metadata.PackageNotFoundError) as e:
+        raise ValueError(str(e)) from None
     started = time.monotonic()
     logger.info("converting %s into %s (once per file)", path, out)
-    partial = out.with_name(f"{out.name}.{os.getpid()}.tmp")
-    shutil.rmtree(partial, ignore_errors=True)
-    done = subprocess.run(
-        [sys.executable, "-m", "tokenmill.cli.gguf_convert", str(path), str(partial)],
-        capture_output=True,
-        text=True,
-    )
-    if done.returncode != 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        lines = done.stderr.strip().splitlines() or ["no output"]
-        raise ValueError(f"{path}: {lines[-1]}")
     try:
-        partial.rename(out)  # NOTE: atomic; a concurrent start may have renamed its own first
-    except OSError:
+        done = subprocess.run(
+            [sys.executable, "-m", "tokenmill.cli.gguf_convert", str(path), str(partial)],
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode != 0:
+            raise ValueError(_failure(done))
+        _publish(partial, out)
+    finally:
         shutil.rmtree(partial, ignore_errors=True)
     summary = (done.stderr.strip().splitlines() or ["converted"])[-1]
     logger.info("%s (%.1f s with the subprocess's start)", summary, time.monotonic() - started)
     return out
+
+
+def _failure(done: subprocess.CompletedProcess) -> str:
+    """Why the converter failed: its one line for a file it refuses (status 2), else the end
+    of what it printed with its status (the whole of it goes to the log)."""
+    lines = done.stderr.strip().splitlines() or ["no output"]
+    if done.returncode == 2:
+        return lines[-1]
+    logger.error("the GGUF converter exited with %d:\n%s", done.returncode, done.stderr)
+    return f"the converter exited with status {done.returncode}: " + " | ".join(lines[-3:])
+
+
+def _sweep(root: Path) -> None:
+    """Conversions a killed start left half done, a day old or more (a live one is younger)."""
+    for stale in root.glob("*.tmp"):
+        if time.time() - stale.stat().st_mtime > _STALE_S:
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _publish(partial: Path, out: Path) -> None:
+    """partial becomes out, atomically; a concurrent start may have published its own."""
+    try:
+        partial.rename(out)
+    except OSError as e:
+        if not (out / "config.json").is_file():
+            raise ValueError(f"cannot move the converted checkpoint into {out}: {e}") from None
 
 
 def _key(path: Path) -> str:
@@ -95,15 +126,21 @@ def content_digest(path: Path) -> str:
     entry = index.get(str(path))
     if isinstance(entry, dict) and entry.get("stat") == seen:
         return str(entry["sha256"])
+    logger.info("hashing %s (%.0f MiB; once per version of the file)", path, stat.st_size / 2**20)
+    digest = file_sha256(path)
+    index[str(path)] = {"stat": seen, "sha256": digest}
+    index_path.parent.mkdir(parents=True, exist_ok=True)
+    partial = index_path.with_name(f"digests.{os.getpid()}.json.part")
+    partial.write_text(json.dumps(index, indent=1))
+    partial.replace(index_path)
+    return digest
+
+
+def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
-    index[str(path)] = {"stat": seen, "sha256": digest.hexdigest()}
-    index_path.parent.mkdir(parents=True, exist_ok=True)
-    partial = index_path.with_name(f"digests.{os.getpid()}.tmp")
-    partial.write_text(json.dumps(index, indent=1))
-    partial.replace(index_path)
     return digest.hexdigest()
 
 

@@ -4,8 +4,9 @@ per file: gguf_checkpoint.py caches what it writes, keyed by the file's content)
 Weights: the `gguf` package reads the file memory-mapped and dequantizes one tensor at a time
 (F16 and BF16 tensors are kept as they are, every other type becomes the float32 values
 llama.cpp's own dequantization gives); llama.cpp's row order of q and k (each head's rotary
-halves interleaved) is undone; the names become Hugging Face's; safetensors shards are written
-as they fill. The worker then loads them into the serving dtype like any checkpoint.
+halves interleaved) is undone; the names become Hugging Face's; safetensors shards of up to
+2 GiB are written as they fill (a shard's tensors are in memory until it is written). The
+worker then loads them into the serving dtype like any checkpoint.
 The config and the tokenizer (chat template included) are what transformers builds from the
 file's metadata, so ids and shapes are transformers' own, as for every checkpoint.
 
@@ -28,7 +29,7 @@ import torch
 
 # NOTE: the file's `general.architecture`: llama.cpp writes Mistral checkpoints as llama
 # (transformers' config tells them apart by `general.name`), Qwen2 as qwen2.
-ARCHITECTURES = ("llama", "mistral", "qwen2")
+ARCHITECTURES = ("llama", "qwen2")
 MODEL_CLASSES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -54,8 +55,10 @@ _LAYER_PARTS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# NOTE: llama 3.1's per-frequency rope factors, which transformers derives from the config.
-_IGNORED = ("rope_freqs.weight",)
+# NOTE: llama.cpp writes a scaled RoPE as `rope_freqs.weight` (Llama 3.1 / 3.2's per-frequency
+# factors) or `<arch>.rope.scaling.*` metadata; transformers' GGUF config reads neither, so the
+# checkpoint it builds would rotate with plain RoPE: refused rather than served wrong.
+_ROPE_FACTORS = "rope_freqs.weight"
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -63,23 +66,21 @@ class Unservable(ValueError):
     """A file tokenmill cannot serve; the message names what and why."""
 
 
-def hf_name(name: str) -> str | None:
-    """The Hugging Face name of a GGUF tensor (None for one to skip)."""
+def hf_name(name: str) -> str:
+    """The Hugging Face name of a GGUF tensor."""
     if name in _GLOBAL:
         return _GLOBAL[name]
-    if name in _IGNORED:
-        return None
     match = _LAYER.fullmatch(name)
     if match is None or match[2] not in _LAYER_PARTS:
         raise Unservable(f"tensor {name!r} is not part of a Llama / Qwen2 / Mistral decoder")
     return f"model.layers.{match[1]}.{_LAYER_PARTS[match[2]]}.{match[3]}"
 
 
-def unpermute(rows: torch.Tensor, heads: int) -> torch.Tensor:
-    """q or k rows [heads * head_dim, ...] from llama.cpp's order back to Hugging Face's:
+def unpermute(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """q or k rows [num_heads * head_dim, ...] from llama.cpp's order back to Hugging Face's:
     within each head, rows (2i, 2i + 1) go back to (i, i + head_dim / 2)."""
-    half = rows.shape[0] // heads // 2
-    return rows.reshape(heads, half, 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
+    half = rows.shape[0] // num_heads // 2
+    return rows.reshape(num_heads, half, 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
 
 
 def check_architecture(architecture: str) -> None:
@@ -87,6 +88,22 @@ def check_architecture(architecture: str) -> None:
         raise Unservable(
             f"GGUF architecture {architecture!r} is not one tokenmill serves "
             f"(it serves {', '.join(ARCHITECTURES)})"
+        )
+
+
+def check_rope(reader, architecture: str) -> None:
+    """A scaled RoPE (see _ROPE_FACTORS) is refused, naming what the file holds."""
+    scaling = reader.fields.get(f"{architecture}.rope.scaling.type")
+    kind = str(scaling.contents()) if scaling is not None else "none"
+    if kind != "none":
+        raise Unservable(
+            f"the file scales RoPE ({architecture}.rope.scaling.type = {kind!r}), which "
+            "transformers' GGUF loader ignores; serve the Hugging Face checkpoint instead"
+        )
+    if any(t.name == _ROPE_FACTORS for t in reader.tensors):
+        raise Unservable(
+            f"the file scales RoPE by per-frequency factors ({_ROPE_FACTORS}: Llama 3.1 / 3.2), "
+            "which transformers' GGUF loader ignores; serve the Hugging Face checkpoint instead"
         )
 
 
@@ -125,18 +142,16 @@ def dequantized(tensor) -> torch.Tensor:
 
 
 def hf_tensors(
-    reader, architecture: str, heads: int, kv_heads: int
+    reader, architecture: str, num_heads: int, num_kv_heads: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, tensor) for each tensor of the file, one at a time."""
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
-        if name is None:
-            continue
         values = dequantized(tensor)
         if architecture in PERMUTED and ".self_attn.q_proj." in name:
-            values = unpermute(values, heads)
+            values = unpermute(values, num_heads)
         elif architecture in PERMUTED and ".self_attn.k_proj." in name:
-            values = unpermute(values, kv_heads)
+            values = unpermute(values, num_kv_heads)
         yield name, values.contiguous()
 
 
@@ -201,10 +216,11 @@ def convert(path: Path, out: Path) -> None:
         raise Unservable(f"not a GGUF file the gguf package can read ({e})") from None
     architecture = str(reader.fields["general.architecture"].contents())
     check_architecture(architecture)
+    check_rope(reader, architecture)
     types = check_tensor_types(reader)
     config = write_config_and_tokenizer(path, out)
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    total = write_shards(hf_tensors(reader, architecture, heads, kv_heads), out)
+    num_heads, num_kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    total = write_shards(hf_tensors(reader, architecture, num_heads, num_kv_heads), out)
     source = {"file": str(path), "architecture": architecture, "tensor_types": types}
     (out / "gguf_source.json").write_text(json.dumps(source, indent=2) + "\n")
     for file in out.iterdir():

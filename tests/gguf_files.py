@@ -119,8 +119,11 @@ def hf_to_gguf(
     architecture: str | None = None,
     name: str | None = None,
     seed: int = 0,
+    norm_noise: float = 0.0,
 ) -> Path:
-    """A Hugging Face checkpoint (Llama / Qwen2 / Mistral) as one GGUF file of `kind`."""
+    """A Hugging Face checkpoint (Llama / Qwen2 / Mistral) as one GGUF file of `kind`; with
+    `norm_noise`, every norm's weight times 1 + that much noise (make-model's norms are all
+    ones, so a test could not tell one norm's name from another's)."""
     config: dict[str, Any] = json.loads((model_dir / "config.json").read_text())
     arch = architecture or {"qwen2": "qwen2"}.get(config["model_type"], "llama")
     tensors: dict[str, torch.Tensor] = {}
@@ -128,52 +131,84 @@ def hf_to_gguf(
         tensors.update(load_file(str(path)))
     writer = gguf.GGUFWriter(out, arch)
     writer.add_name(name or config["model_type"])
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    num_heads, num_kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
+    writer.add_head_count(num_heads)
+    writer.add_head_count_kv(num_kv_heads)
     writer.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
-    writer.add_rope_dimension_count(config.get("head_dim") or config["hidden_size"] // heads)
+    writer.add_rope_dimension_count(config.get("head_dim") or config["hidden_size"] // num_heads)
     writer.add_vocab_size(config["vocab_size"])
     tokenizer_metadata(writer, model_dir, config["vocab_size"])
     rng = np.random.default_rng(seed)
     for hf_name, tensor in tensors.items():
         values = tensor.float().numpy()
+        if values.ndim == 1 and "norm" in hf_name and norm_noise:
+            values = values * (1 + norm_noise * rng.standard_normal(values.shape)).astype(
+                np.float32
+            )
         if arch == "llama" and ".q_proj." in hf_name:
-            values = permute(values, heads)
+            values = permute(values, num_heads)
         elif arch == "llama" and ".k_proj." in hf_name:
-            values = permute(values, kv_heads)
+            values = permute(values, num_kv_heads)
         data, used = encode(values, kind, rng)
         writer.add_tensor(gguf_name(hf_name), data, raw_dtype=used)
-    _finish(writer)
+    finish(writer)
     return out
 
 
 def requantize(source: Path, out: Path, kind: Q) -> Path:
     """Another GGUF file's metadata and weights (dequantized, then encoded as `kind`)."""
     reader = gguf.GGUFReader(source)
-    arch = str(reader.fields["general.architecture"].contents())
-    writer = gguf.GGUFWriter(out, arch)
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture":
-            continue
-        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub_type)
+    writer = _writer_like(reader, out)
     rng = np.random.default_rng(0)
     for tensor in reader.tensors:
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         values = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
         data, used = encode(values, kind, rng)
         writer.add_tensor(tensor.name, data, raw_dtype=used)
-    _finish(writer)
+    finish(writer)
     return out
 
 
-def _finish(writer: gguf.GGUFWriter) -> None:
+def edited(
+    source: Path,
+    out: Path,
+    strings: dict[str, str] | None = None,
+    tensors: dict[str, tuple[np.ndarray, Q]] | None = None,
+) -> Path:
+    """Another GGUF file with `strings` added to its metadata and `tensors` (raw data and
+    type) replacing its tensors of those names or added after them."""
+    reader = gguf.GGUFReader(source)
+    writer = _writer_like(reader, out)
+    for key, value in (strings or {}).items():
+        writer.add_string(key, value)
+    extra = dict(tensors or {})
+    for tensor in reader.tensors:
+        data, kind = extra.pop(tensor.name, (np.array(tensor.data), tensor.tensor_type))
+        writer.add_tensor(tensor.name, data, raw_dtype=kind)
+    for name, (data, kind) in extra.items():
+        writer.add_tensor(name, data, raw_dtype=kind)
+    finish(writer)
+    return out
+
+
+def _writer_like(reader: gguf.GGUFReader, out: Path) -> gguf.GGUFWriter:
+    """A writer for `out` holding the reader's metadata."""
+    writer = gguf.GGUFWriter(out, str(reader.fields["general.architecture"].contents()))
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub_type)
+    return writer
+
+
+def finish(writer: gguf.GGUFWriter) -> None:
+    """Header, metadata and tensors to the file; closed."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

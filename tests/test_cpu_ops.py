@@ -348,6 +348,11 @@ def test_a_build_without_avx_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch
         PackedLinear(w, b)(x, residual=r)
         for ((x, w, b), _), r in zip(cases, residuals, strict=True)
     ]
+    # NOTE: the model's own case: x in its dtype, the float32 residual stream out.
+    widened = [
+        PackedLinear(w, b)(x, torch.float32, r.float())
+        for ((x, w, b), _), r in zip(cases, residuals, strict=True)
+    ]
     glu_cases = [_case(13, 33, 64, dtype) for dtype in cpu_ops.DTYPE_CODES]
     glus = [PackedLinear(w, b, glu=True)(x) for x, w, b in glu_cases]
     norms = [rms_norm_cpu(x.float(), w[0], 1e-6) for (x, w, _), _ in cases]
@@ -368,6 +373,8 @@ def test_a_build_without_avx_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch
         assert torch.equal(rms_norm_cpu(x.float(), w[0], 1e-6), norm)
     for ((x, w, b), _), r, expected in zip(cases, residuals, added, strict=True):
         assert torch.equal(PackedLinear(w, b)(x, residual=r), expected)
+    for ((x, w, b), _), r, expected in zip(cases, residuals, widened, strict=True):
+        assert torch.equal(PackedLinear(w, b)(x, torch.float32, r.float()), expected)
     for ((x, _, _), _), activation in zip(cases, activations, strict=True):
         assert torch.equal(silu_mul_cpu(4 * x[:, :32].float(), x.dtype), activation)
     for (x, w, b), glu in zip(glu_cases, glus, strict=True):

@@ -17,7 +17,7 @@ import pytest
 import torch
 import transformers
 from gguf import GGMLQuantizationType as Q
-from gguf_files import _finish, hf_to_gguf
+from gguf_files import edited, finish, hf_to_gguf
 from helpers import assert_top_close, make_engine, oracle
 from safetensors.torch import load_file
 
@@ -63,6 +63,8 @@ def _converted(file: Path, tmp: Path) -> Path:
 
 def _assert_loads_as_transformers(file: Path, out: Path) -> None:
     ours = load_file(str(out / "model.safetensors"))
+    norms = [t for name, t in ours.items() if name.endswith("norm.weight")]
+    assert norms and all(not torch.equal(n, torch.ones_like(n)) for n in norms)
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         file.parent, gguf_file=file.name, dtype=torch.float32
     )
@@ -83,13 +85,15 @@ def _assert_loads_as_transformers(file: Path, out: Path) -> None:
 def test_each_type_loads_as_transformers_loads(kind: Q, tiny_checkpoint, tmp_path: Path) -> None:
     """Dequantized values (F16 and BF16 kept as they are), q and k rows back in Hugging
     Face's order, the names, the config and the tokenizer: what transformers loads."""
-    file = hf_to_gguf(tiny_checkpoint("llama"), tmp_path / f"tiny-{kind.name}.gguf", kind)
+    file = hf_to_gguf(
+        tiny_checkpoint("llama"), tmp_path / f"tiny-{kind.name}.gguf", kind, norm_noise=0.1
+    )
     _assert_loads_as_transformers(file, _converted(file, tmp_path))
 
 
 @pytest.mark.parametrize("kind", K_QUANTS, ids=lambda k: k.name)
 def test_k_types_load_as_transformers_loads(kind: Q, wide_checkpoint: Path, tmp_path: Path) -> None:
-    file = hf_to_gguf(wide_checkpoint, tmp_path / f"wide-{kind.name}.gguf", kind)
+    file = hf_to_gguf(wide_checkpoint, tmp_path / f"wide-{kind.name}.gguf", kind, norm_noise=0.1)
     reader = gguf.GGUFReader(file)
     assert kind in {t.tensor_type for t in reader.tensors}
     _assert_loads_as_transformers(file, _converted(file, tmp_path))
@@ -97,7 +101,9 @@ def test_k_types_load_as_transformers_loads(kind: Q, wide_checkpoint: Path, tmp_
 
 def test_a_qwen2_file(tiny_checkpoint, tmp_path: Path) -> None:
     """Qwen2: its own architecture, q/k/v biases, rows not permuted."""
-    file = hf_to_gguf(tiny_checkpoint("qwen2"), tmp_path / "tiny-qwen2.gguf", Q.Q8_0)
+    file = hf_to_gguf(
+        tiny_checkpoint("qwen2"), tmp_path / "tiny-qwen2.gguf", Q.Q8_0, norm_noise=0.1
+    )
     out = _converted(file, tmp_path)
     _assert_loads_as_transformers(file, out)
     assert json.loads((out / "config.json").read_text())["model_type"] == "qwen2"
@@ -164,9 +170,16 @@ def test_the_conversion_is_cached_by_content(
     def no_subprocess(*args: object, **kwargs: object) -> None:
         raise AssertionError("converted again")
 
+    hashed: list[Path] = []
+    file_sha256 = gguf_checkpoint.file_sha256
     monkeypatch.setattr(gguf_checkpoint.subprocess, "run", no_subprocess)
+    monkeypatch.setattr(
+        gguf_checkpoint, "file_sha256", lambda p: hashed.append(p) or file_sha256(p)
+    )
     assert gguf_checkpoint.gguf_checkpoint(file) == first
+    assert hashed == []  # NOTE: the same path, size, mtime and inode: the digest kept
     assert gguf_checkpoint.gguf_checkpoint(copy) == first
+    assert hashed == [copy.resolve()]
     assert gguf_checkpoint.gguf_file(copy.parent) == copy  # a directory holding one file
     other = hf_to_gguf(tiny_checkpoint("llama"), tmp_path / "c.gguf", Q.Q4_0)
     shutil.copy(other, copy)  # NOTE: same path, new content: a new key, so a conversion
@@ -177,7 +190,7 @@ def test_the_conversion_is_cached_by_content(
 def test_a_directory_with_two_files_names_them(tiny_checkpoint, tmp_path: Path) -> None:
     for kind in (Q.Q8_0, Q.F16):
         hf_to_gguf(tiny_checkpoint("llama"), tmp_path / f"m-{kind.name}.gguf", kind)
-    with pytest.raises(ValueError, match="m-F16.gguf, m-Q8_0.gguf"):
+    with pytest.raises(ValueError, match="several GGUF files \\(m-F16.gguf, m-Q8_0.gguf\\)"):
         default_model.resolve_model(str(tmp_path))
 
 
@@ -185,7 +198,7 @@ def _unservable_architecture(path: Path) -> Path:
     writer = gguf.GGUFWriter(path, "phi3")
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
-    _finish(writer)
+    finish(writer)
     return path
 
 
@@ -200,31 +213,33 @@ def test_an_architecture_tokenmill_cannot_serve_fails_at_start(tmp_path: Path) -
         timeout=120,
     )
     assert started.returncode != 0
-    assert "'phi3' is not one tokenmill serves (it serves llama, mistral, qwen2)" in started.stderr
-    assert not list((tmp_path.parent / "cache" / "gguf").glob("*.tmp"))
+    assert "'phi3' is not one tokenmill serves (it serves llama, qwen2)" in started.stderr
+    assert f"--model {file}:" in started.stderr
+    cache = gguf_checkpoint.cache_dir() / "gguf"
+    assert cache.is_dir() and not list(cache.glob("*.tmp"))
 
 
 def test_a_tensor_type_the_gguf_package_cannot_read_is_named(tiny_checkpoint, tmp_path) -> None:
     """Q8_1 (llama.cpp's intermediate type, which the gguf package does not dequantize)."""
-    file = hf_to_gguf(tiny_checkpoint("llama"), tmp_path / "q8_1.gguf", Q.F32)
-    reader = gguf.GGUFReader(file)
-    writer = gguf.GGUFWriter(tmp_path / "bad.gguf", "llama")
-    for field in reader.fields.values():
-        if not field.name.startswith("GGUF.") and field.name != "general.architecture":
-            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
-    for tensor in reader.tensors:
-        data = np.array(tensor.data)
-        if tensor.name == "blk.0.ffn_up.weight":
-            rows = data.reshape(data.shape[0], -1)
-            block, size = gguf.GGML_QUANT_SIZES[Q.Q8_1]
-            data = np.zeros((rows.shape[0], rows.shape[1] // block * size), dtype=np.uint8)
-            writer.add_tensor(tensor.name, data, raw_dtype=Q.Q8_1)
-        else:
-            writer.add_tensor(tensor.name, data, raw_dtype=tensor.tensor_type)
-    _finish(writer)
+    file = hf_to_gguf(tiny_checkpoint("llama"), tmp_path / "f32.gguf", Q.F32)
+    block, size = gguf.GGML_QUANT_SIZES[Q.Q8_1]
+    rows = np.zeros((128, 64 // block * size), dtype=np.uint8)  # ffn_up: [128, 64]
+    bad = edited(file, tmp_path / "bad.gguf", tensors={"blk.0.ffn_up.weight": (rows, Q.Q8_1)})
     with pytest.raises(ValueError, match="tensor 'blk.0.ffn_up.weight' is Q8_1"):
-        gguf_checkpoint.gguf_checkpoint(tmp_path / "bad.gguf")
+        gguf_checkpoint.gguf_checkpoint(bad)
+
+
+def test_a_scaled_rope_is_refused_not_served_plain(tiny_checkpoint, tmp_path: Path) -> None:
+    """Llama 3.1 / 3.2's per-frequency factors (rope_freqs.weight) and rope.scaling metadata:
+    transformers' GGUF config reads neither, so the checkpoint would rotate with plain RoPE."""
+    file = hf_to_gguf(tiny_checkpoint("llama"), tmp_path / "plain.gguf", Q.F32)
+    factors = np.ones(8, dtype=np.float32)  # head_dim 16 / 2
+    llama3 = edited(file, tmp_path / "llama3.gguf", tensors={"rope_freqs.weight": (factors, Q.F32)})
+    with pytest.raises(ValueError, match=r"per-frequency factors \(rope_freqs.weight"):
+        gguf_checkpoint.gguf_checkpoint(llama3)
+    linear = edited(file, tmp_path / "linear.gguf", strings={"llama.rope.scaling.type": "linear"})
+    with pytest.raises(ValueError, match="llama.rope.scaling.type = 'linear'"):
+        gguf_checkpoint.gguf_checkpoint(linear)
 
 
 def test_without_the_package_the_demo_is_served_and_the_log_says_why(

@@ -18,6 +18,20 @@ def _logits(rows: int = 9, vocab: int = 1003, seed: int = 0) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("cpu_kernel", [True, False])
+def test_a_trained_models_tail_is_not_lost(cpu_kernel: bool) -> None:
+    """A trained model's shape: a few logits near the top and ~49,000 some 16-20 below, each
+    of whose terms falls below half an ulp of a float32 sum near 1 (together ~5e-4 of it).
+    float32 lanes dropped them (the logsum low by about that much); double totals keep the
+    logsum within float32 rounding of float64's."""
+    gen = torch.Generator().manual_seed(5)
+    logits = -16.0 - 4.0 * torch.rand(3, 49152, generator=gen)
+    logits[:, :4] = torch.tensor([0.0, -1.0, -2.5, -3.0])
+    scores = LogSoftmax.of(logits, cpu_kernel)
+    exact = torch.logsumexp(logits.double(), dim=-1) - logits.double().amax(dim=-1)
+    torch.testing.assert_close(scores.logsum.double(), exact, atol=4e-7, rtol=0)
+
+
+@pytest.mark.parametrize("cpu_kernel", [True, False])
 def test_matches_torch_log_softmax(cpu_kernel: bool) -> None:
     logits = _logits()
     scores = LogSoftmax.of(logits, cpu_kernel, top=8)

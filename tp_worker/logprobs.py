@@ -47,7 +47,8 @@ class LogSoftmax:
         also finds each row's `top` largest logits."""
         if not cpu_kernel:
             max_ = logits.amax(dim=-1)
-            # NOTE: summed in float64, as csrc/log_softmax.cpp sums (why: its NOTE).
+            # NOTE: summed in float64 (why: csrc/log_softmax.cpp's NOTE, whose totals are
+            # double too); torch converts the [rows, vocab] terms, a prompt chunk's at most.
             sums = torch.exp(logits - max_[:, None]).sum(dim=-1, dtype=torch.float64)
             logsum = sums.log().float()
             return LogSoftmax(logits, max_, None, logsum)

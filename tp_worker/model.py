@@ -32,7 +32,7 @@ class RMSNorm(nn.Module):
         if self.cpu_kernel:
             return rms_norm_cpu(x, self.weight, self.eps)
         # NOTE: in float32 throughout, rounded once to the model's dtype (csrc/rms_norm.cpp's
-        # rule; transformers in bfloat16 rounds before the weight too).
+        # rule; transformers in bfloat16 also rounds x * r before the weight multiplies it).
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight.float() * x32).to(self.weight.dtype)

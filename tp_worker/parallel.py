@@ -97,8 +97,8 @@ class ShardedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x W^T (+ b), plus `residual` where given (the float32 residual stream: the sum is
-        float32, y unrounded where the CPU kernel adds it in its epilogue or a rank holds part
-        of the sum)."""
+        float32; with the CPU kernel y is added unrounded, in its epilogue or after the
+        float32 all-reduce; torch's products round y to the model's dtype first)."""
         if self.glu:
             assert residual is None, "a glu layer takes no residual"
             return self._gated(x)
@@ -114,14 +114,16 @@ class ShardedLinear(nn.Module):
         return out if residual is None else residual + out
 
     def _gated(self, x: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up: in the kernel's epilogue, else after the product (the same bits
-        on the CPU: the float32 sums, rounded once)."""
+        """silu(gate) * up, computed in float32 and rounded once: in the kernel's epilogue, else
+        after the product (the same bits on the CPU: from the float32 sums)."""
         if self.kernel is not None and self.kernel.glu:
             return self.kernel(x)
         if self.kernel is not None:
             return silu_mul_cpu(self.kernel(x, torch.float32), x.dtype)
-        gate, up = self._matmul(x, self.bias).chunk(2, dim=-1)
-        return F.silu(gate) * up
+        # NOTE: in float32 and rounded once, as the CPU kernels do (gate and up themselves
+        # come rounded from torch's product).
+        gate, up = self._matmul(x, self.bias).float().chunk(2, dim=-1)
+        return (F.silu(gate) * up).to(x.dtype)
 
     def _matmul(
         self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None

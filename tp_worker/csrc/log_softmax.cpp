@@ -16,10 +16,11 @@
 // an ulp of a float sum near 1, which float32 lanes drop: the logsum came out low and every
 // logprob high, by 6e-6 on average on SmolLM2-135M (torch's float32 log_softmax too); with
 // double totals the bias is gone. Runs of 16 float32 terms a lane before the double add keep
-// its cost to 0.5% of the pass (a double add per term cost 27%); a run loses a tail term only
-// beside one near 1, in the few runs that hold one. So a row's numbers depend on the row alone, and are
-// the same in the AVX-512 and the portable form. A row whose max is not finite (a NaN or a
-// +inf logit, or every logit -inf) gets logsum NaN, as torch's log_softmax gives NaN there.
+// the pass as fast as before (0.97-1.03x, kernel_ab.py; a double add per term cost 27%); a run
+// loses a tail term only beside one near 1, in the few runs that hold one.
+// So a row's numbers depend on the row alone, and are the same in the AVX-512 and the portable
+// form. A row whose max is not finite (a NaN or a +inf logit, or every logit -inf) gets logsum
+// NaN, as torch's log_softmax gives NaN there.
 
 #include <algorithm>
 #include <cmath>
@@ -61,7 +62,9 @@ float row_logsum(const float* x, int64_t n, float max) {
       part = _mm512_add_ps(part, exp2_nonpositive16(_mm512_mul_ps(d, to_base2)));
     }
     low = _mm512_add_pd(low, _mm512_cvtps_pd(_mm512_castps512_ps256(part)));
-    high = _mm512_add_pd(high, _mm512_cvtps_pd(_mm512_extractf32x8_ps(part, 1)));
+    // NOTE: the upper 8 lanes through a double-typed extract (AVX512F; the float one needs DQ).
+    const __m256 upper = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(part), 1));
+    high = _mm512_add_pd(high, _mm512_cvtps_pd(upper));
   }
   _mm512_store_pd(lane, low);
   _mm512_store_pd(lane + 8, high);
