@@ -158,38 +158,36 @@ def hf_tensors(
 def write_shards(tensors: Iterator[tuple[str, torch.Tensor]], out: Path) -> int:
     """safetensors shards of at most SHARD_BYTES, named as transformers names them
     (model.safetensors, or model-0000i-of-0000n.safetensors with an index); returns bytes."""
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    sizes = [0]
+    names: list[list[str]] = []  # each written shard's tensors
+    shard: dict[str, torch.Tensor] = {}
+    size = total = 0
     for name, tensor in tensors:
         nbytes = tensor.numel() * tensor.element_size()
-        if sizes[-1] and sizes[-1] + nbytes > SHARD_BYTES:
-            _save(shards, out)
-            shards.append({})
-            sizes.append(0)
-        shards[-1][name] = tensor
-        sizes[-1] += nbytes
-    _save(shards, out)
-    count = len(shards)
-    if count == 1:
+        if shard and size + nbytes > SHARD_BYTES:
+            names.append(_save(shard, out / f"part-{len(names) + 1}.safetensors"))
+            shard, size = {}, 0
+        shard[name] = tensor
+        size += nbytes
+        total += nbytes
+    names.append(_save(shard, out / f"part-{len(names) + 1}.safetensors"))
+    if len(names) == 1:
         (out / "part-1.safetensors").rename(out / "model.safetensors")
-        return sizes[0]
+        return total
     weight_map = {}
-    for number, shard in enumerate(shards, 1):
-        name = f"model-{number:05d}-of-{count:05d}.safetensors"
-        (out / f"part-{number}.safetensors").rename(out / name)
-        weight_map.update(dict.fromkeys(shard, name))
-    index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
+    for number, shard_names in enumerate(names, 1):
+        file = f"model-{number:05d}-of-{len(names):05d}.safetensors"
+        (out / f"part-{number}.safetensors").rename(out / file)
+        weight_map.update(dict.fromkeys(shard_names, file))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    return sum(sizes)
+    return total
 
 
-def _save(shards: list[dict[str, torch.Tensor]], out: Path) -> None:
-    """The last shard to disk; its tensors' memory is freed (their names stay)."""
+def _save(shard: dict[str, torch.Tensor], path: Path) -> list[str]:
     from safetensors.torch import save_file
 
-    path = out / f"part-{len(shards)}.safetensors"
-    save_file(shards[-1], str(path), metadata={"format": "pt"})
-    shards[-1] = dict.fromkeys(shards[-1], torch.empty(0))
+    save_file(shard, str(path), metadata={"format": "pt"})
+    return list(shard)
 
 
 def write_config_and_tokenizer(path: Path, out: Path) -> dict:

@@ -40,14 +40,16 @@ _LAYER_NAMES = {
 }
 
 
+_GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
 def gguf_name(hf_name: str) -> str:
-    glob = {
-        "model.embed_tokens.weight": "token_embd.weight",
-        "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight",
-    }
-    if hf_name in glob:
-        return glob[hf_name]
+    if hf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
     return f"blk.{layer}.{_LAYER_NAMES[module]}.{kind}"

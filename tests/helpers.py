@@ -10,7 +10,7 @@ import torch
 
 from tokenmill.tp_worker.config import RunnerConfig
 from tokenmill.tp_worker.model_runner import ModelRunner
-from tokenmill.tp_worker.offline import OfflineEngine
+from tokenmill.tp_worker.offline import OfflineEngine, OfflineOutput
 
 
 def make_engine(
@@ -53,10 +53,34 @@ class Oracle:
         return self.logprobs[positions, ids]
 
 
-def oracle(hf_model: torch.nn.Module, ids: list[int]) -> Oracle:
+def oracle(
+    hf_model: torch.nn.Module, ids: list[int], softmax_dtype: torch.dtype = torch.float32
+) -> Oracle:
+    """The log-softmax of the model's logits taken in `softmax_dtype` (float64: only the
+    model's forward pass in its own dtype differs from the exact one)."""
     with torch.no_grad():
-        logits = hf_model(torch.tensor([ids])).logits[0].float()
+        logits = hf_model(torch.tensor([ids])).logits[0].to(softmax_dtype)
     return Oracle(torch.log_softmax(logits, dim=-1)[:-1].numpy())
+
+
+def assert_matches_oracle(
+    out: OfflineOutput, prompt: list[int], hf_model: torch.nn.Module, atol: float
+) -> Oracle:
+    """A greedy output against a teacher-forced transformers pass over prompt + output: the
+    same ids, their logprobs and top-k, and every prompt position's logprob within atol."""
+    ref = oracle(hf_model, prompt + out.output_ids)
+    n = len(prompt)
+    gen_pos = np.arange(n - 1, n - 1 + len(out.output_ids))
+    assert out.output_ids == ref.logprobs[gen_pos].argmax(-1).tolist()
+    np.testing.assert_allclose(out.logprobs, ref.of(gen_pos, out.output_ids), atol=atol, rtol=0)
+    prompt_pos = np.arange(n - 1)
+    assert len(out.prompt_logprobs) == n - 1
+    np.testing.assert_allclose(
+        out.prompt_logprobs, ref.of(prompt_pos, prompt[1:]), atol=atol, rtol=0
+    )
+    for i, pos in enumerate(gen_pos):
+        assert_top_close(out.top_ids[i], out.top_logprobs[i], ref.logprobs[pos], atol)
+    return ref
 
 
 def assert_top_close(

@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 from conftest import ARCHS
-from helpers import assert_top_close, make_engine, oracle
+from helpers import assert_matches_oracle, assert_top_close, make_engine, oracle
 
 from tokenmill.frontend.tokenizer import Tokenizer as FrontendTokenizer
 from tokenmill.tp_worker.offline import OfflineRequest
@@ -42,19 +42,8 @@ def test_matches_transformers(arch: str, kind: str, cpu_kernels: bool, tiny_chec
     ]
     outputs = make_engine(model_dir, cpu_kernels=cpu_kernels).generate(requests)
     for prompt, out in zip(prompts, outputs, strict=True):
-        ref = oracle(hf, prompt + out.output_ids)
-        n = len(prompt)
-        gen_pos = np.arange(n - 1, n - 1 + len(out.output_ids))
-        assert out.output_ids == ref.logprobs[gen_pos].argmax(-1).tolist()
-        np.testing.assert_allclose(out.logprobs, ref.of(gen_pos, out.output_ids), atol=ATOL, rtol=0)
-        prompt_pos = np.arange(n - 1)
-        assert len(out.prompt_logprobs) == n - 1
-        np.testing.assert_allclose(
-            out.prompt_logprobs, ref.of(prompt_pos, prompt[1:]), atol=ATOL, rtol=0
-        )
-        for i, pos in enumerate(gen_pos):
-            assert_top_close(out.top_ids[i], out.top_logprobs[i], ref.logprobs[pos], ATOL)
-        for i, pos in enumerate(prompt_pos):
+        ref = assert_matches_oracle(out, prompt, hf, ATOL)
+        for i, pos in enumerate(range(len(prompt) - 1)):
             assert_top_close(
                 out.prompt_top_ids[i], out.prompt_top_logprobs[i], ref.logprobs[pos], ATOL
             )

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from helpers import assert_top_close, make_engine, oracle
+from helpers import assert_matches_oracle, make_engine, oracle
 
 from tokenmill.cli.default_model import DEFAULT_MODEL_NAME, packaged_gguf
 from tokenmill.cli.gguf_checkpoint import gguf_checkpoint
@@ -30,38 +30,41 @@ from tokenmill.frontend.tokenizer import Tokenizer
 from tokenmill.tp_worker.offline import OfflineOutput, OfflineRequest
 
 PROSE = (
-    "The history of the printing press begins in the fifteenth century, when Johannes "
-    "Gutenberg combined a screw press with movable metal type and an oil-based ink. Before "
-    "that, books were copied by hand, and a single volume could take a scribe many months. "
-    "Within fifty years, presses were running in more than two hundred cities across Europe, "
-    "and the price of a book fell so far that ordinary merchants could afford small libraries. "
-    "Historians still argue about how quickly literacy rose, but few doubt that cheap printed "
-    "pamphlets changed how news and ideas travelled. Rivers shape the land they cross. A young "
-    "river cuts a steep valley, carrying sand and stones downhill; an old one winds slowly "
-    "across a wide plain, dropping silt wherever its current weakens."
+    "Bees find their way home by the sun. A forager that has found a field of clover flies "
+    "back to the hive and dances on the comb: the angle of its run against the vertical tells "
+    "the others the angle of the field against the sun, and the length of the run tells them "
+    "how far it lies. Bees that follow the dance fly out in that direction and search, smelling "
+    "for the flowers the dancer carried. On a cloudy day they read the pattern of polarised "
+    "light in the patches of blue sky. Beekeepers have watched this for centuries, but the "
+    "meaning of the dance was worked out only in the twentieth century, by patient experiments "
+    "with feeding dishes moved a little farther each day."
 )
-CODE = '''def merge_sorted(left: list[int], right: list[int]) -> list[int]:
-    """Merge two sorted lists into one sorted list."""
-    result = []
-    i = j = 0
-    while i < len(left) and j < len(right):
-        if left[i] <= right[j]:
-            result.append(left[i])
-            i += 1
-        else:
-            result.append(right[j])
-            j += 1
-    result.extend(left[i:])
-    result.extend(right[j:])
-    return result
+CODE = '''import bisect
+from dataclasses import dataclass, field
 
 
-class Counter:
-    def __init__(self) -> None:
-        self.counts: dict[str, int] = {}
+@dataclass
+class Timeline:
+    """Events kept sorted by time, looked up by binary search."""
 
-    def add(self, word: str) -> None:
-        self.counts[word] = self.counts.get(word, 0) + 1
+    times: list[float] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+
+    def add(self, time: float, name: str) -> None:
+        at = bisect.bisect_right(self.times, time)
+        self.times.insert(at, time)
+        self.names.insert(at, name)
+
+    def between(self, start: float, end: float) -> list[str]:
+        lo = bisect.bisect_left(self.times, start)
+        hi = bisect.bisect_right(self.times, end)
+        return self.names[lo:hi]
+
+
+def mean(values: list[float]) -> float:
+    if not values:
+        raise ValueError("mean of nothing")
+    return sum(values) / len(values)
 '''
 MIXED = (
     "Q: A train leaves at 09:45 and arrives at 13:20. How long is the journey?\n"
@@ -122,7 +125,7 @@ def test_chat_template_ids_equal_apply_chat_template(smollm2: Path, tokenizer: T
 
 
 def test_float32_matches_transformers(smollm2: Path, tokenizer: Tokenizer) -> None:
-    """Three prompts of 105-187 tokens, prompt logprobs at every position and 64 greedy
+    """Three prompts of 105-225 tokens, prompt logprobs at every position and 64 greedy
     tokens: the same ids, logprobs and top-5 within 1e-4."""
     hf = _hf(smollm2, torch.float32)
     prompts = [tokenizer.encode(t) for t in (PROSE, CODE, MIXED)]
@@ -131,17 +134,8 @@ def test_float32_matches_transformers(smollm2: Path, tokenizer: Tokenizer) -> No
     ]
     outputs = make_engine(smollm2, rows=3).generate(requests)
     for prompt, out in zip(prompts, outputs, strict=True):
-        ref = oracle(hf, prompt + out.output_ids)
-        n = len(prompt)
-        gen_pos = np.arange(n - 1, n - 1 + len(out.output_ids))
         assert len(out.output_ids) == 64
-        assert out.output_ids == ref.logprobs[gen_pos].argmax(-1).tolist()
-        np.testing.assert_allclose(out.logprobs, ref.of(gen_pos, out.output_ids), atol=1e-4, rtol=0)
-        np.testing.assert_allclose(
-            out.prompt_logprobs, ref.of(np.arange(n - 1), prompt[1:]), atol=1e-4, rtol=0
-        )
-        for i, pos in enumerate(gen_pos):
-            assert_top_close(out.top_ids[i], out.top_logprobs[i], ref.logprobs[pos], 1e-4)
+        assert_matches_oracle(out, prompt, hf, 1e-4)
 
 
 def _prompt_logprobs(smollm2: Path, prompt: list[int], dtype: str) -> np.ndarray:
@@ -151,12 +145,21 @@ def _prompt_logprobs(smollm2: Path, prompt: list[int], dtype: str) -> np.ndarray
 
 
 def _transformers_logprobs(model_dir: Path, prompt: list[int], dtype: torch.dtype) -> np.ndarray:
-    """Each prompt token's logprob, the log-softmax taken in float64 (so that only the
-    model's forward pass in `dtype` differs from the exact one)."""
-    with torch.no_grad():
-        logits = _hf(model_dir, dtype)(torch.tensor([prompt])).logits[0].double()
-    logprobs = torch.log_softmax(logits, dim=-1)[:-1]
-    return logprobs[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])].numpy()
+    """Each prompt token's logprob, the model in `dtype`, the log-softmax in float64."""
+    ref = oracle(_hf(model_dir, dtype), prompt, torch.float64)
+    return ref.of(np.arange(len(prompt) - 1), prompt[1:])
+
+
+def _assert_no_further(
+    ours: np.ndarray, theirs: np.ndarray, reference: np.ndarray, name: str
+) -> None:
+    """ours no further from `reference` than `name`'s values are, on the largest and the
+    mean difference over the positions."""
+    ours, theirs = np.abs(ours - reference), np.abs(theirs - reference)
+    summary = f"ours largest {ours.max():.3g} mean {ours.mean():.3g}, {name} "
+    summary += f"largest {theirs.max():.3g} mean {theirs.mean():.3g}"
+    print(summary)
+    assert ours.max() <= theirs.max() and ours.mean() <= theirs.mean(), summary
 
 
 def test_float32_is_as_close_to_float64_as_transformers_float32(
@@ -164,12 +167,9 @@ def test_float32_is_as_close_to_float64_as_transformers_float32(
 ) -> None:
     prompt = _prompt_400(tokenizer)
     exact = _transformers_logprobs(smollm2, prompt, torch.float64)
-    theirs = np.abs(_transformers_logprobs(smollm2, prompt, torch.float32) - exact)
-    ours = np.abs(_prompt_logprobs(smollm2, prompt, "float32") - exact)
-    summary = f"ours largest {ours.max():.3g} mean {ours.mean():.3g}, transformers float32 "
-    summary += f"largest {theirs.max():.3g} mean {theirs.mean():.3g}"
-    print(summary)
-    assert ours.max() <= theirs.max() and ours.mean() <= theirs.mean(), summary
+    theirs = _transformers_logprobs(smollm2, prompt, torch.float32)
+    ours = _prompt_logprobs(smollm2, prompt, "float32")
+    _assert_no_further(ours, theirs, exact, "transformers float32")
 
 
 def test_bfloat16_is_no_further_from_float32_than_transformers_bfloat16(
@@ -179,12 +179,9 @@ def test_bfloat16_is_no_further_from_float32_than_transformers_bfloat16(
     position of a 400-token prompt."""
     prompt = _prompt_400(tokenizer)
     float32 = _transformers_logprobs(smollm2, prompt, torch.float32)
-    theirs = np.abs(_transformers_logprobs(smollm2, prompt, torch.bfloat16) - float32)
-    ours = np.abs(_prompt_logprobs(smollm2, prompt, "bfloat16") - float32)
-    summary = f"ours largest {ours.max():.3g} mean {ours.mean():.3g}, transformers bfloat16 "
-    summary += f"largest {theirs.max():.3g} mean {theirs.mean():.3g}"
-    print(summary)
-    assert ours.max() <= theirs.max() and ours.mean() <= theirs.mean(), summary
+    theirs = _transformers_logprobs(smollm2, prompt, torch.bfloat16)
+    ours = _prompt_logprobs(smollm2, prompt, "bfloat16")
+    _assert_no_further(ours, theirs, float32, "transformers bfloat16")
 
 
 def _requests(tokenizer: Tokenizer) -> list[OfflineRequest]:
