@@ -17,6 +17,7 @@ from tokenmill.protocol.requests import SamplingParams
 from tokenmill.protocol.step import (
     FED_LAST_SAMPLE,
     ForwardBatch,
+    GrammarRows,
     LogitBias,
     LogprobAsks,
     PenaltyBatch,
@@ -46,6 +47,7 @@ class RowsPart:
     sampling: SamplingBatch  # its stop_ban: None (built per step)
     logprobs: LogprobAsks
     min_tokens: bool  # some row's request has min_tokens: a stop ban may apply
+    constrained: bool  # some row's request has a grammar
 
 
 class BatchBuilder:
@@ -77,6 +79,10 @@ class BatchBuilder:
         for row in filled:
             row.request.fill_table = False
         stop_ban = _stop_ban(rows) if part.min_tokens else None
+        sampling = part.sampling
+        if stop_ban is not None or part.constrained:
+            grammar = _grammar_rows(rows) if part.constrained else None
+            sampling = msgspec.structs.replace(sampling, stop_ban=stop_ban, grammar=grammar)
         return ForwardBatch(
             step_id=step_id,
             input_ids=_i32(ids),
@@ -90,9 +96,7 @@ class BatchBuilder:
             fill_slots=_i32([s for row in filled for s in row.request.slots[: row.start]])
             if filled
             else _NONE,
-            sampling=part.sampling
-            if stop_ban is None
-            else msgspec.structs.replace(part.sampling, stop_ban=stop_ban),
+            sampling=sampling,
             logprobs=part.logprobs,
             num_steps=num_steps,
             decode_slots=_decode_slots(rows, num_steps),
@@ -141,7 +145,17 @@ def _rows_part(rows: list[ScheduledRow], key: tuple[tuple[str, int], ...]) -> Ro
             sampled=any(a.reads_samples for a in asks),
         ),
         min_tokens=any(p.min_tokens for p in params),
+        constrained=any(row.request.grammar is not None for row in rows),
     )
+
+
+def _grammar_rows(rows: list[ScheduledRow]) -> GrammarRows | None:
+    """The rows whose sample is kept and constrained; their masks follow the batch (the
+    controller sends them once the steps before are back: controller.send_due_masks)."""
+    constrained = [
+        b for b, row in enumerate(rows) if row.samples and row.request.grammar is not None
+    ]
+    return GrammarRows(rows=_i32(constrained)) if constrained else None
 
 
 def _decode_slots(rows: list[ScheduledRow], num_steps: int) -> Array | None:

@@ -21,6 +21,9 @@ class ControllerConfig:
     """Address of the frontend's report input (the controller connects)."""
     max_running_requests: int
     max_prefill_tokens: int
+    model_dir: str = ""
+    """The checkpoint (its tokenizer.json and config.json build the grammar engine); empty:
+    no grammar constraints (tests with a fake model)."""
     decode_steps: int = 1
     """Decode iterations per step when every row decodes (multi-step decoding)."""
     overlap_schedule: bool = False

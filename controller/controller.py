@@ -16,19 +16,26 @@ import zmq
 
 from tokenmill.controller.batch_builder import BatchBuilder
 from tokenmill.controller.config import ControllerConfig
+from tokenmill.controller.grammar import GrammarEngine
 from tokenmill.controller.kv_allocator import KvAllocator
 from tokenmill.controller.output_processor import OutputProcessor
 from tokenmill.controller.request import Request
 from tokenmill.controller.scheduler import ScheduledRow, Scheduler
 from tokenmill.controller.slot_pool import IndexPool
 from tokenmill.controller.step_timing import StepTiming
-from tokenmill.protocol.arrays import empty
+from tokenmill.protocol.arrays import empty, pack, unpack
 from tokenmill.protocol.cluster import Authenticator, ClusterKey
 from tokenmill.protocol.outputs import BatchOutput, RequestOutput
 from tokenmill.protocol.process import exit_with_parent, setup_process
 from tokenmill.protocol.requests import AbortRequest, FrontendMessage, GenerateRequest
 from tokenmill.protocol.stats import EngineReport
-from tokenmill.protocol.step import StepResult, WorkerFailed, WorkerMessage, WorkerReady
+from tokenmill.protocol.step import (
+    GrammarMask,
+    StepResult,
+    WorkerFailed,
+    WorkerMessage,
+    WorkerReady,
+)
 from tokenmill.protocol.step_channel import FrameListener, FrameStream, is_step_channel
 
 logger = logging.getLogger(__name__)
@@ -36,10 +43,15 @@ logger = logging.getLogger(__name__)
 
 class Controller:
     def __init__(
-        self, config: ControllerConfig, ready: WorkerReady, sockets: ControllerSockets
+        self,
+        config: ControllerConfig,
+        ready: WorkerReady,
+        sockets: ControllerSockets,
+        grammar: GrammarEngine | None = None,
     ) -> None:
         self.config = config
         self.sockets = sockets
+        self.grammar = grammar
         self.slots = IndexPool(ready.kv_cache_tokens, "kv slots")
         self.rows = IndexPool(config.max_running_requests, "table rows")
         self.kv = KvAllocator(self.slots, config.enable_prefix_cache)
@@ -65,6 +77,9 @@ class Controller:
         self.handlers = {GenerateRequest: self.handle_generate, AbortRequest: self.handle_abort}
         self.pending_outputs: list[RequestOutput] = []  # emitted, not yet sent (flush_outputs)
         self.in_flight: deque[tuple[int, list[ScheduledRow]]] = deque()  # sent, not back
+        # NOTE: steps in flight whose grammar masks are not sent yet, with the constrained
+        # requests of each (in the batch's GrammarRows order)
+        self.masks_due: dict[int, list[Request]] = {}
 
     def run(self) -> None:
         while True:
@@ -102,6 +117,12 @@ class Controller:
         batch = self.batches.build(self.num_steps, rows, self.scheduler.num_steps)
         self.sockets.send_batch(batch)
         self.in_flight.append((self.num_steps, rows))
+        grammar = batch.sampling.grammar
+        if grammar is not None:
+            self.masks_due[self.num_steps] = [
+                rows[b].request for b in unpack(grammar.rows).tolist()
+            ]
+            self.send_due_masks()
         self.flush_outputs()
         self.cache_finished_prefills(rows)
 
@@ -120,8 +141,25 @@ class Controller:
             decode_only = not any(row.is_prefill for row in rows)
             self.timing.on_result(step_id, decode_only, result.busy_s, result.forward_s, len(rows))
             self.emit(self.outputs.apply(rows, result))
+            self.send_due_masks()
             if keep:
                 self.flush_outputs()  # NOTE: while the workers run the next step
+
+    def send_due_masks(self) -> None:
+        """The grammar masks of the oldest step in flight, once every step before it is back:
+        its constrained rows' grammars have then consumed every token before the one it
+        samples. NOTE: sent while the workers run that step's forward pass, which does not
+        need them; they read them just before sampling."""
+        if not self.in_flight:
+            return
+        step_id = self.in_flight[0][0]
+        requests = self.masks_due.pop(step_id, None)
+        if requests is None:
+            return
+        assert self.grammar is not None, "a constrained request needs the grammar engine"
+        # NOTE: a request stopped by the step before has no mask: its sample is dropped.
+        matchers = [None if r.finished else r.grammar for r in requests]
+        self.sockets.send_mask(GrammarMask(step_id, pack(self.grammar.masks(matchers))))
 
     def receive_result(self, step_id: int) -> StepResult:
         result = self.sockets.receive_result()
@@ -155,9 +193,28 @@ class Controller:
             detail = f"{len(self.scheduler.waiting)} requests wait already (--max-queued-requests)"
             self._end(request, "rejected", detail)  # NOTE: never queued, nothing to free
             return
+        if message.constraint is not None and not self._start_grammar(request):
+            return
         self.num_arrivals += 1
         self.requests[message.req_id] = request
         self.scheduler.waiting.append(request)
+
+    def _start_grammar(self, request: Request) -> bool:
+        """The request's matcher; False (the request ended with an error) where it cannot be
+        built. NOTE: the frontend validated the grammar with the same tokenizer and limits,
+        so this is a server without the engine (a fake model) or a bug, not bad input."""
+        constraint = request.message.constraint
+        assert constraint is not None
+        if self.grammar is None:
+            self._end(request, "error", "this engine runs no grammar constraints")
+            return False
+        matcher = self.grammar.matcher(constraint)
+        if matcher.is_error():
+            logger.error("grammar of %s does not compile: %s", request.req_id, matcher.get_error())
+            self._end(request, "error", f"the {constraint.kind} constraint does not compile")
+            return False
+        request.grammar = matcher
+        return True
 
     def handle_abort(self, message: AbortRequest) -> None:
         request = self.requests.get(message.req_id)
@@ -302,6 +359,11 @@ class ControllerSockets:
         for sock in self.workers:
             sock.send(frame)
 
+    def send_mask(self, mask: GrammarMask) -> None:
+        frame = self.encoder.encode(mask)
+        for sock in self.workers:
+            sock.send(frame)
+
     def send_outputs(self, batch: BatchOutput) -> None:
         self.detokenizer.send(self.encoder.encode(batch))
 
@@ -323,7 +385,12 @@ def run_controller(config: ControllerConfig) -> None:
         ready.max_model_len,
         config.max_running_requests,
     )
-    controller = Controller(config, ready, sockets)
+    grammar = None
+    if config.model_dir:
+        started = time.monotonic()
+        grammar = GrammarEngine.for_checkpoint(config.model_dir, ready.eos_token_ids)
+        logger.info("grammar engine ready in %.2f s", time.monotonic() - started)
+    controller = Controller(config, ready, sockets, grammar)
     try:
         controller.run()
     except Exception:

@@ -128,8 +128,25 @@ class OutputProcessor:
         # there): the first that can is output min_tokens, after min_tokens others.
         if num_out > params.min_tokens and (is_eos or token in params.stop_token_ids):
             request.finish_reason, request.finish_detail = "stop", str(token)
+        elif request.grammar is not None and self._grammar_ends(request, token):
+            pass
         elif num_out >= params.max_tokens or request.num_tokens >= self.max_model_len:
             request.finish_reason = "length"
+
+    @staticmethod
+    def _grammar_ends(request: Request, token: int) -> bool:
+        """Advances the request's grammar by its new token; True when that ends the request:
+        the grammar is complete and allows nothing more (as in vLLM, no eos is sampled
+        then), or (never expected: the token was drawn under its mask) it rejects it."""
+        grammar = request.grammar
+        if not grammar.consume_token(token):
+            request.finish_reason = "error"
+            request.finish_detail = f"the grammar rejected token {token}: {grammar.get_error()}"
+            return True
+        if grammar.is_stopped():
+            request.finish_reason = "stop"
+            return True
+        return False
 
     def _output(self, request: Request, arrays: StepArrays, b: int) -> RequestOutput:
         new_ids = request.output_ids[request.num_sent_outputs :]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -48,6 +49,9 @@ class Request:
     prompt_scores_sent: bool = False
     queued_at: float = 0.0  # time.monotonic() when it arrived
     pending: int = 0  # tokens the steps in flight sample for it (not in output_ids yet)
+    # NOTE: an llguidance LLMatcher (controller/grammar.py) that has consumed output_ids;
+    # typed Any so that this module does not import the grammar engine.
+    grammar: Any = None
 
     @staticmethod
     def from_message(message: GenerateRequest, arrival: int) -> Request:

@@ -140,6 +140,8 @@ class Scheduler:
             return 1
         if any(r.is_prefill or r.is_replaying for r in self.running):
             return 1  # NOTE: a replayed step feeds a known token, not the last sample
+        if any(r.grammar is not None for r in self.running):
+            return 1  # NOTE: each token's mask needs the one before, known to the controller
         lefts = [self._outputs_left(r) for r in self.running]
         return max(1, min([self.decode_steps] + [n for n in lefts if n > 0]))
 

@@ -118,6 +118,11 @@ class HttpArgs:
     flag shows in the process list."""
     api_key_protect_metrics: bool = False
     """Require the API key on /metrics too."""
+    tool_call_parser: str = "auto"
+    """How tool calls are read from chat output: hermes (`<tool_call>{...}</tool_call>`:
+    Qwen2.5, Qwen3, Hermes), llama3_json (`{"name", "parameters"}`: Llama 3.1 / 3.2), or
+    auto (from the chat template: hermes where it shows <tool_call>, llama3_json where it
+    shows <|python_tag|> or ipython)."""
     drain_timeout: float = 30.0
     """On SIGTERM: seconds requests in flight may take to finish (new ones get 503) before
     they are aborted with an error."""
@@ -256,6 +261,12 @@ def validate(config: ServerConfig) -> None:
             "use auto, float32, bfloat16 or float16",
         ),
         (0 <= h.port < 65536, "--port", h.port, "use 0..65535"),
+        (
+            h.tool_call_parser in ("auto", "hermes", "llama3_json"),
+            "--tool-call-parser",
+            h.tool_call_parser,
+            "use auto, hermes or llama3_json",
+        ),
         (s.max_queued_requests >= 1, "--max-queued-requests", s.max_queued_requests, "use 1+"),
         (s.queue_timeout >= 0, "--queue-timeout", s.queue_timeout, "use 0 (off) or seconds"),
         (h.drain_timeout >= 0, "--drain-timeout", h.drain_timeout, "use 0 or more seconds"),

@@ -125,6 +125,12 @@ class Tokenizer:
         # vocab cannot be shown as text; a valid input id must be below both.
         self.vocab_size: int = min(num_tokens, model_vocab) if model_vocab else num_tokens
         self.max_position_embeddings: int | None = model.get("max_position_embeddings")
+        self.model_dir = model_dir
+        # NOTE: the logits' count (config.json), which grammar masks cover
+        self.num_logits: int = model_vocab or num_tokens
+        self.special_tokens: dict[str, int] = {
+            t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special
+        }
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids

@@ -47,6 +47,16 @@ class DetokenizeParams(msgspec.Struct, frozen=True):
     text_in_logprobs: bool = True  # token strings in logprob entries (native API may not)
 
 
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tool_call")
+
+
+class Constraint(msgspec.Struct, frozen=True, array_like=True):
+    """What a request's output must match: every sampled token is masked by it."""
+
+    kind: str  # one of CONSTRAINT_KINDS: what the caller asked for (logs, metrics)
+    grammar: str  # the llguidance grammar (its JSON form), validated by the frontend
+
+
 class GenerateRequest(msgspec.Struct, frozen=True, tag="generate"):
     req_id: str
     input_ids: Array  # [P] int32
@@ -56,6 +66,7 @@ class GenerateRequest(msgspec.Struct, frozen=True, tag="generate"):
     # Leading tokens this request shares with requests sent alongside it (a scoring
     # request's query): it waits for a running prefill of them instead of computing them too.
     shared_prefix_len: int = 0
+    constraint: Constraint | None = None
 
 
 class AbortRequest(msgspec.Struct, frozen=True, tag="abort"):

@@ -50,6 +50,19 @@ class StopBan(msgspec.Struct, frozen=True, array_like=True):
     ids: Array  # [S] int32 stop_token_ids of rows with num_steps > 0
 
 
+class GrammarRows(msgspec.Struct, frozen=True, array_like=True):
+    """Rows whose sample a grammar constrains: only the ids their bitmask allows are drawn.
+
+    The mask of a decode row depends on the token the step before sampled, which the
+    controller may not know when it sends the batch (overlap scheduling): then `bitmask` is
+    None and the masks come in the GrammarMask message that follows the batch on the same
+    channel; the worker reads it once the forward pass is done, just before sampling.
+    """
+
+    rows: Array  # [G] int32 batch rows, ascending
+    bitmask: Array | None = None  # [G, ceil(V / 32)] int32: bit i % 32 of word i // 32 = id i
+
+
 class SamplingBatch(msgspec.Struct, frozen=True, array_like=True):
     """Per-row sampling parameters; rows mid-prompt carry them too (they are ignored)."""
 
@@ -63,6 +76,8 @@ class SamplingBatch(msgspec.Struct, frozen=True, array_like=True):
     stop_ban: StopBan | None = None
     logit_bias: LogitBias | None = None
     penalties: PenaltyBatch | None = None
+    # Applied last, to the logits sampled from (raw logprobs are of the unmasked logits).
+    grammar: GrammarRows | None = None
 
 
 class LogprobAsks(msgspec.Struct, frozen=True, array_like=True):
@@ -107,6 +122,17 @@ class ForwardBatch(msgspec.Struct, frozen=True, tag="forward"):
     # the device; decode_slots[i, b] is the slot of the row's token from iteration i + 1.
     num_steps: int = 1
     decode_slots: Array | None = None  # [num_steps - 1, B] int32
+
+
+class GrammarMask(msgspec.Struct, frozen=True, tag="grammar_mask"):
+    """The bitmask of a batch sent with GrammarRows.bitmask None, right after it."""
+
+    step_id: int
+    bitmask: Array  # [G, ceil(V / 32)] int32, rows as in the batch's GrammarRows
+
+
+# What the controller sends each rank, in order: a batch, and the masks it waits for.
+BatchMessage = ForwardBatch | GrammarMask
 
 
 class StepResult(msgspec.Struct, frozen=True, tag="step"):

@@ -69,6 +69,34 @@ def server(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory):
     assert code == 0, f"server exited with {code} on SIGTERM:\n{proc.log()[-3000:]}"
 
 
+@pytest.fixture(scope="session")
+def qwen2_server(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory):
+    """The real server on the tiny qwen2 checkpoint (its chat template shows tools as
+    Qwen2.5's does), with overlap scheduling: grammar masks follow their running batch."""
+    from server_process import start_server
+
+    log = tmp_path_factory.mktemp("qwen2-server") / "server.log"
+    proc = start_server(
+        tiny_checkpoint("qwen2"),
+        log,
+        "--kv-cache-tokens",
+        "8192",
+        "--max-model-len",
+        "1024",
+        "--overlap-schedule",
+    )
+    yield proc
+    code = proc.stop()
+    assert code == 0, f"server exited with {code} on SIGTERM:\n{proc.log()[-3000:]}"
+
+
+@pytest.fixture()
+def qwen2_client(qwen2_server):
+    import openai
+
+    return openai.OpenAI(base_url=qwen2_server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
 @pytest.fixture()
 def client(server):
     import openai

@@ -34,8 +34,19 @@ from tokenmill.protocol.outputs import (
     RequestOutput,
     TokenEntry,
 )
+from tokenmill.protocol.requests import (
+    Constraint,
+    DetokenizeParams,
+    FrontendMessage,
+    GenerateRequest,
+    LogprobParams,
+    SamplingParams,
+)
 from tokenmill.protocol.step import (
+    BatchMessage,
     ForwardBatch,
+    GrammarMask,
+    GrammarRows,
     LogprobAsks,
     SamplingBatch,
     StepResult,
@@ -278,6 +289,32 @@ def test_step_messages_round_trip_through_tagged_union(message: msgspec.Struct) 
 def test_worker_messages_round_trip(message: msgspec.Struct) -> None:
     decoded = WORKER_DECODER.decode(msgspec.msgpack.encode(message))
     _assert_struct_equal(decoded, message)
+
+
+def test_constrained_batches_and_their_masks_round_trip() -> None:
+    """A constrained batch (masks inline or following) and its GrammarMask, on the decoder
+    a worker reads its step channel with; a request's constraint on the frontend's."""
+    masks = pack(np.array([[-1, 5], [0, 7]], np.int32))
+    decoder = msgspec.msgpack.Decoder(BatchMessage)
+    plain = _forward_batch(None, 1)
+    for bitmask in (None, masks):
+        grammar = GrammarRows(rows=_i32(0, 1), bitmask=bitmask)
+        sampling = msgspec.structs.replace(plain.sampling, grammar=grammar)
+        batch = msgspec.structs.replace(plain, sampling=sampling)
+        decoded = decoder.decode(msgspec.msgpack.encode(batch))
+        _assert_struct_equal(decoded, batch)
+    follow = GrammarMask(step_id=7, bitmask=masks)
+    _assert_struct_equal(decoder.decode(msgspec.msgpack.encode(follow)), follow)
+    request = GenerateRequest(
+        "r",
+        _i32(1, 2),
+        SamplingParams(max_tokens=3),
+        LogprobParams(),
+        DetokenizeParams(),
+        constraint=Constraint("regex", '{"grammars": []}'),
+    )
+    decoded = msgspec.msgpack.Decoder(FrontendMessage).decode(msgspec.msgpack.encode(request))
+    assert decoded == request
 
 
 def test_forward_batch_defaults_survive_the_wire() -> None:

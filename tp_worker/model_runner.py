@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from tokenmill.protocol.arrays import unpack
 from tokenmill.protocol.step import ForwardBatch, StepResult
 from tokenmill.tp_worker import attention_triton, cpu_ops
 from tokenmill.tp_worker.attention import plan_attention, plan_last_layer
@@ -93,6 +96,9 @@ class ModelRunner:
         # NOTE: the same memory, written through numpy where the table lives on the host
         self.host_table = self.table.numpy() if self.device.type == "cpu" else None
         self.time_forward = False  # --step-timing: accumulate forward_s (syncs on CUDA)
+        # NOTE: where a batch's grammar masks follow it (GrammarRows.bitmask None): reads
+        # them, [G, W] int32, for the step id (the worker's step channel; None in process).
+        self.receive_mask: Callable[[int], np.ndarray] | None = None
         self.forward_s = 0.0
         self.prompt_chunk = config.prompt_logprob_chunk or default_chunk_size(
             self.model_config.vocab_size
@@ -117,13 +123,25 @@ class ModelRunner:
             prompt_hidden, logits = self._forward(inputs)
             if i == 0 and prompt_hidden is not None:
                 outputs.prompt = self._score_prompt(inputs, prompt_hidden)
-            adjusted = self.adjuster.adjust(logits, inputs.adjust, i)
+            bitmask = self._grammar_mask(batch) if i == 0 else None
+            adjusted = self.adjuster.adjust(logits, inputs.adjust, i, bitmask)
             outputs.add(
                 score_sampled(logits, inputs, adjusted, self.processed_logprobs, self.cpu_kernels)
             )
         result = outputs.to_result(batch.step_id)
         self.last_samples.record(batch, result)
         return result
+
+    def _grammar_mask(self, batch: ForwardBatch) -> np.ndarray | None:
+        """The constrained rows' bitmask: in the batch, or read now, after the forward pass,
+        so that the controller filled it while the model ran."""
+        grammar = batch.sampling.grammar
+        if grammar is None:
+            return None
+        if grammar.bitmask is not None:
+            return unpack(grammar.bitmask)
+        assert self.receive_mask is not None, "a batch whose masks follow needs a channel"
+        return self.receive_mask(batch.step_id)
 
     def _fill_table(self, inputs: StepInputs) -> None:
         if inputs.fill_rows.numel():

@@ -11,13 +11,16 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 
 from tokenmill.controller.config import ControllerConfig
 from tokenmill.controller.controller import Controller
+from tokenmill.controller.grammar import GrammarEngine
 from tokenmill.protocol.arrays import pack, unpack
 from tokenmill.protocol.outputs import BatchOutput, RequestOutput
 from tokenmill.protocol.requests import (
+    Constraint,
     DetokenizeParams,
     FrontendMessage,
     GenerateRequest,
@@ -25,7 +28,7 @@ from tokenmill.protocol.requests import (
     SamplingParams,
 )
 from tokenmill.protocol.stats import EngineReport
-from tokenmill.protocol.step import ForwardBatch, StepResult, WorkerReady
+from tokenmill.protocol.step import ForwardBatch, GrammarMask, StepResult, WorkerReady
 from tokenmill.tp_worker.model_runner import ModelRunner
 
 
@@ -46,6 +49,7 @@ class OfflineRequest:
     logprobs: bool = True
     """The generated tokens' logprobs (OpenAI `logprobs: true`); num_top and token_ids
     ask for them too."""
+    constraint: Constraint | None = None
 
     def message(self, req_id: str) -> GenerateRequest:
         sampling = SamplingParams(
@@ -69,6 +73,7 @@ class OfflineRequest:
             sampling,
             logprobs,
             DetokenizeParams(),
+            constraint=self.constraint,
         )
 
 
@@ -109,6 +114,7 @@ class LocalSockets:
         self.inbox: deque[FrontendMessage] = deque()
         self.outputs: list[RequestOutput] = []
         self._results: deque[StepResult] = deque()  # NOTE: computed at once, read in order
+        self._waiting: ForwardBatch | None = None  # a batch whose grammar masks follow
 
     def receive_requests(self, timeout_ms: int) -> list[FrontendMessage]:
         messages = list(self.inbox)
@@ -116,7 +122,19 @@ class LocalSockets:
         return messages
 
     def send_batch(self, batch: ForwardBatch) -> None:
+        grammar = batch.sampling.grammar
+        if grammar is not None and grammar.bitmask is None:
+            self._waiting = batch  # NOTE: run once its masks come (send_mask)
+            return
         self._results.append(self.step(batch))
+
+    def send_mask(self, mask: GrammarMask) -> None:
+        batch = self._waiting
+        assert batch is not None and batch.step_id == mask.step_id, "masks for no batch"
+        self._waiting = None
+        grammar = msgspec.structs.replace(batch.sampling.grammar, bitmask=mask.bitmask)
+        sampling = msgspec.structs.replace(batch.sampling, grammar=grammar)
+        self._results.append(self.step(msgspec.structs.replace(batch, sampling=sampling)))
 
     def receive_result(self) -> StepResult:
         assert self._results, "no step was sent"
@@ -136,6 +154,7 @@ class OfflineEngine:
         max_prefill_tokens: int = 4096,
         decode_steps: int = 1,
         enable_prefix_cache: bool = True,
+        grammar: GrammarEngine | None = None,
     ) -> None:
         self.runner = runner
         self.sockets = LocalSockets(runner.step)
@@ -154,7 +173,7 @@ class OfflineEngine:
         ready = WorkerReady(
             runner.kv_cache_tokens, runner.max_model_len, runner.model_config.eos_token_ids
         )
-        self.controller = Controller(config, ready, self.sockets)  # type: ignore[arg-type]
+        self.controller = Controller(config, ready, self.sockets, grammar)  # type: ignore[arg-type]
         self.num_requests = 0
 
     def generate(self, requests: list[OfflineRequest]) -> list[OfflineOutput]:

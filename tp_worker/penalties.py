@@ -18,6 +18,7 @@ import torch
 
 from tokenmill.protocol.arrays import unpack
 from tokenmill.protocol.step import ForwardBatch, LogitBias, PenaltyBatch, StopBan
+from tokenmill.tp_worker.grammar_mask import GrammarTensors
 
 
 def _to(values: np.ndarray, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -134,6 +135,7 @@ class LogitAdjustments:
     stop_ban: StopBanTensors | None = None
     logit_bias: BiasTensors | None = None
     penalties: PenaltyTensors | None = None
+    grammar: GrammarTensors | None = None  # NOTE: a constrained batch runs one iteration
 
     @staticmethod
     def from_batch(batch: ForwardBatch, device: torch.device) -> LogitAdjustments:
@@ -145,11 +147,13 @@ class LogitAdjustments:
             penalties=None
             if penalties is None
             else PenaltyTensors.from_message(penalties, batch, device),
+            grammar=None if s.grammar is None else GrammarTensors(s.grammar, device),
         )
 
     def active(self, iteration: int) -> bool:
         ban = self.stop_ban is not None and bool((self.stop_ban.num_steps > iteration).any())
-        return ban or self.logit_bias is not None or self.penalties is not None
+        grammar = self.grammar is not None and iteration == 0
+        return ban or grammar or self.logit_bias is not None or self.penalties is not None
 
 
 class LogitAdjuster:
@@ -184,10 +188,15 @@ class LogitAdjuster:
         self.output_counts.index_put_((p.table_rows, ids), ones, accumulate=True)
 
     def adjust(
-        self, logits: torch.Tensor, adjust: LogitAdjustments, iteration: int
+        self,
+        logits: torch.Tensor,
+        adjust: LogitAdjustments,
+        iteration: int,
+        bitmask: np.ndarray | None = None,
     ) -> torch.Tensor:
         """logits [B, V] float32 -> the logits sampled from; the input itself when nothing
-        applies, else a changed copy (the raw logits stay for raw logprobs)."""
+        applies, else a changed copy (the raw logits stay for raw logprobs). bitmask [G, W]:
+        the grammar rows' allowed ids, applied last (adjust.grammar says which rows)."""
         if not adjust.active(iteration):
             return logits
         logits = logits.clone()
@@ -198,6 +207,9 @@ class LogitAdjuster:
             logits.index_put_((b.rows, b.ids), b.values, accumulate=True)
         if adjust.penalties is not None:
             self._penalise(logits, adjust.penalties)
+        if adjust.grammar is not None and iteration == 0:
+            assert bitmask is not None, "a constrained batch's mask must be known by now"
+            adjust.grammar.apply(logits, bitmask)
         return logits
 
     def _ban(self, logits: torch.Tensor, ban: StopBanTensors, iteration: int) -> None:

@@ -249,6 +249,7 @@ def _rows_persist(batch: ForwardBatch, inputs: StepInputs) -> bool:
         and not batch.fill_rows.shape[0]
         and s.stop_ban is None
         and s.penalties is None
+        and (s.grammar is None or s.grammar.bitmask is None)
         and b"\x01" not in batch.is_prefill.data
         and not len(inputs.prompt_rows)
     )

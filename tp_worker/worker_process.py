@@ -15,13 +15,21 @@ from dataclasses import replace
 from datetime import timedelta
 
 import msgspec
+import numpy as np
 import torch
 import torch.distributed as dist
 import zmq
 
+from tokenmill.protocol.arrays import unpack
 from tokenmill.protocol.cluster import ClusterKey
 from tokenmill.protocol.process import exit_with_parent, setup_process
-from tokenmill.protocol.step import ForwardBatch, WorkerFailed, WorkerReady
+from tokenmill.protocol.step import (
+    BatchMessage,
+    ForwardBatch,
+    GrammarMask,
+    WorkerFailed,
+    WorkerReady,
+)
 from tokenmill.protocol.step_channel import FrameStream, is_step_channel
 from tokenmill.tp_worker.config import RunnerConfig, WorkerConfig
 from tokenmill.tp_worker.device import resolve_device
@@ -115,26 +123,51 @@ def run_tp_worker(config: WorkerConfig) -> None:
     serve(runner, batches, results)
 
 
+class BatchReader:
+    """The rank's step input: batches, and the grammar masks a batch waits for."""
+
+    def __init__(self, batches: zmq.Socket | FrameStream) -> None:
+        self.batches = batches
+        self.decoder = msgspec.msgpack.Decoder(BatchMessage)
+
+    def receive(self) -> BatchMessage | None:
+        """The next message, None once the controller is gone."""
+        while True:
+            try:
+                frame = self.batches.recv()
+            except EOFError:
+                # NOTE: the controller is gone (the server stops, or it failed and the
+                # server stops for it): no step can come any more.
+                logger.info("the controller closed the step channel; rank exits")
+                return None
+            try:
+                return self.decoder.decode(frame)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                logger.error("dropped a frame that is not a batch message: %s", e)
+
+    def receive_batch(self) -> ForwardBatch | None:
+        while True:
+            message = self.receive()
+            if message is None or isinstance(message, ForwardBatch):
+                return message
+            logger.error("dropped the grammar masks of step %d: no batch waits", message.step_id)
+
+    def receive_mask(self, step_id: int) -> np.ndarray:
+        message = self.receive()
+        if not isinstance(message, GrammarMask) or message.step_id != step_id:
+            raise RuntimeError(f"expected step {step_id}'s grammar masks, got {message!r:.200}")
+        return unpack(message.bitmask)
+
+
 def serve(
     runner: ModelRunner,
     batches: zmq.Socket | FrameStream,
     results: FrameStream | None,
 ) -> None:
-    decoder = msgspec.msgpack.Decoder(ForwardBatch)
+    reader = BatchReader(batches)
     encoder = msgspec.msgpack.Encoder()
-    while True:
-        try:
-            frame = batches.recv()
-        except EOFError:
-            # NOTE: the controller is gone (the server stops, or it failed and the server
-            # stops for it): no step can come any more.
-            logger.info("the controller closed the step channel; rank exits")
-            return
-        try:
-            batch = decoder.decode(frame)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            logger.error("dropped a frame that is not a ForwardBatch: %s", e)
-            continue
+    runner.receive_mask = reader.receive_mask
+    while (batch := reader.receive_batch()) is not None:
         started = time.perf_counter()
         runner.forward_s = 0.0
         try:

@@ -54,6 +54,37 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
+# NOTE: Qwen2.5's way to show tools and calls (hermes: <tool_call> blocks, tool results as
+# <tool_response> in a user turn); without tools it renders as CHAT_TEMPLATE does.
+QWEN2_TOOLS_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name "
+    "and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
+    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if tools and loop.first and message['role'] == 'system' %}"
+    "{%- elif message['role'] == 'assistant' and message.tool_calls %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if message['content'] %}{{- '\\n' + message['content'] }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}{%- set call = tool_call.function %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + call.name + '\", \"arguments\": ' "
+    "+ (call.arguments | tojson) + '}\\n</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] "
+    "+ '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
 
 def _stdlib_sources() -> Iterator[str]:
     """Stdlib .py files in sorted path order, tests and site-packages excluded."""
@@ -213,7 +244,7 @@ def tokenizer_config(
             "chat_template": ("" if arch == "qwen2" else "{{- bos_token }}") + CHAT_TEMPLATE,
         }
     added = _added_tokens(tokenizer, SPECIAL_TOKENS)
-    template = ("" if arch == "qwen2" else "{{- bos_token }}") + CHAT_TEMPLATE
+    template = QWEN2_TOOLS_TEMPLATE if arch == "qwen2" else "{{- bos_token }}" + CHAT_TEMPLATE
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS,

@@ -46,13 +46,17 @@ class ChatTemplate:
         self._bos_token = bos_token or ""
         self._eos_token = eos_token or ""
 
-    def render(self, messages: list[dict[str, Any]]) -> str:
+    def render(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> str:
+        """tools: OpenAI's tool objects, for a template that shows them (transformers'
+        apply_chat_template(tools=...)); not passed at all when None."""
+        extra = {} if tools is None else {"tools": tools}
         try:
             return self._template.render(
                 messages=messages,
                 bos_token=self._bos_token,
                 eos_token=self._eos_token,
                 add_generation_prompt=True,
+                **extra,
             )
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template error: {e}") from e

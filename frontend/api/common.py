@@ -24,6 +24,7 @@ from tokenmill.frontend.api.rerank_prompt import RerankPrompt
 from tokenmill.frontend.tokenizer import Tokenizer
 from tokenmill.protocol.arrays import pack
 from tokenmill.protocol.requests import (
+    Constraint,
     DetokenizeParams,
     GenerateRequest,
     LogprobParams,
@@ -93,6 +94,8 @@ class RequestContext:
     max_logprobs: int
     max_score_items: int = 4096  # --max-score-items
     rerank: RerankPrompt | None = None  # --rerank-template and --rerank-labels
+    grammar: Any = None  # constraints.GrammarValidator; None: no constraints (no tokenizer)
+    tool_call_parser: str = "auto"  # --tool-call-parser
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,7 @@ class ParsedRequest:
     logprobs: bool = False  # chat/completions: choices carry logprobs
     batched: bool = False  # native: the response is a list (batch of prompts or n > 1)
     text_in_logprobs: bool = True  # native `return_text_in_logprobs`
+    tools: Any = None  # tools.ToolSetup of a chat request that offers tools
 
     @property
     def wants_logprobs(self) -> bool:
@@ -139,6 +143,7 @@ class PromptOptions:
     logprobs: LogprobParams
     detokenize: DetokenizeParams
     min_tokens_param: str = "min_tokens"
+    constraint: Constraint | None = None
 
 
 T = TypeVar("T")
@@ -277,6 +282,7 @@ def build_choices(
                 sampling=sampling,
                 logprobs=opts.logprobs,
                 detokenize=opts.detokenize,
+                constraint=opts.constraint,
             )
             choices.append(Choice(index, request, p, ids, text))
     return choices

@@ -31,12 +31,12 @@ from tokenmill.frontend.api.common import (
     build_choices,
     check_model,
     check_token_ids,
-    check_unsupported,
     decode_body,
     is_token_ids,
     new_id,
     stop_strings,
 )
+from tokenmill.frontend.api.constraints import Asked, add_sglang_fields
 from tokenmill.frontend.api.sampling import (
     RepetitionPenalty,
     SamplingInput,
@@ -67,8 +67,9 @@ class NativeSampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     presence_penalty: Penalty | None = None
     repetition_penalty: RepetitionPenalty | None = None
     logit_bias: dict[str, float] | None = None
-    json_schema: str | None = None
+    json_schema: str | None = None  # a JSON schema's text
     regex: str | None = None
+    ebnf: str | None = None  # an EBNF (GBNF) grammar, or a Lark one
 
 
 class GenerateBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -122,9 +123,9 @@ def _logprob_params(body: GenerateBody, ctx: RequestContext) -> LogprobParams:
 
 def _options(body: GenerateBody, ctx: RequestContext) -> PromptOptions:
     sp = body.sampling_params or NativeSampling()
-    check_unsupported(
-        {"sampling_params.json_schema": sp.json_schema, "sampling_params.regex": sp.regex}
-    )
+    asked = Asked()
+    add_sglang_fields(asked, "sampling_params.", sp.json_schema, sp.regex, sp.ebnf)
+    constraint = asked.resolve(ctx.grammar)
     given = SamplingInput(
         temperature=sp.temperature,
         top_p=sp.top_p,
@@ -156,6 +157,7 @@ def _options(body: GenerateBody, ctx: RequestContext) -> PromptOptions:
         logprobs=_logprob_params(body, ctx),
         detokenize=detokenize,
         min_tokens_param="sampling_params.min_new_tokens",
+        constraint=constraint,
     )
 
 

@@ -7,11 +7,13 @@ GenerateRequest per prompt and choice.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta
 
+from tokenmill.frontend.api import tools as tool_calls
 from tokenmill.frontend.api.chat_template import ChatTemplateError
 from tokenmill.frontend.api.common import (
     MAX_STOP_OPENAI,
@@ -35,12 +37,19 @@ from tokenmill.frontend.api.common import (
     new_id,
     stop_strings,
 )
+from tokenmill.frontend.api.constraints import (
+    Asked,
+    add_response_format,
+    add_sglang_fields,
+    add_structured_outputs,
+    json_schema_grammar,
+)
 from tokenmill.frontend.api.sampling import (
     RepetitionPenalty,
     SamplingInput,
     sampling_fields,
 )
-from tokenmill.protocol.requests import DetokenizeParams, LogprobParams
+from tokenmill.protocol.requests import Constraint, DetokenizeParams, LogprobParams
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
@@ -72,6 +81,12 @@ class _OpenAIFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     repetition_penalty: RepetitionPenalty | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # Output constraints (constraints.py): OpenAI's, vLLM's and SGLang's shapes.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    json_schema: Any = None  # SGLang: a JSON schema's text
+    regex: str | None = None  # SGLang
+    ebnf: str | None = None  # SGLang: an EBNF (GBNF) grammar
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -83,6 +98,8 @@ class ChatMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatCompletionBody(_OpenAIFields, kw_only=True):
@@ -91,13 +108,12 @@ class ChatCompletionBody(_OpenAIFields, kw_only=True):
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None
-    response_format: dict[str, Any] | None = None
-    # NOTE: tool calling is not implemented: asking for it is a 400, never ignored.
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # tool_choice required: one call or several
+    # NOTE: OpenAI's deprecated function calling: asking for it is a 400, never ignored.
     functions: list[Any] | None = None
     function_call: Any = None
-    parallel_tool_calls: bool | None = None  # nothing to call in parallel: accepted
 
 
 class CompletionBody(_OpenAIFields, kw_only=True):
@@ -116,6 +132,7 @@ def _options(
     min_max_tokens: int,
     prompt_param: str,
     logprobs: LogprobParams,
+    constraint: Constraint | None = None,
 ) -> PromptOptions:
     given = SamplingInput(
         temperature=body.temperature,
@@ -146,7 +163,16 @@ def _options(
         sampling=sampling,
         logprobs=logprobs,
         detokenize=detokenize,
+        constraint=constraint,
     )
+
+
+def _constraints(body: _OpenAIFields) -> Asked:
+    asked = Asked()
+    add_response_format(asked, body.response_format)
+    add_structured_outputs(asked, body.structured_outputs)
+    add_sglang_fields(asked, "", body.json_schema, body.regex, body.ebnf)
+    return asked
 
 
 def _message_dict(i: int, message: ChatMessage) -> dict[str, Any]:
@@ -173,19 +199,92 @@ def _message_dict(i: int, message: ChatMessage) -> dict[str, Any]:
     out: dict[str, Any] = {"role": message.role, "content": content}
     if message.name is not None:
         out["name"] = message.name
+    if message.tool_calls is not None:
+        if message.role != "assistant":
+            raise ApiError("only assistant messages carry tool_calls", f"messages[{i}].tool_calls")
+        out["tool_calls"] = [
+            _past_call(call, f"messages[{i}].tool_calls[{j}]")
+            for j, call in enumerate(message.tool_calls)
+        ]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
     return out
 
 
-def _check_tools(body: ChatCompletionBody) -> None:
-    check_unsupported(
-        {"tools": body.tools, "functions": body.functions, "function_call": body.function_call}
-    )
-    if body.tool_choice not in (None, "none", "auto"):
+def _past_call(call: dict[str, Any], param: str) -> dict[str, Any]:
+    """An assistant's call as templates read it: arguments as an object (they `tojson` it),
+    whether the client sent it as OpenAI's JSON text or as an object."""
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise ApiError("a tool call needs function.name", f"{param}.function")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            raise ApiError(
+                "function.arguments is not JSON", f"{param}.function.arguments"
+            ) from None
+    return {**call, "type": "function", "function": {**fn, "arguments": args}}
+
+
+def _tool_setup(
+    body: ChatCompletionBody, ctx: RequestContext, asked: Asked
+) -> tuple[tool_calls.ToolSetup | None, list[dict[str, Any]] | None]:
+    """What the request's tools mean: the parser of its output, the tools to render, and
+    (tool_choice required or named) the call grammar added to `asked`."""
+    check_unsupported({"functions": body.functions, "function_call": body.function_call})
+    if body.tools is None:
+        if body.tool_choice not in (None, "none"):
+            raise ApiError("`tool_choice` needs `tools`", "tool_choice")
+        return None, None
+    functions = tool_calls.parse_tools(body.tools)
+    choice, chosen = tool_calls.chosen_functions(functions, body.tool_choice)
+    for i, fn in enumerate(functions):
+        param = f"tools[{i}].function.parameters"
+        if ctx.grammar is not None:
+            ctx.grammar.check(
+                "tool parameters schema", json_schema_grammar(fn.parameters, param), param
+            )
+    rendered = [fn.spec for fn in functions]
+    if choice == "none":
+        return tool_calls.ToolSetup(None), rendered
+    parser = tool_calls.pick_parser(ctx.tool_call_parser, ctx.tokenizer.chat_template)
+    if parser is None:
         raise ApiError(
-            "`tool_choice` other than none or auto needs `tools`, which this server does not "
-            "support",
-            "tool_choice",
+            "no tool-call format is known for this model's chat template; start the server "
+            "with --tool-call-parser hermes or llama3_json",
+            "tools",
         )
+    if choice in ("required", "named"):
+        parallel = choice == "required" and body.parallel_tool_calls is not False
+        grammar = tool_calls.call_grammar(parser, chosen, parallel, _literal(ctx))
+        asked.add("tool_choice", "tool_call", grammar)
+    return tool_calls.ToolSetup(parser, functions), rendered
+
+
+def _literal(ctx: RequestContext) -> Any:
+    """A fixed text in a Lark grammar: its special tokens as token references."""
+    specials = ctx.tokenizer.special_tokens
+
+    def literal(text: str) -> str:
+        parts = [text]
+        for token in specials:
+            if token in text:
+                parts = [p for part in parts for p in _split_keep(part, token)]
+        return " ".join(
+            f"<[{specials[p]}]>" if p in specials else json.dumps(p) for p in parts if p
+        )
+
+    return literal
+
+
+def _split_keep(text: str, token: str) -> list[str]:
+    pieces = text.split(token)
+    out = [pieces[0]]
+    for piece in pieces[1:]:
+        out += [token, piece]
+    return out
 
 
 def _check_stream_options(body: _OpenAIFields) -> None:
@@ -196,10 +295,10 @@ def _check_stream_options(body: _OpenAIFields) -> None:
 def parse_chat(raw: bytes, ctx: RequestContext) -> ParsedRequest:
     body = decode_body(raw, ChatCompletionBody)
     model = check_model(body.model, ctx)
-    _check_tools(body)
     _check_stream_options(body)
-    if body.response_format and body.response_format.get("type") not in (None, "text"):
-        raise ApiError("only response_format {'type': 'text'} is supported", "response_format")
+    asked = _constraints(body)
+    tools, rendered_tools = _tool_setup(body, ctx, asked)
+    constraint = asked.resolve(ctx.grammar)
     top = body.top_logprobs or 0
     if top > 0 and not body.logprobs:
         raise ApiError("top_logprobs requires logprobs to be true", "top_logprobs")
@@ -209,13 +308,15 @@ def parse_chat(raw: bytes, ctx: RequestContext) -> ParsedRequest:
         raise ApiError("this model has no chat template; use /v1/completions", "messages")
     messages = [_message_dict(i, m) for i, m in enumerate(body.messages)]
     try:
-        text = ctx.chat_template.render(messages)
+        text = ctx.chat_template.render(messages, rendered_tools)
+        if rendered_tools is not None and text == ctx.chat_template.render(messages):
+            raise ApiError("this model's chat template does not render tools", "tools")
     except ChatTemplateError as e:
         raise ApiError(str(e), "messages") from e
     ids = ctx.tokenizer.encode(text, add_special_tokens=False)
     logprobs = LogprobParams(return_logprob=bool(body.logprobs), num_top=top)
     max_tokens = body.max_completion_tokens or body.max_tokens
-    opts = _options(body, ctx, max_tokens, 1, "messages", logprobs)
+    opts = _options(body, ctx, max_tokens, 1, "messages", logprobs, constraint)
     response_id = new_id("chatcmpl")
     return ParsedRequest(
         api="chat",
@@ -225,6 +326,7 @@ def parse_chat(raw: bytes, ctx: RequestContext) -> ParsedRequest:
         stream=bool(body.stream),
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         logprobs=bool(body.logprobs),
+        tools=tools,
     )
 
 
@@ -284,8 +386,9 @@ def parse_completion(raw: bytes, ctx: RequestContext) -> ParsedRequest:
         num_top=body.logprobs or 0,
         prompt_start=0 if echo and has_logprobs else -1,
     )
+    constraint = _constraints(body).resolve(ctx.grammar)
     # NOTE: `max_tokens: 0` with echo scores the prompt without generating (lm-eval).
-    opts = _options(body, ctx, body.max_tokens, 0 if echo else 1, "prompt", logprobs)
+    opts = _options(body, ctx, body.max_tokens, 0 if echo else 1, "prompt", logprobs, constraint)
     response_id = new_id("cmpl")
     return ParsedRequest(
         api="completion",

@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from tokenmill.frontend.api.common import Choice, ParsedRequest
+from tokenmill.frontend.api.tools import PARSERS, ToolStream
 from tokenmill.frontend.tokenizer import Tokenizer
 from tokenmill.protocol.outputs import DetokenizedOutput, PositionLogprobs, TokenEntry
 
@@ -172,6 +173,12 @@ class ChatResponder(Responder):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
+    def __init__(self, parsed: ParsedRequest, tokenizer: Tokenizer) -> None:
+        super().__init__(parsed, tokenizer)
+        setup = parsed.tools
+        self.parser: str | None = None if setup is None else setup.parser
+        self.tool_streams = [ToolStream(self.parser) for _ in self.states] if self.parser else []
+
     def chunks(self, state: ChoiceState, out: DetokenizedOutput, first: bool) -> list[Any]:
         index = state.choice.index
         chunks = []
@@ -179,30 +186,66 @@ class ChatResponder(Responder):
             delta = {"role": "assistant", "content": ""}
             role = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
             chunks.append(self._chunk(role))
-        if out.text or out.token_ids or out.finish_reason is not None:
+        final = out.finish_reason is not None
+        text, calls, reason = out.text, [], out.finish_reason
+        if self.tool_streams:
+            stream = self.tool_streams[index]
+            text, calls = stream.feed(out.text, final)
+            reason = _finish_reason(reason, stream.num_calls)
+        # NOTE: text a tool call may begin is held back: a chunk then only carries logprobs
+        held = self.tool_streams and not text and not self.parsed.logprobs
+        if (text or out.token_ids or final) and not (held and not final):
             lp = chat_logprobs(out.logprobs) if self.parsed.logprobs else None
-            delta = {"content": out.text} if out.text or out.finish_reason is None else {}
+            delta = {"content": text} if text or not final else {}
+            last = final and not calls
             choice = {
                 "index": index,
                 "delta": delta,
                 "logprobs": lp,
-                "finish_reason": out.finish_reason,
+                "finish_reason": reason if last else None,
+            }
+            chunks.append(self._chunk(choice))
+        for i, call in enumerate(calls):
+            last = final and i == len(calls) - 1
+            choice = {
+                "index": index,
+                "delta": {"tool_calls": [call]},
+                "logprobs": None,
+                "finish_reason": reason if last else None,
             }
             chunks.append(self._chunk(choice))
         return chunks
 
+    def _message(self, state: ChoiceState) -> tuple[dict[str, Any], str | None]:
+        """The choice's message, its tool calls parsed out, and its finish reason."""
+        message: dict[str, Any] = {"role": "assistant", "content": state.text, "refusal": None}
+        if self.parser is None:
+            return message, state.finish_reason
+        content, calls = PARSERS[self.parser](state.text)
+        if calls:
+            message["content"] = content
+            message["tool_calls"] = [c.as_openai() for c in calls]
+        return message, _finish_reason(state.finish_reason, len(calls))
+
     def response(self) -> dict[str, Any]:
-        choices = [
-            {
-                "index": s.choice.index,
-                "message": {"role": "assistant", "content": s.text, "refusal": None},
-                "logprobs": chat_logprobs(s.logprobs) if self.parsed.logprobs else None,
-                "finish_reason": s.finish_reason,
-            }
-            for s in self.states
-        ]
+        choices = []
+        for s in self.states:
+            message, reason = self._message(s)
+            choices.append(
+                {
+                    "index": s.choice.index,
+                    "message": message,
+                    "logprobs": chat_logprobs(s.logprobs) if self.parsed.logprobs else None,
+                    "finish_reason": reason,
+                }
+            )
         body = {**self._envelope(self.object_name), "choices": choices, "usage": self.usage()}
         return body
+
+
+def _finish_reason(reason: str | None, num_calls: int) -> str | None:
+    """OpenAI's: a choice that ends by calling tools ends with "tool_calls"."""
+    return "tool_calls" if num_calls and reason == "stop" else reason
 
 
 # --- completions ---------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -20,6 +21,7 @@ from aiohttp import web
 
 from tokenmill.frontend.api.chat_template import ChatTemplate
 from tokenmill.frontend.api.common import ApiError, Choice, ParsedRequest, RequestContext
+from tokenmill.frontend.api.constraints import GrammarValidator
 from tokenmill.frontend.api.native_requests import parse_generate
 from tokenmill.frontend.api.native_responses import NativeResponder
 from tokenmill.frontend.api.openai_requests import parse_chat, parse_completion
@@ -385,6 +387,14 @@ def resolve_max_model_len(config: ServerConfig, tokenizer: Tokenizer) -> int:
     return min(checkpoint, DEFAULT_MAX_MODEL_LEN_CAP)
 
 
+def grammar_validator(tokenizer: Tokenizer) -> GrammarValidator | None:
+    """Constraints are checked against the checkpoint's tokenizer.json (the controller's
+    source too); a tokenizer without one (a test's fake) serves none."""
+    if not (Path(tokenizer.model_dir) / "tokenizer.json").is_file():
+        return None
+    return GrammarValidator(tokenizer.model_dir, tokenizer.num_logits, tokenizer.eos_token_ids)
+
+
 def build_app(
     config: ServerConfig,
     engine: EngineClient,
@@ -405,6 +415,8 @@ def build_app(
         max_logprobs=config.scheduler.max_logprobs,
         max_score_items=config.scoring.max_score_items,
         rerank=rerank_prompt(config.scoring, tokenizer),
+        grammar=grammar_validator(tokenizer),
+        tool_call_parser=config.http.tool_call_parser,
     )
     api = HttpApi(config, engine, ctx)
     middlewares = [_error_middleware(api.metrics)]

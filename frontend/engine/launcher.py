@@ -139,14 +139,18 @@ def launch_engine(
         engine.start(
             "controller" + suffix,
             "tokenmill.controller",
-            controller_config(config, addrs, d, layout),
+            controller_config(config, addrs, d, layout, model_dir),
         )
         start_ranks(engine, config, runner, layout, d)
     return engine
 
 
 def controller_config(
-    config: ServerConfig, addrs: Addresses, replica: int, layout: ClusterLayout
+    config: ServerConfig,
+    addrs: Addresses,
+    replica: int,
+    layout: ClusterLayout,
+    model_dir: Path | str = "",
 ) -> ControllerConfig:
     s, mine = config.scheduler, addrs.replicas[replica]
     return ControllerConfig(
@@ -157,6 +161,7 @@ def controller_config(
         report_addr=addrs.reports,
         max_running_requests=s.max_running_requests,
         max_prefill_tokens=s.max_prefill_tokens,
+        model_dir=str(model_dir),
         decode_steps=s.decode_steps,
         enable_prefix_cache=not s.disable_prefix_cache,
         overlap_schedule=s.overlap_schedule,
