@@ -99,7 +99,8 @@ def regex_grammar(regex: Any, param: str) -> str:
     if not isinstance(regex, str) or not regex:
         raise ApiError("a regex must be a non-empty string", param)
     _check_size(regex, param)
-    return llguidance.LLMatcher.grammar_from_lark(f"start: /{llguidance.regex_to_lark(regex, 'dw')}/")
+    pattern = llguidance.regex_to_lark(regex, "dw")
+    return llguidance.LLMatcher.grammar_from_lark(f"start: /{pattern}/")
 
 
 def choice_grammar(choices: Any, param: str) -> str:
