@@ -229,7 +229,7 @@ def _past_call(call: dict[str, Any], param: str) -> dict[str, Any]:
 
 
 def _tool_setup(
-    body: ChatCompletionBody, ctx: RequestContext, asked: Asked
+    body: ChatCompletionBody, ctx: RequestContext, asked: Asked, messages: list[dict[str, Any]]
 ) -> tuple[tool_calls.ToolSetup | None, list[dict[str, Any]] | None]:
     """What the request's tools mean: the parser of its output, the tools to render, and
     (tool_choice required or named) the call grammar added to `asked`."""
@@ -247,6 +247,7 @@ def _tool_setup(
                 "tool parameters schema", json_schema_grammar(fn.parameters, param), param
             )
     rendered = [fn.spec for fn in functions]
+    _check_template_shows_tools(ctx, messages, rendered)
     if choice == "none":
         return tool_calls.ToolSetup(None), rendered
     parser = tool_calls.pick_parser(ctx.tool_call_parser, ctx.tokenizer.chat_template)
@@ -261,6 +262,19 @@ def _tool_setup(
         grammar = tool_calls.call_grammar(parser, chosen, parallel, _literal(ctx))
         asked.add("tool_choice", "tool_call", grammar)
     return tool_calls.ToolSetup(parser, functions), rendered
+
+
+def _check_template_shows_tools(
+    ctx: RequestContext, messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+) -> None:
+    if ctx.chat_template is None:
+        raise ApiError("this model has no chat template; use /v1/completions", "messages")
+    try:
+        shown = ctx.chat_template.render(messages, tools) != ctx.chat_template.render(messages)
+    except ChatTemplateError as e:
+        raise ApiError(str(e), "messages") from e
+    if not shown:
+        raise ApiError("this model's chat template does not render tools", "tools")
 
 
 def _literal(ctx: RequestContext) -> Any:
@@ -296,8 +310,9 @@ def parse_chat(raw: bytes, ctx: RequestContext) -> ParsedRequest:
     body = decode_body(raw, ChatCompletionBody)
     model = check_model(body.model, ctx)
     _check_stream_options(body)
+    messages = [_message_dict(i, m) for i, m in enumerate(body.messages)]
     asked = _constraints(body)
-    tools, rendered_tools = _tool_setup(body, ctx, asked)
+    tools, rendered_tools = _tool_setup(body, ctx, asked, messages)
     constraint = asked.resolve(ctx.grammar)
     top = body.top_logprobs or 0
     if top > 0 and not body.logprobs:
@@ -306,11 +321,8 @@ def parse_chat(raw: bytes, ctx: RequestContext) -> ParsedRequest:
         raise ApiError(f"top_logprobs must be at most {ctx.max_logprobs}", "top_logprobs")
     if ctx.chat_template is None:
         raise ApiError("this model has no chat template; use /v1/completions", "messages")
-    messages = [_message_dict(i, m) for i, m in enumerate(body.messages)]
     try:
         text = ctx.chat_template.render(messages, rendered_tools)
-        if rendered_tools is not None and text == ctx.chat_template.render(messages):
-            raise ApiError("this model's chat template does not render tools", "tools")
     except ChatTemplateError as e:
         raise ApiError(str(e), "messages") from e
     ids = ctx.tokenizer.encode(text, add_special_tokens=False)
