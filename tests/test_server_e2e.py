@@ -603,11 +603,23 @@ def test_tensor_parallel_2_matches_1(server, tiny_checkpoint, tmp_path) -> None:
         "top_logprobs_num": 5,
         "sampling_params": {"max_new_tokens": 12, "temperature": 0},
     }
+    # NOTE: a grammar-constrained row: both ranks apply the masks that follow each batch
+    constrained = {
+        **body,
+        "sampling_params": {
+            "max_new_tokens": 40,
+            "temperature": 1.0,
+            "seed": 3,
+            "json_schema": '{"type": "object", "properties": {"n": {"type": "integer"}}, '
+            '"required": ["n"], "additionalProperties": false}',
+        },
+    }
     try:
-        status, two = tp2.post("/generate", body)
-        assert status == 200, two
-        _, one = server.post("/generate", body)
-        assert_same_tp_answer(two, one)
+        for request in (body, constrained):
+            status, two = tp2.post("/generate", request)
+            assert status == 200, two
+            _, one = server.post("/generate", request)
+            assert_same_tp_answer(two, one)
         assert len(children_of_server(tp2)) == 4  # frontend's children: 2 ranks + 2
     finally:
         assert tp2.stop() == 0

