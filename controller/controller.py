@@ -388,8 +388,12 @@ def run_controller(config: ControllerConfig) -> None:
     grammar = None
     if config.model_dir:
         started = time.monotonic()
-        grammar = GrammarEngine.for_checkpoint(config.model_dir, ready.eos_token_ids)
-        logger.info("grammar engine ready in %.2f s", time.monotonic() - started)
+        try:
+            grammar = GrammarEngine.for_checkpoint(config.model_dir, ready.eos_token_ids)
+            logger.info("grammar engine ready in %.2f s", time.monotonic() - started)
+        except (OSError, ValueError, KeyError) as e:
+            # NOTE: the frontend's validator fails alike and answers constraints with a 400
+            logger.error("grammar constraints are off: %s: %s", type(e).__name__, e)
     controller = Controller(config, ready, sockets, grammar)
     try:
         controller.run()

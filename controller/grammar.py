@@ -34,6 +34,16 @@ def parser_limits() -> llguidance.LLParserLimits:
     return llguidance.LLParserLimits(verbose_errors=False)
 
 
+def mask_width(tokenizer_json: str, num_logits: int) -> int:
+    """Ids a mask covers: the model's logits (config.json's vocab_size), or the tokenizer's
+    ids where it has more (a GGUF file's tokenizer can hold a token past the embedding
+    rows). The worker reads the first num_logits; ids past its logits are never drawn."""
+    import tokenizers
+
+    count = tokenizers.Tokenizer.from_str(tokenizer_json).get_vocab_size(with_added_tokens=True)
+    return max(num_logits, count)
+
+
 def words_for(vocab_size: int) -> int:
     """int32 words of one row's bitmask."""
     return (vocab_size + 31) // 32
@@ -43,13 +53,11 @@ class GrammarEngine:
     """llguidance's view of the served vocabulary and the thread pool that fills masks."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: tuple[int, ...]) -> None:
-        # NOTE: n_vocab is the model's logit count (config.json), which may exceed the
-        # tokenizer's: ids past it are never allowed.
+        self.vocab_size = mask_width(tokenizer_json, vocab_size)
         self.tokenizer = llguidance.LLTokenizer(
-            tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_ids)
+            tokenizer_json, n_vocab=self.vocab_size, eos_token=list(eos_ids)
         )
-        self.vocab_size = vocab_size
-        self.num_words = words_for(vocab_size)
+        self.num_words = words_for(self.vocab_size)
         self.limits = parser_limits()
         self.executor = llguidance.LLExecutor()
         # NOTE: compiled matchers by grammar, copied for each request (a copy ~5 us, a

@@ -490,3 +490,42 @@ def test_a_constraint_cut_by_max_tokens_ends_with_length(qwen2_server, qwen2_cli
         response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}},
     )
     assert out.choices[0].finish_reason == "length"
+
+
+# --- the worker's mask --------------------------------------------------------------------
+
+
+def test_bitmasks_unpack_alike_on_the_host_and_the_device_path() -> None:
+    import torch
+
+    from tokenmill.tp_worker.grammar_mask import forbidden_ids, unpack_on_device
+
+    rng = np.random.default_rng(0)
+    bitmask = rng.integers(-(2**31), 2**31, size=(3, 5), dtype=np.int64).astype(np.int32)
+    host = ~forbidden_ids(bitmask, 150, torch.device("cpu"))
+    device = unpack_on_device(bitmask, 150, torch.device("cpu"))
+    assert torch.equal(host, device) and host.shape == (3, 150)
+    want = [
+        [bool((int(w) >> (i % 32)) & 1) for i, w in enumerate(np.repeat(r, 32)[:150])]
+        for r in bitmask
+    ]
+    assert host.tolist() == want
+
+
+def test_a_row_left_with_nothing_samples_among_the_grammars_ids() -> None:
+    """min_tokens bans eos where the grammar allows only eos: the grammar wins."""
+    import torch
+
+    from tokenmill.protocol.arrays import pack
+    from tokenmill.protocol.step import GrammarRows
+    from tokenmill.tp_worker.grammar_mask import GrammarTensors
+
+    logits = torch.randn(2, 64)
+    logits[1, 3] = float("-inf")  # NOTE: the ban on eos (id 3)
+    bitmask = np.zeros((1, 2), np.int32)
+    bitmask[0, 0] = 1 << 3
+    rows = GrammarTensors(GrammarRows(rows=pack(np.array([1], np.int32))), torch.device("cpu"))
+    before = logits[0].clone()
+    rows.apply(logits, bitmask, may_empty=True)
+    assert torch.equal(logits[0], before)
+    assert logits[1, 3] == 0 and torch.isneginf(logits[1, torch.arange(64) != 3]).all()

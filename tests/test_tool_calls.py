@@ -57,7 +57,8 @@ ASK = [{"role": "user", "content": "What is the weather in Rome this week?"}]
 def test_hermes_calls_are_found_with_the_text_around_them() -> None:
     text = (
         'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n'
-        '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+        '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n'
+        "</tool_call>"
     )
     content, calls = parse_hermes(text)
     assert content == "Let me check."
@@ -71,7 +72,10 @@ def test_hermes_calls_are_found_with_the_text_around_them() -> None:
 
 
 def test_llama3_json_calls_are_found() -> None:
-    text = '<|python_tag|>{"name": "get_time", "parameters": {"zone": "CET"}}; {"name": "f", "arguments": {}}'
+    text = (
+        '<|python_tag|>{"name": "get_time", "parameters": {"zone": "CET"}}; '
+        '{"name": "f", "arguments": {}}'
+    )
     assert parse_llama3_json(text) == (
         None,
         [ToolCall("get_time", '{"zone": "CET"}'), ToolCall("f", "{}")],
@@ -83,7 +87,8 @@ def test_llama3_json_calls_are_found() -> None:
 @pytest.mark.parametrize("piece", [1, 3, 7, 1000])
 def test_streamed_calls_concatenate_to_the_whole_parse(parser: str, piece: int) -> None:
     text = (
-        'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}\n</tool_call>'
+        'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}'
+        "\n</tool_call>"
         if parser == "hermes"
         else '{"name": "get_weather", "parameters": {"city": "Rome", "days": 2}}'
     )
@@ -117,7 +122,8 @@ def test_the_call_grammar_accepts_the_models_own_format_only() -> None:
     assert llguidance.LLMatcher.validate_grammar(lark, tokenizer) == ""
     good = (
         '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>\n'
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n'
+        "</tool_call>"
     )
     bad = '[{"name": "get_time", "arguments": {"zone": "UTC"}}]'
     for text, accepted in ((good, True), (bad, False)):

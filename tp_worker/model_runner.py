@@ -124,7 +124,8 @@ class ModelRunner:
             if i == 0 and prompt_hidden is not None:
                 outputs.prompt = self._score_prompt(inputs, prompt_hidden)
             bitmask = self._grammar_mask(batch) if i == 0 else None
-            adjusted = self.adjuster.adjust(logits, inputs.adjust, i, bitmask)
+            keep = inputs.sampled_logprobs  # NOTE: else nothing reads the raw logits again
+            adjusted = self.adjuster.adjust(logits, inputs.adjust, i, bitmask, keep)
             outputs.add(
                 score_sampled(logits, inputs, adjusted, self.processed_logprobs, self.cpu_kernels)
             )

