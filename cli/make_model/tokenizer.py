@@ -64,7 +64,7 @@ QWEN2_TOOLS_TEMPLATE = (
     "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
     "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name "
     "and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
-    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    '{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}'
     "{%- endif %}"
     "{%- for message in messages %}"
     "{%- if tools and loop.first and message['role'] == 'system' %}"
@@ -72,7 +72,7 @@ QWEN2_TOOLS_TEMPLATE = (
     "{{- '<|im_start|>assistant' }}"
     "{%- if message['content'] %}{{- '\\n' + message['content'] }}{%- endif %}"
     "{%- for tool_call in message.tool_calls %}{%- set call = tool_call.function %}"
-    "{{- '\\n<tool_call>\\n{\"name\": \"' + call.name + '\", \"arguments\": ' "
+    '{{- \'\\n<tool_call>\\n{"name": "\' + call.name + \'", "arguments": \' '
     "+ (call.arguments | tojson) + '}\\n</tool_call>' }}"
     "{%- endfor %}{{- '<|im_end|>\\n' }}"
     "{%- elif message['role'] == 'tool' %}"
