@@ -386,6 +386,25 @@ def test_a_build_without_avx_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch
     assert torch.equal(decode.attend(q, *caches, 64**-0.5), native_attention)
 
 
+def test_the_avx2_float32_kernel_gives_the_portable_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A build for an AVX2 CPU without AVX-512 (haswell) runs linear.cpp's AVX2 float32
+    tiles; its products (1 to 12 rows a block, 13 and 40 rows, a short last k block) are the
+    portable build's, bit for bit."""
+    flags = cpu_kernels.cpu_flags()
+    if "avx2" not in flags or "fma" not in flags:
+        pytest.skip("this CPU runs no AVX2 code")
+    shapes = [(m, k, n) for m in (1, 5, 6, 7, 12, 13, 40) for k, n in ((200, 40), (64, 96))]
+    cases = [_case(m, k, n, torch.float32, seed=m) for m, k, n in shapes]
+    outputs = {}
+    for arch, isa in (("x86-64-v2", 0), ("haswell", 4)):
+        lib = cpu_kernels.load(cpu_kernels.build(arch))
+        assert lib.tm_linear_isa() == isa
+        monkeypatch.setattr(cpu_ops, "library", lambda lib=lib: lib)
+        outputs[arch] = [PackedLinear(w, b)(x, torch.float32) for x, w, b in cases]
+    for portable, avx2 in zip(outputs["x86-64-v2"], outputs["haswell"], strict=True):
+        assert torch.equal(portable, avx2)
+
+
 def _attention_both_paths(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """20 tokens of one row as one prompt chunk, and as 20 decode rows (the other path)."""
     gen = torch.Generator().manual_seed(3)

@@ -35,7 +35,7 @@
 
 #include <omp.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -106,6 +106,48 @@ void kernel_f32(const float* a, int64_t lda, const float* panel, int64_t k_len, 
         float* out = acc + r * NR + 16 * h;
         _mm512_storeu_ps(out, k0 == 0 ? c[r][h] : _mm512_add_ps(_mm512_loadu_ps(out), c[r][h]));
       }
+  }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2 (no AVX-512): tiles of up to 6 rows by 16 columns, their 12 accumulators in ymm
+// registers, each broadcast of x feeding two FMAs. Each output's sum is the portable
+// kernel's below, bit for bit: one fused multiply-add per k in order within a block of KB,
+// block sums added in order.
+template <int R>
+inline void tile_f32(const float* a, int64_t lda, const float* panel, int64_t k0, int64_t k1,
+                     int half, bool first, float* acc) {
+  __m256 c0[R], c1[R];
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm256_setzero_ps();
+  for (int64_t k = k0; k < k1; ++k) {
+    const float* p = panel + k * NR + 16 * half;
+    const __m256 b0 = _mm256_loadu_ps(p);
+    const __m256 b1 = _mm256_loadu_ps(p + 8);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m256 x = _mm256_broadcast_ss(a + r * lda + k);
+      c0[r] = _mm256_fmadd_ps(x, b0, c0[r]);
+      c1[r] = _mm256_fmadd_ps(x, b1, c1[r]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+    float* out = acc + r * NR + 16 * half;
+    _mm256_storeu_ps(out, first ? c0[r] : _mm256_add_ps(_mm256_loadu_ps(out), c0[r]));
+    _mm256_storeu_ps(out + 8, first ? c1[r] : _mm256_add_ps(_mm256_loadu_ps(out + 8), c1[r]));
+  }
+}
+
+template <int R, bool>
+void kernel_f32(const float* a, int64_t lda, const float* panel, int64_t k_len, float* acc) {
+  constexpr int TOP = R > 6 ? 6 : R;
+  for (int64_t k0 = 0; k0 < k_len; k0 += KB) {
+    const int64_t k1 = std::min(k_len, k0 + KB);
+    for (int half = 0; half < 2; ++half) {
+      tile_f32<TOP>(a, lda, panel, k0, k1, half, k0 == 0, acc);
+      if constexpr (R > 6)
+        tile_f32<R - 6>(a + 6 * lda, lda, panel, k0, k1, half, k0 == 0, acc + 6 * NR);
+    }
   }
 }
 #else
@@ -315,6 +357,9 @@ int tm_linear_isa() {
 #endif
 #if defined(__AVX512BF16__)
   isa |= 2;
+#endif
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+  isa |= 4;  // the AVX2 float32 kernel
 #endif
   return isa;
 }
