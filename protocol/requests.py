@@ -47,13 +47,12 @@ class DetokenizeParams(msgspec.Struct, frozen=True):
     text_in_logprobs: bool = True  # token strings in logprob entries (native API may not)
 
 
-CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tool_call")
-
-
 class Constraint(msgspec.Struct, frozen=True, array_like=True):
     """What a request's output must match: every sampled token is masked by it."""
 
-    kind: str  # one of CONSTRAINT_KINDS: what the caller asked for (logs, metrics)
+    # what the caller asked for (errors, logs): json_schema, json_object, regex, choice,
+    # grammar or tool_call
+    kind: str
     grammar: str  # the llguidance grammar (its JSON form), validated by the frontend
 
 

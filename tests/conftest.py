@@ -46,48 +46,31 @@ def small_checkpoint(checkpoint_root: Path) -> Path:
     return build_checkpoint(checkpoint_root / "small-llama", "llama", "small")
 
 
-@pytest.fixture(scope="session")
-def server(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory):
-    """The real server (all processes) on the tiny llama checkpoint, shared by e2e tests."""
+def _session_server(model, tmp_path_factory: pytest.TempPathFactory, name: str, *args: str):
+    """A real server (all processes) for the session; it must exit 0 on SIGTERM."""
     from server_process import start_server
 
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    proc = start_server(
-        tiny_checkpoint("llama"),
-        log,
-        "--kv-cache-tokens",
-        "8192",
-        "--max-running-requests",
-        "32",
-        "--max-model-len",
-        "1024",
-        "--rerank-labels",
-        "y,n",  # NOTE: the tiny tokenizer has no one-token "yes" / "no"
-    )
+    log = tmp_path_factory.mktemp(name) / "server.log"
+    proc = start_server(model, log, "--kv-cache-tokens", "8192", "--max-model-len", "1024", *args)
     yield proc
     code = proc.stop()
     assert code == 0, f"server exited with {code} on SIGTERM:\n{proc.log()[-3000:]}"
+
+
+@pytest.fixture(scope="session")
+def server(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory):
+    """The real server on the tiny llama checkpoint, shared by e2e tests."""
+    # NOTE: --rerank-labels: the tiny tokenizer has no one-token "yes" / "no"
+    args = ("--max-running-requests", "32", "--rerank-labels", "y,n")
+    yield from _session_server(tiny_checkpoint("llama"), tmp_path_factory, "server", *args)
 
 
 @pytest.fixture(scope="session")
 def qwen2_server(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory):
     """The real server on the tiny qwen2 checkpoint (its chat template shows tools as
     Qwen2.5's does), with overlap scheduling: grammar masks follow their running batch."""
-    from server_process import start_server
-
-    log = tmp_path_factory.mktemp("qwen2-server") / "server.log"
-    proc = start_server(
-        tiny_checkpoint("qwen2"),
-        log,
-        "--kv-cache-tokens",
-        "8192",
-        "--max-model-len",
-        "1024",
-        "--overlap-schedule",
-    )
-    yield proc
-    code = proc.stop()
-    assert code == 0, f"server exited with {code} on SIGTERM:\n{proc.log()[-3000:]}"
+    model = tiny_checkpoint("qwen2")
+    yield from _session_server(model, tmp_path_factory, "qwen2-server", "--overlap-schedule")
 
 
 @pytest.fixture()

@@ -320,20 +320,17 @@ def test_constrained_output_on_the_real_model(tmp_path: Path) -> None:
             )
             assert regex.choices[0].finish_reason == "stop"
             assert len(regex.choices[0].text) == 5 and regex.choices[0].text[1:].isdigit()
-        label = client.chat.completions.create(
-            model=DEFAULT_MODEL_NAME,
-            messages=question,  # type: ignore[arg-type]
-            max_tokens=5,
-            logprobs=True,
-            top_logprobs=5,
-            extra_body={"structured_outputs": {"choice": ["positive", "negative"]}},
-        )
-        free = client.chat.completions.create(
-            model=DEFAULT_MODEL_NAME,
-            messages=question,  # type: ignore[arg-type]
-            max_tokens=1,
-            logprobs=True,
-            top_logprobs=5,
+        choice = {"structured_outputs": {"choice": ["positive", "negative"]}}
+        label, free = (
+            client.chat.completions.create(
+                model=DEFAULT_MODEL_NAME,
+                messages=question,  # type: ignore[arg-type]
+                max_tokens=max_tokens,
+                logprobs=True,
+                top_logprobs=5,
+                extra_body=extra,
+            )
+            for max_tokens, extra in ((5, choice), (1, None))
         )
     finally:
         assert server.stop() == 0

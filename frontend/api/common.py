@@ -121,7 +121,7 @@ class ParsedRequest:
     logprobs: bool = False  # chat/completions: choices carry logprobs
     batched: bool = False  # native: the response is a list (batch of prompts or n > 1)
     text_in_logprobs: bool = True  # native `return_text_in_logprobs`
-    tools: Any = None  # tools.ToolSetup of a chat request that offers tools
+    tool_parser: str | None = None  # chat with tools: the format its output is read in
 
     @property
     def wants_logprobs(self) -> bool:

@@ -230,9 +230,10 @@ def _past_call(call: dict[str, Any], param: str) -> dict[str, Any]:
 
 def _tool_setup(
     body: ChatCompletionBody, ctx: RequestContext, asked: Asked, messages: list[dict[str, Any]]
-) -> tuple[tool_calls.ToolSetup | None, list[dict[str, Any]] | None]:
-    """What the request's tools mean: the parser of its output, the tools to render, and
-    (tool_choice required or named) the call grammar added to `asked`."""
+) -> tuple[str | None, list[dict[str, Any]] | None]:
+    """What the request's tools mean: the parser of its output (None: not read for calls),
+    the tools to render, and (tool_choice required or named) the call grammar added to
+    `asked`."""
     check_unsupported({"functions": body.functions, "function_call": body.function_call})
     if body.tools is None:
         if body.tool_choice not in (None, "none"):
@@ -249,7 +250,7 @@ def _tool_setup(
     rendered = [fn.spec for fn in functions]
     _check_template_shows_tools(ctx, messages, rendered)
     if choice == "none":
-        return tool_calls.ToolSetup(None), rendered
+        return None, rendered
     parser = tool_calls.pick_parser(ctx.tool_call_parser, ctx.tokenizer.chat_template)
     if parser is None:
         raise ApiError(
@@ -261,7 +262,7 @@ def _tool_setup(
         parallel = choice == "required" and body.parallel_tool_calls is not False
         grammar = tool_calls.call_grammar(parser, chosen, parallel, _literal(ctx))
         asked.add("tool_choice", "tool_call", grammar)
-    return tool_calls.ToolSetup(parser, functions), rendered
+    return parser, rendered
 
 
 def _check_template_shows_tools(
@@ -312,7 +313,7 @@ def parse_chat(raw: bytes, ctx: RequestContext) -> ParsedRequest:
     _check_stream_options(body)
     messages = [_message_dict(i, m) for i, m in enumerate(body.messages)]
     asked = _constraints(body)
-    tools, rendered_tools = _tool_setup(body, ctx, asked, messages)
+    tool_parser, rendered_tools = _tool_setup(body, ctx, asked, messages)
     constraint = asked.resolve(ctx.grammar)
     top = body.top_logprobs or 0
     if top > 0 and not body.logprobs:
@@ -338,7 +339,7 @@ def parse_chat(raw: bytes, ctx: RequestContext) -> ParsedRequest:
         stream=bool(body.stream),
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         logprobs=bool(body.logprobs),
-        tools=tools,
+        tool_parser=tool_parser,
     )
 
 

@@ -175,8 +175,7 @@ class ChatResponder(Responder):
 
     def __init__(self, parsed: ParsedRequest, tokenizer: Tokenizer) -> None:
         super().__init__(parsed, tokenizer)
-        setup = parsed.tools
-        self.parser: str | None = None if setup is None else setup.parser
+        self.parser = parsed.tool_parser
         self.tool_streams = [ToolStream(self.parser) for _ in self.states] if self.parser else []
 
     def chunks(self, state: ChoiceState, out: DetokenizedOutput, first: bool) -> list[Any]:

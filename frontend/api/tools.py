@@ -15,7 +15,7 @@ import json
 import re
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.frontend.api.common import ApiError
@@ -298,11 +298,3 @@ def _partial_suffix(text: str, marker: str) -> int:
         if marker.startswith(text[-n:]):
             return n
     return 0
-
-
-@dataclass(frozen=True)
-class ToolSetup:
-    """What a chat request's tools decide for its response."""
-
-    parser: str | None  # None: the output is not parsed for calls (tool_choice none)
-    functions: list[Function] = field(default_factory=list)
