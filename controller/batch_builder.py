@@ -63,10 +63,12 @@ class BatchBuilder:
         slots: list[int] = []
         for row in rows:
             request = row.request
-            known = request.tokens(row.start, row.end)
+            fed = row.num_new - len(row.drafts)
+            known = request.tokens(row.start, row.start + fed)
             ids += known
-            if len(known) < row.num_new:  # NOTE: a decode row's token, sampled by a step in flight
+            if len(known) < fed:  # NOTE: a decode row's token, sampled by a step in flight
                 ids.append(FED_LAST_SAMPLE)
+            ids += row.drafts
             slots += request.slots[row.start : row.end]
         # NOTE: a table row (re)fills with the slots of what the request computed before
         filled = [row for row in rows if row.request.fill_table]
@@ -100,6 +102,9 @@ class BatchBuilder:
             logprobs=part.logprobs,
             num_steps=num_steps,
             decode_slots=_decode_slots(rows, num_steps),
+            num_drafts=_i32([len(row.drafts) for row in rows])
+            if any(row.drafts for row in rows)
+            else None,
         )
 
     def _same_rows(self, rows: list[ScheduledRow]) -> RowsPart | None:

@@ -26,6 +26,8 @@ class ControllerConfig:
     no grammar constraints (tests with a fake model)."""
     decode_steps: int = 1
     """Decode iterations per step when every row decodes (multi-step decoding)."""
+    speculative_config: str = ""
+    """vLLM's --speculative-config JSON (controller/speculation.py); empty: no drafts."""
     overlap_schedule: bool = False
     """Send the next step before the result of the one in flight is back (see run_once)."""
     step_timing: bool = False

@@ -22,6 +22,7 @@ from tokenmill.controller.output_processor import OutputProcessor
 from tokenmill.controller.request import Request
 from tokenmill.controller.scheduler import ScheduledRow, Scheduler
 from tokenmill.controller.slot_pool import IndexPool
+from tokenmill.controller.speculation import DraftState, SpeculativeConfig, Speculator
 from tokenmill.controller.step_timing import StepTiming
 from tokenmill.protocol.arrays import empty, pack, unpack
 from tokenmill.protocol.cluster import Authenticator, ClusterKey
@@ -56,6 +57,8 @@ class Controller:
         self.rows = IndexPool(config.max_running_requests, "table rows")
         self.kv = KvAllocator(self.slots, config.enable_prefix_cache)
         self.timing = StepTiming(enabled=config.step_timing)
+        spec = SpeculativeConfig.parse(config.speculative_config)
+        self.speculator = None if spec is None else Speculator(spec)
         self.scheduler = Scheduler(
             self.kv,
             self.rows,
@@ -63,8 +66,9 @@ class Controller:
             config.max_prefill_tokens,
             max_model_len=ready.max_model_len,
             decode_steps=config.decode_steps,
+            speculator=self.speculator,
         )
-        self.outputs = OutputProcessor(ready.eos_token_ids, ready.max_model_len)
+        self.outputs = OutputProcessor(ready.eos_token_ids, ready.max_model_len, self.speculator)
         self.batches = BatchBuilder()
         self.max_model_len = ready.max_model_len
         self.requests: dict[str, Request] = {}
@@ -78,8 +82,8 @@ class Controller:
         self.pending_outputs: list[RequestOutput] = []  # emitted, not yet sent (flush_outputs)
         self.in_flight: deque[tuple[int, list[ScheduledRow]]] = deque()  # sent, not back
         # NOTE: steps in flight whose grammar masks are not sent yet, with the constrained
-        # requests of each (in the batch's GrammarRows order)
-        self.masks_due: dict[int, list[Request]] = {}
+        # rows of each (in the batch's GrammarRows order)
+        self.masks_due: dict[int, list[ScheduledRow]] = {}
 
     def run(self) -> None:
         while True:
@@ -119,9 +123,7 @@ class Controller:
         self.in_flight.append((self.num_steps, rows))
         grammar = batch.sampling.grammar
         if grammar is not None:
-            self.masks_due[self.num_steps] = [
-                rows[b].request for b in unpack(grammar.rows).tolist()
-            ]
+            self.masks_due[self.num_steps] = [rows[b] for b in unpack(grammar.rows).tolist()]
             self.send_due_masks()
         self.flush_outputs()
         self.cache_finished_prefills(rows)
@@ -153,13 +155,17 @@ class Controller:
         if not self.in_flight:
             return
         step_id = self.in_flight[0][0]
-        requests = self.masks_due.pop(step_id, None)
-        if requests is None:
+        rows = self.masks_due.pop(step_id, None)
+        if rows is None:
             return
         assert self.grammar is not None, "a constrained request needs the grammar engine"
         # NOTE: a request stopped by the step before has no mask: its sample is dropped.
-        matchers = [None if r.finished else r.grammar for r in requests]
-        self.sockets.send_mask(GrammarMask(step_id, pack(self.grammar.masks(matchers))))
+        matchers = [None if row.request.finished else row.request.grammar for row in rows]
+        if any(row.drafts for row in self.in_flight[0][1]):
+            masks = self.grammar.masks_along(matchers, [row.drafts for row in rows])
+        else:
+            masks = self.grammar.masks(matchers)
+        self.sockets.send_mask(GrammarMask(step_id, pack(masks)))
 
     def receive_result(self, step_id: int) -> StepResult:
         result = self.sockets.receive_result()
@@ -195,6 +201,8 @@ class Controller:
             return
         if message.constraint is not None and not self._start_grammar(request):
             return
+        if self.speculator is not None and message.speculative:
+            request.drafts = DraftState()
         self.num_arrivals += 1
         self.requests[message.req_id] = request
         self.scheduler.waiting.append(request)
@@ -282,8 +290,20 @@ class Controller:
                 prefix_cached_tokens=self.kv.cache.num_cached if self.kv.cache else 0,
                 step_timing=self.timing.totals(),
                 replica=self.config.replica,
+                **self._spec_counts(),
             )
         )
+
+    def _spec_counts(self) -> dict[str, object]:
+        if self.speculator is None:
+            return {}
+        c = self.speculator.counters
+        return {
+            "spec_num_drafts": c.num_drafts,
+            "spec_num_draft_tokens": c.num_draft_tokens,
+            "spec_num_accepted_tokens": c.num_accepted_tokens,
+            "spec_accepted_per_pos": tuple(c.accepted_per_pos),
+        }
 
 
 _EMPTY_IDS = empty("int32", 0)

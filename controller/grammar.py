@@ -89,6 +89,27 @@ class GrammarEngine:
             self._compiled.move_to_end(constraint.grammar)
         return compiled.deep_copy()
 
+    def masks_along(
+        self, matchers: list[llguidance.LLMatcher | None], drafts: list[tuple[int, ...]]
+    ) -> np.ndarray:
+        """[N * G, W]: the masks of a step that verifies drafts, N = 1 + the most drafts of
+        a row: iteration i's rows are each matcher after its row's first i drafts (fewer
+        where it has fewer: its later samples are not read). The matchers end as they
+        began. NOTE: a matcher a draft stopped allows every id after it (the request ends at
+        that draft; what is sampled after it is dropped)."""
+        steps = 1 + max(len(d) for d in drafts)
+        masks = []
+        for i in range(steps):
+            live = [m if m is None or not m.is_stopped() else None for m in matchers]
+            masks.append(self.masks(live))
+            for matcher, tokens in zip(matchers, drafts, strict=True):
+                if matcher is not None and i < len(tokens):
+                    matcher.consume_token(tokens[i])
+        for matcher, tokens in zip(matchers, drafts, strict=True):
+            if matcher is not None and tokens:
+                matcher.rollback(len(tokens))
+        return np.concatenate(masks)
+
     def masks(self, matchers: list[llguidance.LLMatcher | None]) -> np.ndarray:
         """[G, W] int32 next-token bitmasks; None (a row whose request ended while its step
         was in flight: its sample is dropped) allows every id."""

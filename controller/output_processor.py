@@ -12,6 +12,7 @@ import numpy as np
 
 from tokenmill.controller.request import Request
 from tokenmill.controller.scheduler import ScheduledRow
+from tokenmill.controller.speculation import Speculator
 from tokenmill.protocol.arrays import Array, pack, pack_each, unpack
 from tokenmill.protocol.outputs import PromptLogprobs, RequestOutput
 from tokenmill.protocol.step import StepResult
@@ -70,26 +71,50 @@ class StepArrays:
 
 
 class OutputProcessor:
-    def __init__(self, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
+    def __init__(
+        self,
+        eos_token_ids: tuple[int, ...],
+        max_model_len: int,
+        speculator: Speculator | None = None,
+    ) -> None:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
+        self.speculator = speculator
 
     def apply(self, rows: list[ScheduledRow], result: StepResult) -> list[RequestOutput]:
         arrays = StepArrays(result, rows)
+        accepted = None if result.num_accepted is None else unpack(result.num_accepted).tolist()
         outputs = []
         for b, row in enumerate(rows):
             request = row.request
+            request.verifying = False
             if request.finished:
                 continue  # NOTE: stopped (or aborted) after this step was sent: nothing to say
             self._gather_prompt_scores(request, arrays, b)
             if row.samples:
                 sampled = arrays.ids_by_row[b]
-                request.pending -= len(sampled)
+                if accepted is None:
+                    request.pending -= len(sampled)
+                else:
+                    request.pending -= 1 + len(row.drafts)
+                    sampled = self._kept(request, row, sampled, accepted[b])
                 if not self._ends_at_prompt(request):
                     self._append_sampled(request, sampled)
             if row.samples or request.finished:
                 outputs.append(self._output(request, arrays, b))
         return outputs
+
+    def _kept(
+        self, request: Request, row: ScheduledRow, sampled: list[int], kept: int
+    ) -> list[int]:
+        """A verifying step's samples for the row: those up to and including the one after
+        its last kept draft. The positions of the drafts it did not keep are computed no
+        more (their slots stay the request's, to be written again)."""
+        if row.drafts:
+            request.num_computed_tokens -= len(row.drafts) - kept
+            assert self.speculator is not None, "drafts come from the speculator"
+            self.speculator.record(request, len(row.drafts), kept)
+        return sampled[: kept + 1]
 
     def _ends_at_prompt(self, request: Request) -> bool:
         """max_tokens 0 scores the prompt (lm-evaluation-harness' echo) and samples nothing."""

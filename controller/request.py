@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from tokenmill.controller.radix_cache import Node
 from tokenmill.protocol.arrays import unpack
 from tokenmill.protocol.requests import DetokenizeParams, GenerateRequest
+
+if TYPE_CHECKING:
+    from tokenmill.controller.speculation import DraftState
 
 
 @dataclass
@@ -52,6 +55,8 @@ class Request:
     # NOTE: an llguidance LLMatcher (controller/grammar.py) that has consumed output_ids;
     # typed Any so that this module does not import the grammar engine.
     grammar: Any = None
+    drafts: DraftState | None = None  # None: it never drafts (no speculation, or opted out)
+    verifying: bool = False  # a step in flight verifies its drafts (its length is unknown)
 
     @staticmethod
     def from_message(message: GenerateRequest, arrival: int) -> Request:

@@ -18,6 +18,7 @@ from tokenmill.controller.kv_allocator import KvAllocator
 from tokenmill.controller.radix_cache import Match
 from tokenmill.controller.request import PromptScores, Request
 from tokenmill.controller.slot_pool import IndexPool
+from tokenmill.controller.speculation import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -35,16 +36,21 @@ class ScheduledRow:
     is_prefill: bool
     samples: bool  # the row reaches the request's last token: its sampled token is kept
     num_outputs: int  # outputs before this step's (including those of a step in flight)
+    drafts: tuple[int, ...] = ()  # tokens after the last one, verified in this step
 
     @property
     def end(self) -> int:
         return self.start + self.num_new
 
     @staticmethod
-    def of(request: Request, num_new: int, is_prefill: bool) -> ScheduledRow:
+    def of(
+        request: Request, num_new: int, is_prefill: bool, drafts: tuple[int, ...] = ()
+    ) -> ScheduledRow:
         start = request.num_computed_tokens
-        samples = start + num_new == request.num_tokens_ahead
-        return ScheduledRow(request, start, num_new, is_prefill, samples, request.num_outputs_ahead)
+        samples = start + num_new - len(drafts) == request.num_tokens_ahead
+        return ScheduledRow(
+            request, start, num_new, is_prefill, samples, request.num_outputs_ahead, drafts
+        )
 
 
 class Scheduler:
@@ -56,6 +62,7 @@ class Scheduler:
         max_prefill_tokens: int,
         max_model_len: int | None = None,
         decode_steps: int = 1,
+        speculator: Speculator | None = None,
     ) -> None:
         self.kv = kv
         self.rows = rows
@@ -63,6 +70,7 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.max_model_len = max_model_len
         self.decode_steps = decode_steps
+        self.speculator = speculator
         self.num_steps = 1  # decode iterations of the batch schedule() made last
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -91,13 +99,16 @@ class Scheduler:
         request, steps = row.request, 1 if row.is_prefill else self.num_steps
         request.num_computed_tokens = row.end + steps - 1
         if row.samples:
-            request.pending += steps
+            request.pending += steps + len(row.drafts)
+        if row.drafts:
+            request.verifying = True
 
-    def _schedule_prefill(self, decode: list[Request]) -> list[ScheduledRow]:
+    def _schedule_prefill(self, decode: list[ScheduledRow]) -> list[ScheduledRow]:
         budget = self.max_prefill_tokens
         prefill = []
+        decoding = {id(row.request) for row in decode}
         for request in self.running:
-            if request.is_prefill and budget > 0 and request not in decode:
+            if request.is_prefill and budget > 0 and id(request) not in decoding:
                 row = self._chunk(request, budget)
                 budget -= row.num_new
                 prefill.append(row)
@@ -121,7 +132,7 @@ class Scheduler:
                 budget -= row.num_new
                 prefill.append(row)
         self.waiting.extendleft(reversed(deferred))
-        return [ScheduledRow.of(r, 1, False) for r in decode] + prefill
+        return decode + prefill
 
     def finish(self, request: Request) -> None:
         """Frees what a finished or aborted request holds (it may be waiting or running)."""
@@ -142,6 +153,8 @@ class Scheduler:
             return 1  # NOTE: a replayed step feeds a known token, not the last sample
         if any(r.grammar is not None for r in self.running):
             return 1  # NOTE: each token's mask needs the one before, known to the controller
+        if self._drafting():
+            return 1  # NOTE: drafts are verified in a step of one iteration
         lefts = [self._outputs_left(r) for r in self.running]
         return max(1, min([self.decode_steps] + [n for n in lefts if n > 0]))
 
@@ -153,10 +166,21 @@ class Scheduler:
             left = min(left, self.max_model_len - request.num_tokens_ahead + 1)
         return left
 
-    def _schedule_decode(self, steps: int, ahead: bool) -> list[Request] | None:
-        """Decode rows, each with slots for `steps` positions from its pending token;
-        preempts the latest-admitted requests while the pool cannot give them (None, when
-        ahead: the caller waits for the step in flight first)."""
+    def _drafting(self) -> bool:
+        """Some running request drafts in its next step."""
+        spec = self.speculator
+        if spec is None:
+            return False
+        running = len(self.running)
+        return any(not r.is_prefill and spec.wants_drafts(r, running) for r in self.running)
+
+    def _schedule_decode(self, steps: int, ahead: bool) -> list[ScheduledRow] | None:
+        """Decode rows, each with slots for `steps` positions from its pending token (and
+        for its drafts); preempts the latest-admitted requests while the pool cannot give
+        them (None, when ahead: the caller waits for the step in flight first, as it does
+        where a request drafts or verifies drafts in it: its tokens are needed)."""
+        if ahead and (any(r.verifying for r in self.running) or self._drafting()):
+            return None
         decoding = [r for r in self.running if not r.is_prefill and self._outputs_left(r) > 0]
         # NOTE: each request's count once (a step's scheduling is ~4 us of Python a row)
         missing = [max(0, r.num_tokens_ahead - 1 + steps - len(r.slots)) for r in decoding]
@@ -177,7 +201,23 @@ class Scheduler:
                 extra = max(0, min(extra, spare))
                 spare -= extra
                 request.slots += self.kv.alloc(short + extra)
-        return decoding
+        if steps == 1 and self.speculator is not None:
+            return [self._with_drafts(r, self.speculator) for r in decoding]
+        return [ScheduledRow.of(r, 1, False) for r in decoding]
+
+    def _with_drafts(self, request: Request, spec: Speculator) -> ScheduledRow:
+        """The request's decode row, with the drafts it proposes where slots allow: they are
+        optional, so a short pool cuts them instead of preempting anyone."""
+        if request.is_replaying or not spec.wants_drafts(request, len(self.running)):
+            return ScheduledRow.of(request, 1, False)
+        drafts = spec.propose(request, self._outputs_left(request) - 1)
+        short = request.num_tokens + len(drafts) - len(request.slots)
+        if short > 0:
+            drafts = drafts[: len(drafts) - max(0, short - self.kv.num_available)]
+            short = request.num_tokens + len(drafts) - len(request.slots)
+            if short > 0:
+                request.slots += self.kv.alloc(short)
+        return ScheduledRow.of(request, 1 + len(drafts), False, tuple(drafts))
 
     def _slots_left(self, request: Request) -> int:
         """Slots the request can still use: one per position it may yet be fed (the last

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
+from tokenmill.controller.speculation import SpeculativeConfig
+
 
 @dataclass(frozen=True)
 class ModelArgs:
@@ -60,6 +62,13 @@ class SchedulerArgs:
     decode_steps: int = 1
     """Decode iterations the worker runs per round trip when every running request decodes
     (multi-step decoding: fewer round trips, the same tokens and logprobs)."""
+    speculative_config: str = ""
+    """Speculative decoding, as vLLM takes it: JSON such as '{"method": "ngram",
+    "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}' (n-gram
+    prompt lookup: drafts are what followed the latest earlier occurrence of the tokens just
+    generated; "disable_by_batch_size": N drafts nothing while more than N requests run).
+    Drafts are kept only where they are the token the model samples there, so tokens and
+    logprobs are the bits of plain decoding. Empty: off."""
     disable_prefix_cache: bool = False
     """Turn off the radix prefix cache (every prompt is computed in full)."""
     overlap_schedule: bool = False
@@ -287,6 +296,7 @@ def validate(config: ServerConfig) -> None:
     for ok, flag, value, fix in checks:
         if not ok:
             raise ValueError(f"{flag}={value!r} is invalid: {fix}")
+    SpeculativeConfig.parse(s.speculative_config)  # NOTE: its ValueError names the flag
     validate_parallel(config.parallel)
 
 

@@ -66,6 +66,9 @@ class GenerateRequest(msgspec.Struct, frozen=True, tag="generate"):
     # request's query): it waits for a running prefill of them instead of computing them too.
     shared_prefix_len: int = 0
     constraint: Constraint | None = None
+    # False: never drafts, where the server runs speculative decoding (its tokens and
+    # logprobs are the same either way; only the speed differs)
+    speculative: bool = True
 
 
 class AbortRequest(msgspec.Struct, frozen=True, tag="abort"):

@@ -20,3 +20,9 @@ class EngineReport(msgspec.Struct, frozen=True, tag="engine_report"):
     step_timing: dict[str, float] = {}
     max_model_len: int = 0
     replica: int = 0  # which engine replica (--data-parallel-size) reports
+    # speculative decoding since start: rows that verified drafts, drafts, kept drafts, and
+    # kept drafts by position (the first draft of a step, the second, ...)
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()

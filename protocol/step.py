@@ -60,7 +60,10 @@ class GrammarRows(msgspec.Struct, frozen=True, array_like=True):
     """
 
     rows: Array  # [G] int32 batch rows, ascending
-    bitmask: Array | None = None  # [G, ceil(V / 32)] int32: bit i % 32 of word i // 32 = id i
+    # [G, ceil(V / 32)] int32: bit i % 32 of word i // 32 allows id i. A step that verifies
+    # drafts (N iterations) has [N * G, W]: iteration i's masks are rows [i * G, (i + 1) * G),
+    # each after the row's drafts before position i.
+    bitmask: Array | None = None
 
 
 class SamplingBatch(msgspec.Struct, frozen=True, array_like=True):
@@ -122,13 +125,19 @@ class ForwardBatch(msgspec.Struct, frozen=True, tag="forward"):
     # the device; decode_slots[i, b] is the slot of the row's token from iteration i + 1.
     num_steps: int = 1
     decode_slots: Array | None = None  # [num_steps - 1, B] int32
+    # Speculative verification (num_steps 1): decode row b's new tokens are its last sampled
+    # token and then num_drafts[b] drafts. The step samples at each of those 1 + num_drafts[b]
+    # positions, as N = 1 + max(num_drafts) iterations over the one forward pass (a row with
+    # fewer drafts repeats its last position; those samples are not read), and keeps a
+    # row's drafts up to the first one its own sample there disagrees with.
+    num_drafts: Array | None = None  # [B] int32; None = no row has a draft
 
 
 class GrammarMask(msgspec.Struct, frozen=True, tag="grammar_mask"):
     """The bitmask of a batch sent with GrammarRows.bitmask None, right after it."""
 
     step_id: int
-    bitmask: Array  # [G, ceil(V / 32)] int32, rows as in the batch's GrammarRows
+    bitmask: Array  # [G, ceil(V / 32)] ([N * G, W] with drafts) int32, as GrammarRows.bitmask
 
 
 # What the controller sends each rank, in order: a batch, and the masks it waits for.
@@ -153,6 +162,10 @@ class StepResult(msgspec.Struct, frozen=True, tag="step"):
     # (layers and lm_head).
     busy_s: float = 0.0
     forward_s: float = 0.0
+    # With ForwardBatch.num_drafts: [B] int32 drafts each row keeps, a leading run whose every
+    # draft is the row's own sample at its position; the row's new tokens are then
+    # next_ids[:num_accepted[b] + 1, b]. None: the batch had no drafts.
+    num_accepted: Array | None = None
 
 
 class WorkerReady(msgspec.Struct, frozen=True, tag="worker_ready"):

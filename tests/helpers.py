@@ -23,6 +23,7 @@ def make_engine(
     dtype: str = "float32",
     cpu_kernels: bool = True,
     logprobs_mode: str = "raw",
+    speculative_config: str = "",
 ) -> OfflineEngine:
     config = RunnerConfig(
         model=str(model),
@@ -40,6 +41,7 @@ def make_engine(
         max_prefill_tokens=max_prefill_tokens,
         decode_steps=decode_steps,
         enable_prefix_cache=prefix_cache,
+        speculative_config=speculative_config,
     )
 
 

@@ -524,7 +524,9 @@ def test_a_row_left_with_nothing_samples_among_the_grammars_ids() -> None:
     logits[1, 3] = float("-inf")  # NOTE: the ban on eos (id 3)
     bitmask = np.zeros((1, 2), np.int32)
     bitmask[0, 0] = 1 << 3
-    rows = GrammarTensors(GrammarRows(rows=pack(np.array([1], np.int32))), torch.device("cpu"))
+    rows = GrammarTensors(
+        GrammarRows(rows=pack(np.array([1], np.int32))), torch.device("cpu"), False
+    )
     before = logits[0].clone()
     rows.apply(logits, bitmask, may_empty=True)
     assert torch.equal(logits[0], before)

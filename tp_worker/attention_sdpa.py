@@ -108,18 +108,32 @@ def plan_sdpa(
         (is_prefill.nonzero().squeeze(1), QUERY_BLOCK),
     ):
         if rows.numel():
-            groups.append(
-                _group(
-                    table,
-                    req_rows[rows],
-                    prefix_lens[rows],
-                    extend_lens[rows],
-                    starts[rows],
-                    sliding_window,
-                    query_block,
-                )
-            )
+            lens = (req_rows[rows], prefix_lens[rows], extend_lens[rows], starts[rows])
+            if query_block == 1:
+                lens = _one_query_each(*lens)
+            groups.append(_group(table, *lens, sliding_window, query_block))
     return SdpaAttention(out_slots=out_slots, groups=tuple(groups))
+
+
+def _one_query_each(
+    req_rows: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    starts: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Decode rows with several tokens (a sampled token and the drafts after it) as one
+    single-query row per token, each seeing the positions up to its own: the call plain
+    decoding makes for each of them (SDPA's sum order depends on the query count)."""
+    if bool((extend_lens == 1).all()):
+        return req_rows, prefix_lens, extend_lens, starts
+    offsets = torch.arange(int(extend_lens.sum()), device=extend_lens.device)
+    offsets = offsets - (torch.cumsum(extend_lens, 0) - extend_lens).repeat_interleave(extend_lens)
+    return (
+        req_rows.repeat_interleave(extend_lens),
+        prefix_lens.repeat_interleave(extend_lens) + offsets,
+        torch.ones_like(offsets),
+        starts.repeat_interleave(extend_lens) + offsets,
+    )
 
 
 def _group(

@@ -37,5 +37,11 @@ class LastSamples:
 
     def record(self, batch: ForwardBatch, result: StepResult) -> None:
         """NOTE: rows mid-prompt record an id nobody reads: the controller sends
-        FED_LAST_SAMPLE only for a row whose step before sampled for real."""
-        self.ids[unpack(batch.req_rows)] = unpack(result.next_ids)[-1]
+        FED_LAST_SAMPLE only for a row whose step before sampled for real. A row that
+        verified drafts records the sample after its last kept one."""
+        ids = unpack(result.next_ids)
+        if result.num_accepted is None:
+            self.ids[unpack(batch.req_rows)] = ids[-1]
+        else:
+            accepted = unpack(result.num_accepted)
+            self.ids[unpack(batch.req_rows)] = ids[accepted, np.arange(ids.shape[1])]

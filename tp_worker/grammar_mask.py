@@ -38,8 +38,10 @@ class GrammarTensors:
     """A step's constrained rows; their bitmask comes with `apply`, once it is known (in the
     batch, or in the GrammarMask message after it)."""
 
-    def __init__(self, grammar: GrammarRows, device: torch.device) -> None:
+    def __init__(self, grammar: GrammarRows, device: torch.device, per_iteration: bool) -> None:
         self.rows = torch.from_numpy(unpack(grammar.rows).astype(np.int64)).to(device)  # [G]
+        # NOTE: a step that verifies drafts has masks for each of its iterations
+        self.per_iteration = per_iteration
 
     def apply(self, logits: torch.Tensor, bitmask: np.ndarray, may_empty: bool) -> None:
         """logits [B, V] float32, in place: -inf where the row's grammar forbids the id.

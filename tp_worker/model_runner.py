@@ -116,6 +116,8 @@ class ModelRunner:
         self._fill_table(inputs)
         self.adjuster.begin(inputs.adjust)
         outputs = StepOutputs(inputs)
+        if inputs.verify is not None:
+            return self._verify(batch, inputs, outputs)
         for i in range(batch.num_steps):
             if i > 0:
                 inputs = inputs.next_decode_step(i, outputs.last_ids)
@@ -130,6 +132,34 @@ class ModelRunner:
                 score_sampled(logits, inputs, adjusted, self.processed_logprobs, self.cpu_kernels)
             )
         result = outputs.to_result(batch.step_id)
+        self.last_samples.record(batch, result)
+        return result
+
+    def _verify(self, batch: ForwardBatch, inputs: StepInputs, outputs: StepOutputs) -> StepResult:
+        """A step with drafts: one forward pass over every row's tokens, then a sampling
+        iteration for each draft position, each from the logits at that position, exactly as
+        plain decoding samples there (a token's numbers do not depend on its chunk). A row
+        keeps its drafts up to the first its own sample disagrees with."""
+        verify = inputs.verify
+        assert verify is not None
+        prompt_hidden, logits = self._forward(inputs)  # NOTE: [L, V], each row's 1 + drafts
+        if prompt_hidden is not None:
+            outputs.prompt = self._score_prompt(inputs, prompt_hidden)
+        bitmask = self._grammar_mask(batch)
+        groups = 0 if bitmask is None else len(bitmask) // verify.num_iterations
+        for i in range(verify.num_iterations):
+            if i > 0:
+                self.adjuster.count_drafts(inputs.adjust, i)
+            at = inputs.verify_iteration(i)
+            row_logits = logits[verify.logit_rows[i]]  # NOTE: a copy, [B, V]
+            mask = None if bitmask is None else bitmask[i * groups : (i + 1) * groups]
+            adjusted = self.adjuster.adjust(row_logits, at.adjust, i, mask, at.sampled_logprobs)
+            outputs.add(
+                score_sampled(row_logits, at, adjusted, self.processed_logprobs, self.cpu_kernels)
+            )
+        accepted = verify.accepted(outputs.sampled_ids())
+        self.adjuster.uncount_rejected(inputs.adjust, accepted)
+        result = outputs.to_result(batch.step_id, accepted)
         self.last_samples.record(batch, result)
         return result
 

@@ -50,6 +50,12 @@ class OfflineRequest:
     """The generated tokens' logprobs (OpenAI `logprobs: true`); num_top and token_ids
     ask for them too."""
     constraint: Constraint | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    speculative: bool = True
+    """May draft, where the engine speculates."""
 
     def message(self, req_id: str) -> GenerateRequest:
         sampling = SamplingParams(
@@ -60,6 +66,10 @@ class OfflineRequest:
             min_p=self.min_p,
             seed=self.seed,
             ignore_eos=not self.stop_at_eos,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            min_tokens=self.min_tokens,
         )
         logprobs = LogprobParams(
             return_logprob=self.logprobs,
@@ -74,6 +84,7 @@ class OfflineRequest:
             logprobs,
             DetokenizeParams(),
             constraint=self.constraint,
+            speculative=self.speculative,
         )
 
 
@@ -155,6 +166,7 @@ class OfflineEngine:
         decode_steps: int = 1,
         enable_prefix_cache: bool = True,
         grammar: GrammarEngine | None = None,
+        speculative_config: str = "",
     ) -> None:
         self.runner = runner
         self.sockets = LocalSockets(runner.step)
@@ -168,6 +180,7 @@ class OfflineEngine:
             max_prefill_tokens=max_prefill_tokens,
             decode_steps=decode_steps,
             enable_prefix_cache=enable_prefix_cache,
+            speculative_config=speculative_config,
             report_interval_s=3600.0,
         )
         ready = WorkerReady(

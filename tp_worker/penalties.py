@@ -83,6 +83,12 @@ class PenaltyTensors:
     restart_rows: torch.Tensor  # [Br] int64 table rows that forget what they counted
     generated: tuple[torch.Tensor, torch.Tensor]  # ([G] table row, [G] id) generated tokens fed
     prompt: tuple[torch.Tensor, torch.Tensor]  # ([Q] table row, [Q] id) prompt tokens fed
+    # Verifying drafts: ([D] table row, [D] id) of each draft, counted from the iteration
+    # that samples after it on; [D] host int64 that iteration (1 = the row's first draft) and
+    # batch row. None: no drafts.
+    drafts: tuple[torch.Tensor, torch.Tensor] | None = None
+    draft_steps: np.ndarray | None = None
+    draft_rows: np.ndarray | None = None
 
     @staticmethod
     def from_message(p: PenaltyBatch, batch: ForwardBatch, device: torch.device) -> PenaltyTensors:
@@ -93,13 +99,16 @@ class PenaltyTensors:
         repetition = unpack(p.repetition)
         used = (presence != 0) | (frequency != 0) | (repetition != 1)  # [B] bool
         rows = np.flatnonzero(used)
-        row, pos, ids = _fed_tokens(p, batch)
+        row, pos, ids, step = _fed_tokens(p, batch)
         keep = used[row]
-        row, pos, ids = row[keep], pos[keep], ids[keep]
+        row, pos, ids, step = row[keep], pos[keep], ids[keep], step[keep]
         gen = pos >= unpack(p.num_prompt_tokens)[row]
 
         def index(r: np.ndarray, i: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
             return _to(table[r], device, torch.int64), _to(i, device, torch.int64)
+
+        draft = step > 0
+        gen &= ~draft
 
         return PenaltyTensors(
             rows=_to(rows, device, torch.int64),
@@ -109,12 +118,17 @@ class PenaltyTensors:
             repetition=_to(repetition[rows, None], device, torch.float32),
             restart_rows=_to(table[np.flatnonzero(unpack(p.restart) & used)], device, torch.int64),
             generated=index(row[gen], ids[gen]),
-            prompt=index(row[~gen], ids[~gen]),
+            prompt=index(row[~gen & ~draft], ids[~gen & ~draft]),
+            drafts=index(row[draft], ids[draft]) if draft.any() else None,
+            draft_steps=step[draft] if draft.any() else None,
+            draft_rows=row[draft] if draft.any() else None,
         )
 
 
 def _fed_tokens(p: PenaltyBatch, batch: ForwardBatch) -> tuple[np.ndarray, ...]:
-    """([N] batch row, [N] position, [N] id) of the history and the step's input tokens."""
+    """([N] batch row, [N] position, [N] id, [N] draft iteration) of the history and the
+    step's input tokens; the iteration is 0 except for drafts (ForwardBatch.num_drafts):
+    1 for a row's first, which the sample after it may see, 2 for the next, and so on."""
     extend = unpack(batch.extend_lens).astype(np.int64)
     prefix = unpack(batch.prefix_lens).astype(np.int64)
     hist_offsets = unpack(p.history_offsets)
@@ -125,7 +139,11 @@ def _fed_tokens(p: PenaltyBatch, batch: ForwardBatch) -> tuple[np.ndarray, ...]:
     row = np.concatenate([hist_row, fed_row])
     pos = np.concatenate([hist_pos, fed_pos + prefix[fed_row]])
     ids = np.concatenate([unpack(p.history_ids), unpack(batch.input_ids)]).astype(np.int64)
-    return row, pos, ids
+    step = np.zeros(len(row), np.int64)
+    if batch.num_drafts is not None:
+        drafts = unpack(batch.num_drafts).astype(np.int64)[fed_row]
+        step[len(hist_row) :] = np.maximum(0, fed_pos - (extend[fed_row] - drafts) + 1)
+    return row, pos, ids, step
 
 
 @dataclass(frozen=True)
@@ -147,12 +165,17 @@ class LogitAdjustments:
             penalties=None
             if penalties is None
             else PenaltyTensors.from_message(penalties, batch, device),
-            grammar=None if s.grammar is None else GrammarTensors(s.grammar, device),
+            grammar=None
+            if s.grammar is None
+            else GrammarTensors(s.grammar, device, batch.num_drafts is not None),
         )
 
     def active(self, iteration: int) -> bool:
+        """Whether iteration `iteration` changes a logit. NOTE: a grammar constrains the first
+        iteration of a step, and each of a verifying step (a row's drafts go through its
+        grammar, which gives a mask for each position)."""
         ban = self.stop_ban is not None and bool((self.stop_ban.num_steps > iteration).any())
-        grammar = self.grammar is not None and iteration == 0
+        grammar = self.grammar is not None and (iteration == 0 or self.grammar.per_iteration)
         return ban or grammar or self.logit_bias is not None or self.penalties is not None
 
 
@@ -187,6 +210,32 @@ class LogitAdjuster:
         ones = torch.ones_like(ids, dtype=torch.int32)
         self.output_counts.index_put_((p.table_rows, ids), ones, accumulate=True)
 
+    def count_drafts(self, adjust: LogitAdjustments, iteration: int) -> None:
+        """A verifying step's iteration `iteration` samples after each row's first
+        `iteration` drafts: the drafts numbered `iteration` join the counts."""
+        p = adjust.penalties
+        if p is None or p.drafts is None:
+            return
+        assert p.draft_steps is not None
+        self._count_drafts(p, np.equal(p.draft_steps, iteration), 1)
+
+    def uncount_rejected(self, adjust: LogitAdjustments, accepted: np.ndarray) -> None:
+        """accepted [B]: the drafts each row kept; the others leave the counts (the next
+        step feeds the row's tokens from its last kept one)."""
+        p = adjust.penalties
+        if p is None or p.drafts is None:
+            return
+        self._count_drafts(p, p.draft_steps > accepted[p.draft_rows], -1)
+
+    def _count_drafts(self, p: PenaltyTensors, which: np.ndarray, sign: int) -> None:
+        assert p.drafts is not None
+        if not which.any():
+            return
+        index = torch.from_numpy(np.flatnonzero(which)).to(p.drafts[0].device)
+        rows, ids = p.drafts[0][index], p.drafts[1][index]
+        values = torch.full_like(ids, sign, dtype=torch.int32)
+        self.output_counts.index_put_((rows, ids), values, accumulate=True)
+
     def adjust(
         self,
         logits: torch.Tensor,
@@ -211,7 +260,7 @@ class LogitAdjuster:
             logits.index_put_((b.rows, b.ids), b.values, accumulate=True)
         if adjust.penalties is not None:
             self._penalise(logits, adjust.penalties)
-        if adjust.grammar is not None and iteration == 0:
+        if adjust.grammar is not None and (iteration == 0 or adjust.grammar.per_iteration):
             assert bitmask is not None, "a constrained batch's mask must be known by now"
             adjust.grammar.apply(logits, bitmask, may_empty=adjust.stop_ban is not None)
         return logits

@@ -60,7 +60,7 @@ class LastLayerRows:
     counts: torch.Tensor  # [B] int64 kept tokens per row
     starts: torch.Tensor  # [B] int64 index in [K] of each row's first kept token
     prompt_index: torch.Tensor  # [P] int64 index in [K] of each prompt-scoring state
-    last_index: torch.Tensor  # [B] int64 index in [K] of each row's last token
+    last_index: torch.Tensor  # [L] int64 index in [K] of each token whose logits are read
 
     @staticmethod
     def plan(
@@ -70,9 +70,11 @@ class LastLayerRows:
         keep_from: np.ndarray,
         prompt_hidden_index: np.ndarray,
         device: torch.device,
+        logit_lens: np.ndarray | None = None,
     ) -> LastLayerRows | None:
         """token_starts [B]: each row's first new token in [T]; keep_from [B]: its first kept
-        one, counted from there. None when every token is kept (a decode step)."""
+        one, counted from there; logit_lens [B]: how many of its last tokens give logits
+        (None: one). None when every token is kept (a decode step)."""
         counts = extend_lens - keep_from
         if counts.sum() == extend_lens.sum():
             return None
@@ -89,8 +91,66 @@ class LastLayerRows:
             _on(counts, device),
             _on(starts, device),
             _on(prompt_index, device),
-            _on(starts + counts - 1, device),
+            _on(suffix_index(starts, counts, logit_lens), device),
         )
+
+
+def suffix_index(starts: np.ndarray, counts: np.ndarray, lens: np.ndarray | None) -> np.ndarray:
+    """[L] int64: the indices of each row's last lens[b] tokens (None: its last one), of
+    rows that start at starts[b] with counts[b] tokens."""
+    if lens is None:
+        return (starts + counts - 1).astype(np.int64)
+    firsts = starts + counts - lens
+    offsets = np.cumsum(lens) - lens
+    return (np.repeat(firsts - offsets, lens) + np.arange(lens.sum())).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class VerifyPlan:
+    """A step that verifies drafts (ForwardBatch.num_drafts): which logits each of its N
+    sampling iterations reads, the drafts those samples are compared with, and where."""
+
+    num_drafts: np.ndarray  # [B] int64
+    logit_rows: torch.Tensor  # [N, B] int64 row of [L] logits each iteration samples from
+    draft_ids: np.ndarray  # [N - 1, B] int64 the draft after iteration i's sample; -1 none
+    # [N, B] int64 position of the token whose logits iteration i reads (its sample is the
+    # token at the position after, which keys a sampled row's noise)
+    read_pos: torch.Tensor
+
+    @property
+    def num_iterations(self) -> int:
+        return self.logit_rows.shape[0]
+
+    @staticmethod
+    def plan(
+        num_drafts: np.ndarray,
+        starts: np.ndarray,
+        prefix: np.ndarray,
+        extend: np.ndarray,
+        ids: np.ndarray,
+        device: torch.device,
+    ) -> VerifyPlan:
+        """ids [T]: the step's input tokens; a row's drafts are its last num_drafts[b]."""
+        lens = num_drafts + 1
+        offsets = np.cumsum(lens) - lens
+        steps = np.arange(int(num_drafts.max()) + 1)[:, None]  # [N, 1]
+        reached = np.minimum(steps, num_drafts[None, :])  # [N, B]
+        first = starts + extend - num_drafts  # [B] index in [T] of each row's first draft
+        at = first[None, :] + steps[:-1]  # [N - 1, B]
+        has = steps[:-1] < num_drafts[None, :]
+        draft_ids = np.where(has, ids[np.where(has, at, 0)], -1)
+        read_pos = (prefix + extend - lens)[None, :] + reached
+        return VerifyPlan(
+            num_drafts, _on(offsets[None, :] + reached, device), draft_ids, _on(read_pos, device)
+        )
+
+    def accepted(self, next_ids: np.ndarray) -> np.ndarray:
+        """next_ids [N, B] sampled -> [B] int32 drafts kept: each row's leading run of drafts
+        that equal its sample at their position."""
+        if self.num_iterations == 1:
+            return np.zeros(next_ids.shape[1], np.int32)
+        agree = next_ids[:-1] == self.draft_ids  # NOTE: -1 (no draft) never agrees
+        return np.cumprod(agree, axis=0).sum(axis=0).astype(np.int32)
 
 
 @dataclass(frozen=True)
@@ -104,9 +164,9 @@ class StepInputs:
     extend_lens: torch.Tensor  # [B] int64
     is_prefill: torch.Tensor  # [B] bool
     starts: torch.Tensor  # [B] int64 index of each row's first token in [T]
-    # NOTE: [B] int64 index in [T] of each row's last token (the one whose logits it reads);
-    # None where every row has one new token (a decode step: all of [T]); T == B says so,
-    # since no row comes with none (the scheduler's rows take at least one token).
+    # NOTE: [L] int64 index in [T] of each token whose logits are read: each row's last (and,
+    # verifying drafts, the 1 + num_drafts[b] last); None where that is all of [T] (a decode
+    # step: T == L says so, since no row comes with none).
     last_index: torch.Tensor | None
     fill_rows: torch.Tensor  # [F] int64
     fill_lens: torch.Tensor  # [F] int64
@@ -125,6 +185,7 @@ class StepInputs:
     sampled_logprobs: bool  # some row reads its sampled tokens' logprobs
     decode_slots: torch.Tensor | None  # [N-1, B] int64
     last_layer: LastLayerRows | None  # None: every token's final hidden state is kept
+    verify: VerifyPlan | None = None  # None: no row has drafts
 
     @staticmethod
     def from_batch(batch: ForwardBatch, device: torch.device) -> StepInputs:
@@ -137,6 +198,14 @@ class StepInputs:
         prompt = _prompt_plan(batch, extend_np, prefix_np, starts_np)
         s = batch.sampling
         temperature = unpack(s.temperature).astype(np.float32)
+        verify, logit_lens = None, None
+        if batch.num_drafts is not None:
+            drafts = unpack(batch.num_drafts).astype(np.int64)
+            logit_lens = drafts + 1
+            prompt.keep_from[:] = np.minimum(prompt.keep_from, extend_np - logit_lens)
+            ids = unpack(batch.input_ids).astype(np.int64)
+            verify = VerifyPlan.plan(drafts, starts_np, prefix_np, extend_np, ids, device)
+        logit_index = suffix_index(starts_np, extend_np, logit_lens)
         return StepInputs(
             input_ids=_tensor(batch.input_ids, device),
             positions=_on(positions, device),
@@ -147,9 +216,7 @@ class StepInputs:
             extend_lens=_on(extend_np, device),
             is_prefill=_tensor(batch.is_prefill, device, torch.bool),
             starts=_on(starts_np, device),
-            last_index=None
-            if len(positions) == len(extend_np)
-            else _on(starts_np + extend_np - 1, device),
+            last_index=None if len(positions) == len(logit_index) else _on(logit_index, device),
             fill_rows=_tensor(batch.fill_rows, device),
             fill_lens=_tensor(batch.fill_lens, device),
             fill_slots=_tensor(batch.fill_slots, device, torch.int32),
@@ -176,8 +243,15 @@ class StepInputs:
             if batch.decode_slots is None
             else _tensor(batch.decode_slots, device),
             last_layer=LastLayerRows.plan(
-                extend_np, starts_np, prefix_np, prompt.keep_from, prompt.hidden_index, device
+                extend_np,
+                starts_np,
+                prefix_np,
+                prompt.keep_from,
+                prompt.hidden_index,
+                device,
+                logit_lens,
             ),
+            verify=verify,
         )
 
     def next_tokens(self, batch: ForwardBatch, device: torch.device) -> StepInputs:
@@ -196,6 +270,14 @@ class StepInputs:
             if batch.decode_slots is None
             else _tensor(batch.decode_slots, device),
         )
+
+    def verify_iteration(self, step: int) -> StepInputs:
+        """The inputs a verifying step samples with at iteration `step`: each row as if its
+        new tokens ended at its draft before that position (the position, which keys a
+        sampled row's noise, is the one plain decoding samples there)."""
+        assert self.verify is not None
+        read_pos = self.verify.read_pos[step]
+        return replace(self, prefix_lens=read_pos, extend_lens=torch.ones_like(read_pos))
 
     def next_decode_step(self, step: int, sampled: torch.Tensor) -> StepInputs:
         """Inputs of decode iteration `step` (>= 1) of a multi-step run: every row extends by
@@ -246,6 +328,7 @@ def _rows_persist(batch: ForwardBatch, inputs: StepInputs) -> bool:
     s = batch.sampling
     return (
         batch.input_ids.shape == batch.req_rows.shape
+        and batch.num_drafts is None
         and not batch.fill_rows.shape[0]
         and s.stop_ban is None
         and s.penalties is None

@@ -96,7 +96,11 @@ class StepOutputs:
     def add(self, scores: SampledScores) -> None:
         self.sampled.append(scores)
 
-    def to_result(self, step_id: int) -> StepResult:
+    def sampled_ids(self) -> np.ndarray:
+        """[N, B] int64 the ids of every iteration so far, on the host."""
+        return np.stack([_host(s.next_ids) for s in self.sampled])
+
+    def to_result(self, step_id: int, num_accepted: np.ndarray | None = None) -> StepResult:
         steps, rows = len(self.sampled), len(self.sampled[0].next_ids)
 
         absent = _absent(steps, rows)
@@ -129,6 +133,7 @@ class StepOutputs:
             prompt_top_logprobs=absent.prompt_top_logprobs
             if prompt is None
             else pack(_host(prompt.top_logprobs)),
+            num_accepted=None if num_accepted is None else pack(num_accepted),
         )
 
 

@@ -144,6 +144,7 @@ class PromptOptions:
     detokenize: DetokenizeParams
     min_tokens_param: str = "min_tokens"
     constraint: Constraint | None = None
+    speculative: bool = True  # False: this request never drafts (speculative decoding)
 
 
 T = TypeVar("T")
@@ -283,6 +284,7 @@ def build_choices(
                 logprobs=opts.logprobs,
                 detokenize=opts.detokenize,
                 constraint=opts.constraint,
+                speculative=opts.speculative,
             )
             choices.append(Choice(index, request, p, ids, text))
     return choices

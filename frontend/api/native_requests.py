@@ -70,6 +70,7 @@ class NativeSampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     json_schema: str | None = None  # a JSON schema's text
     regex: str | None = None
     ebnf: str | None = None  # an EBNF (GBNF) grammar, or a Lark one
+    speculative_decoding: bool | None = None  # False: no drafts (as in chat and completions)
 
 
 class GenerateBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -158,6 +159,7 @@ def _options(body: GenerateBody, ctx: RequestContext) -> PromptOptions:
         detokenize=detokenize,
         min_tokens_param="sampling_params.min_new_tokens",
         constraint=constraint,
+        speculative=sp.speculative_decoding is not False,
     )
 
 

@@ -87,6 +87,9 @@ class _OpenAIFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     json_schema: Any = None  # SGLang: a JSON schema's text
     regex: str | None = None  # SGLang
     ebnf: str | None = None  # SGLang: an EBNF (GBNF) grammar
+    # False: no drafts for this request where the server speculates (--speculative-config);
+    # its tokens and logprobs are the same either way
+    speculative_decoding: bool | None = None
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -164,6 +167,7 @@ def _options(
         logprobs=logprobs,
         detokenize=detokenize,
         constraint=constraint,
+        speculative=body.speculative_decoding is not False,
     )
 
 

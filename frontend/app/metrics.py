@@ -136,10 +136,39 @@ class EngineCollector(Collector):
         yield _counter(
             "prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache.", each(_hits)
         )
+        yield from _spec_metrics(stats, replicas)
         for key in sorted({key for r in replicas for key in r.extra}):
             name = re.sub(r"[^a-zA-Z0-9_]", "_", key)
             values = each(lambda s, key=key: s.extra.get(key, 0.0))  # type: ignore[misc]
             yield _gauge(name, f"Engine report field {key}.", values)
+
+
+def _spec_metrics(stats: EngineStats, replicas: list[EngineStats]) -> Iterator[Metric]:
+    """vLLM's spec_decode_* counters, where the engine speculates (--speculative-config)."""
+    if not any(r.spec for r in replicas):
+        return
+    names = (
+        ("spec_decode_num_drafts", "Rows of steps that verified drafts."),
+        ("spec_decode_num_draft_tokens", "Draft tokens verified."),
+        ("spec_decode_num_accepted_tokens", "Draft tokens kept (each the model's own sample)."),
+    )
+    for i, (name, help_text) in enumerate(names):
+        values = {
+            ("" if not stats.replicas else str(d)): float(r.spec[i] if r.spec else 0)
+            for d, r in enumerate(replicas)
+        }
+        yield _counter(name, help_text, values)
+    labels = ["position"] if not stats.replicas else ["replica", "position"]
+    family = CounterMetricFamily(
+        PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens kept, by their place among a step's drafts (0 = the first).",
+        labels=labels,
+    )
+    for d, r in enumerate(replicas):
+        for position, count in enumerate(r.spec[3] if r.spec else ()):
+            replica = [str(d)] if stats.replicas else []
+            family.add_metric([*replica, str(position)], count)
+    yield family
 
 
 def _running(s: EngineStats) -> float:

@@ -30,6 +30,9 @@ class EngineStats:
     kv_slots_free: int = 0
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
+    # speculative decoding (EngineReport.spec_*): rows that verified drafts, drafts, kept
+    # drafts, and kept drafts by position; None while the engine does not speculate
+    spec: tuple[int, int, int, tuple[int, ...]] | None = None
     # time.monotonic() of the controller's last report (it reports between steps)
     last_report: float = field(default_factory=time.monotonic)
     extra: dict[str, float] = field(default_factory=dict)

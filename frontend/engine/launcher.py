@@ -163,6 +163,7 @@ def controller_config(
         max_prefill_tokens=s.max_prefill_tokens,
         model_dir=str(model_dir),
         decode_steps=s.decode_steps,
+        speculative_config=s.speculative_config,
         enable_prefix_cache=not s.disable_prefix_cache,
         overlap_schedule=s.overlap_schedule,
         step_timing=s.step_timing,

@@ -150,6 +150,13 @@ class ZmqEngineClient:
         s.kv_slots_total, s.kv_slots_free = report.kv_slots_total, report.kv_slots_free
         s.prefix_queried_tokens = report.prefix_queried_tokens
         s.prefix_hit_tokens = report.prefix_hit_tokens
+        if report.spec_accepted_per_pos:
+            s.spec = (
+                report.spec_num_drafts,
+                report.spec_num_draft_tokens,
+                report.spec_num_accepted_tokens,
+                report.spec_accepted_per_pos,
+            )
         s.extra["prefix_cache_tokens"] = report.prefix_cached_tokens
         s.extra.update(report.step_timing)
         s.last_report = time.monotonic()
