@@ -1,0 +1,256 @@
+"""Speculative decoding gives the tokens and the logprob bits of plain decoding.
+
+A step verifies a row's drafts as one chunk and samples at each position as plain decoding
+samples there, so whatever the drafts are, only the speed may change. The tiny random models
+rarely repeat themselves, so most of these tests draft with an oracle: the reference run's
+own tokens, with a wrong one in some steps, so that steps keep all, some or none of their
+drafts. The real n-gram proposer runs in the rest (and on SmolLM2 in test_smollm2.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from helpers import make_engine
+
+from tokenmill.controller import speculation
+from tokenmill.controller.request import Request
+from tokenmill.controller.speculation import (
+    WINDOW,
+    DraftState,
+    SpeculativeConfig,
+    Speculator,
+    _lookup,
+)
+from tokenmill.tp_worker.offline import OfflineEngine, OfflineOutput, OfflineRequest
+
+NGRAM = '{"method": "ngram", "num_speculative_tokens": %d}'
+
+
+def _requests(sampled: bool) -> list[OfflineRequest]:
+    """A mixed batch: greedy or seeded rows with top logprobs, caller-given ids, prompt
+    logprobs, penalties, min_tokens, and a row that opts out."""
+    rng = np.random.default_rng(1)
+    lengths = [5, 17, 30, 9, 12, 20, 3]
+    base = [
+        OfflineRequest(
+            rng.integers(3, 1000, n).tolist(),
+            max_tokens=24,
+            num_top=3 if i % 2 else 0,
+            temperature=0.8 if sampled and i % 3 else 0.0,
+            top_p=0.9,
+            seed=i,
+        )
+        for i, n in enumerate(lengths)
+    ]
+    base[2] = replace(base[2], token_ids=(5, 7, 11), prompt_logprob_start=4)
+    base[3] = replace(base[3], presence_penalty=0.5, frequency_penalty=0.3)
+    base[4] = replace(base[4], repetition_penalty=1.3)
+    base[5] = replace(base[5], min_tokens=10, stop_at_eos=True)
+    base[6] = replace(base[6], speculative=False)
+    return base
+
+
+def _bits(values: list) -> np.ndarray:
+    return np.asarray(values, np.float32).view(np.int32)
+
+
+def assert_same_bits(a: OfflineOutput, b: OfflineOutput) -> None:
+    assert a.output_ids == b.output_ids
+    assert np.array_equal(_bits(a.logprobs), _bits(b.logprobs))
+    assert np.array_equal(np.asarray(a.top_ids), np.asarray(b.top_ids))
+    assert np.array_equal(_bits(a.top_logprobs), _bits(b.top_logprobs))
+    assert np.array_equal(_bits(a.token_ids_logprobs), _bits(b.token_ids_logprobs))
+    assert np.array_equal(_bits(a.prompt_logprobs), _bits(b.prompt_logprobs))
+    assert a.finish_reason == b.finish_reason
+
+
+@pytest.fixture()
+def oracle_drafts(monkeypatch: pytest.MonkeyPatch):
+    """oracle_drafts(requests, outputs): the speculator proposes each request's reference
+    tokens from here on, one of them wrong where the output count is 1 mod 3."""
+
+    def install(requests: list[OfflineRequest], outputs: list[OfflineOutput]) -> None:
+        future = {tuple(r.prompt_ids): o.output_ids for r, o in zip(requests, outputs, strict=True)}
+
+        def propose(self: Speculator, request: Request, limit: int) -> list[int]:
+            limit = min(limit, self.config.num_speculative_tokens)
+            n = len(request.output_ids)
+            drafts = future[tuple(request.prompt_ids)][n : n + limit]
+            if drafts and n % 3 == 1:
+                wrong = n % len(drafts)
+                drafts[wrong] = (drafts[wrong] + 1) % 1000
+            return drafts
+
+        monkeypatch.setattr(speculation.Speculator, "propose", propose)
+
+    return install
+
+
+def _counters(engine: OfflineEngine) -> speculation.SpecCounters:
+    assert engine.controller.speculator is not None
+    return engine.controller.speculator.counters
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_drafts_change_no_token_and_no_logprob_bit(
+    tiny_checkpoint, oracle_drafts, k: int, sampled: bool
+) -> None:
+    """Cold (every prompt computed) and warm (the same requests again: prefix-cache hits),
+    against plain decoding; some steps keep every draft, some a few, some none."""
+    model = tiny_checkpoint("llama")
+    requests = _requests(sampled)
+    reference = make_engine(model, prefix_cache=False).generate(requests)
+    oracle_drafts(requests, reference)
+    engine = make_engine(model, speculative_config=NGRAM % k)
+    for _ in range(2):
+        for a, b in zip(reference, engine.generate(requests), strict=True):
+            assert_same_bits(a, b)
+    counters = _counters(engine)
+    assert 0 < counters.num_accepted_tokens < counters.num_draft_tokens
+    assert counters.accepted_per_pos[k - 1] > 0  # NOTE: some steps kept all k
+    assert engine.controller.kv.hit_tokens > 0
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"dtype": "bfloat16"},
+        {"cpu_kernels": False},  # NOTE: torch's SDPA: drafts attend one query each
+        {"logprobs_mode": "processed"},
+        {"decode_steps": 4},
+    ],
+    ids=["bfloat16", "sdpa", "processed", "decode-steps-4"],
+)
+def test_the_same_bits_on_every_path(
+    tiny_checkpoint, oracle_drafts, settings: dict, cpu_kernel: str
+) -> None:
+    """cpu_kernel: on a CPU with AMX, the tile kernels' bfloat16 run too."""
+    model = tiny_checkpoint("qwen2")
+    requests = _requests(sampled=True)
+    reference = make_engine(model, prefix_cache=False, **settings).generate(requests)
+    oracle_drafts(requests, reference)
+    engine = make_engine(model, prefix_cache=False, speculative_config=NGRAM % 4, **settings)
+    for a, b in zip(reference, engine.generate(requests), strict=True):
+        assert_same_bits(a, b)
+    assert _counters(engine).num_accepted_tokens > 0
+    pool = engine.controller.slots
+    assert pool.num_free == pool.size  # NOTE: no prefix cache: every slot is back
+
+
+def test_a_request_that_opts_out_never_drafts(tiny_checkpoint, oracle_drafts) -> None:
+    model = tiny_checkpoint("llama")
+    requests = [replace(r, speculative=False) for r in _requests(sampled=False)]
+    reference = make_engine(model).generate(requests)
+    oracle_drafts(requests, reference)
+    engine = make_engine(model, speculative_config=NGRAM % 4)
+    for a, b in zip(reference, engine.generate(requests), strict=True):
+        assert_same_bits(a, b)
+    assert _counters(engine).num_drafts == 0
+
+
+def test_preempted_requests_recompute_what_they_kept(tiny_checkpoint, oracle_drafts) -> None:
+    """A KV cache too small for the batch: requests are preempted mid-output and replayed;
+    drafts never take a slot a running request needs."""
+    from tokenmill.tp_worker.config import RunnerConfig
+    from tokenmill.tp_worker.model_runner import ModelRunner
+
+    model = tiny_checkpoint("llama")
+    requests = [replace(r, max_tokens=40) for r in _requests(sampled=True)]
+    reference = make_engine(model, prefix_cache=False).generate(requests)
+    oracle_drafts(requests, reference)
+    config = RunnerConfig(
+        model=str(model),
+        kv_cache_tokens=200,
+        max_running_requests=8,
+        max_model_len=128,
+        dtype="float32",
+        device="cpu",
+    )
+    engine = OfflineEngine(ModelRunner(config), speculative_config=NGRAM % 4)
+    for a, b in zip(reference, engine.generate(requests), strict=True):
+        assert_same_bits(a, b)
+    assert engine.controller.scheduler.num_preemptions > 0
+    assert _counters(engine).num_accepted_tokens > 0
+
+
+def test_real_ngram_drafts_on_a_repeating_output(tiny_checkpoint) -> None:
+    """The n-gram proposer itself, on prompts whose greedy output repeats (the tiny llama
+    falls into a loop after a run of one token)."""
+    model = tiny_checkpoint("llama")
+    requests = [
+        OfflineRequest([11] * 30, max_tokens=60, num_top=2),
+        OfflineRequest([5, 6, 7, 8] * 10, max_tokens=40, temperature=0.7, seed=4),
+    ]
+    reference = make_engine(model).generate(requests)
+    engine = make_engine(model, speculative_config=NGRAM % 4)
+    for a, b in zip(reference, engine.generate(requests), strict=True):
+        assert_same_bits(a, b)
+    assert _counters(engine).num_accepted_tokens > 0
+
+
+def _history(tokens: list[int]) -> bytearray:
+    return bytearray(b"".join(t.to_bytes(4, "little") for t in tokens))
+
+
+def test_lookup_takes_the_longest_latest_match() -> None:
+    # the 3-gram [1, 2, 3] was followed by 4, 5 first and by 9, 8 later: the later wins
+    assert _lookup(_history([1, 2, 3, 4, 5, 0, 1, 2, 3, 9, 8, 1, 2, 3]), 2, 4, 3) == [9, 8, 1]
+    # a 2-gram only: [7, 3] ends the tokens and was seen once
+    assert _lookup(_history([7, 3, 6, 6, 1, 7, 3]), 2, 4, 2) == [6, 6]
+    assert _lookup(_history([1, 2, 3, 4]), 2, 4, 3) == []  # no earlier occurrence
+    # bytes that match across a token boundary are no match: 0x0100 0x0000 vs 0x0001 ...
+    assert _lookup(_history([256, 0, 5, 1, 0]), 1, 1, 2) == [5, 1]
+    assert _lookup(_history([256, 5, 1, 0]), 1, 1, 2) == []
+
+
+def test_a_request_whose_drafts_keep_failing_stops_drafting() -> None:
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=4))
+    request = Request.__new__(Request)
+    request.output_ids, request.drafts = [1] * 10, DraftState()
+    assert spec.wants_drafts(request, num_running=1)
+    for _ in range(WINDOW):
+        spec.record(request, 4, 0)
+    assert not spec.wants_drafts(request, num_running=1)
+    request.output_ids += [1] * speculation.OFF_OUTPUTS
+    assert spec.wants_drafts(request, num_running=1)  # NOTE: it tries again later
+    by_batch = Speculator(SpeculativeConfig(disable_by_batch_size=2))
+    fresh = Request.__new__(Request)
+    fresh.output_ids, fresh.drafts = [], DraftState()
+    assert by_batch.wants_drafts(fresh, 2) and not by_batch.wants_drafts(fresh, 3)
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ('{"model": "/some/draft"}', "a draft model"),
+        ('{"method": "eagle", "num_speculative_tokens": 2}', "a draft model"),
+        ('{"method": "medusa2"}', "unknown method"),
+        ('{"method": "ngram", "k": 3}', "unknown key"),
+        ('{"num_speculative_tokens": 0}', "num_speculative_tokens must be"),
+        ('{"num_speculative_tokens": 17}', "num_speculative_tokens must be"),
+        ('{"prompt_lookup_min": 5, "prompt_lookup_max": 3}', "prompt_lookup_min 5 >"),
+        ("[4]", "a JSON object"),
+        ("{ngram}", "not JSON"),
+    ],
+)
+def test_a_config_it_cannot_serve_is_an_error_at_start(text: str, error: str) -> None:
+    from tokenmill.frontend.server_config import SchedulerArgs, ServerConfig, validate
+
+    with pytest.raises(ValueError, match=error):
+        validate(ServerConfig(scheduler=SchedulerArgs(speculative_config=text)))
+
+
+def test_the_config_as_vllm_takes_it() -> None:
+    config = SpeculativeConfig.parse(
+        '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5, '
+        '"prompt_lookup_min": 1}'
+    )
+    assert config == SpeculativeConfig("ngram", 3, 5, 1, 0)
+    assert SpeculativeConfig.parse("") is None
+    assert SpeculativeConfig.parse('{"prompt_lookup_max": 1}') == SpeculativeConfig(
+        "ngram", 4, 1, 1, 0
+    )
