@@ -161,8 +161,11 @@ class Controller:
         assert self.grammar is not None, "a constrained request needs the grammar engine"
         # NOTE: a request stopped by the step before has no mask: its sample is dropped.
         matchers = [None if row.request.finished else row.request.grammar for row in rows]
-        if any(row.drafts for row in self.in_flight[0][1]):
-            masks = self.grammar.masks_along(matchers, [row.drafts for row in rows])
+        # NOTE: the step's iterations count every row's drafts: a constrained row with fewer
+        # (or none) still needs a mask for each iteration the worker samples.
+        steps = 1 + max(len(row.drafts) for row in self.in_flight[0][1])
+        if steps > 1:
+            masks = self.grammar.masks_along(matchers, [row.drafts for row in rows], steps)
         else:
             masks = self.grammar.masks(matchers)
         self.sockets.send_mask(GrammarMask(step_id, pack(masks)))

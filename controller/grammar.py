@@ -90,14 +90,17 @@ class GrammarEngine:
         return compiled.deep_copy()
 
     def masks_along(
-        self, matchers: list[llguidance.LLMatcher | None], drafts: list[tuple[int, ...]]
+        self,
+        matchers: list[llguidance.LLMatcher | None],
+        drafts: list[tuple[int, ...]],
+        steps: int,
     ) -> np.ndarray:
-        """[N * G, W]: the masks of a step that verifies drafts, N = 1 + the most drafts of
-        a row: iteration i's rows are each matcher after its row's first i drafts (fewer
-        where it has fewer: its later samples are not read). The matchers end as they
-        began. NOTE: a matcher a draft stopped allows every id after it (the request ends at
-        that draft; what is sampled after it is dropped)."""
-        steps = 1 + max(len(d) for d in drafts)
+        """[N * G, W]: the masks of a step that verifies drafts in N = `steps` iterations (1
+        + the most drafts of any row in it, constrained or not): iteration i's rows are each
+        matcher after its row's first i drafts (fewer where it has fewer: its later samples
+        are not read). The matchers end as they began. NOTE: a matcher a draft stopped allows
+        every id after it (the request ends at that draft; what is sampled after it is
+        dropped)."""
         masks = []
         for i in range(steps):
             live = [m if m is None or not m.is_stopped() else None for m in matchers]

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tokenmill.controller.grammar import GrammarEngine
 from tokenmill.tp_worker.config import RunnerConfig
 from tokenmill.tp_worker.model_runner import ModelRunner
 from tokenmill.tp_worker.offline import OfflineEngine, OfflineOutput
@@ -24,7 +25,9 @@ def make_engine(
     cpu_kernels: bool = True,
     logprobs_mode: str = "raw",
     speculative_config: str = "",
+    grammar: bool = False,
 ) -> OfflineEngine:
+    """grammar: with the grammar engine, for constrained requests."""
     config = RunnerConfig(
         model=str(model),
         kv_cache_tokens=rows * 512,
@@ -36,12 +39,16 @@ def make_engine(
         cpu_kernels=cpu_kernels,
         logprobs_mode=logprobs_mode,
     )
+    runner = ModelRunner(config)
     return OfflineEngine(
-        ModelRunner(config),
+        runner,
         max_prefill_tokens=max_prefill_tokens,
         decode_steps=decode_steps,
         enable_prefix_cache=prefix_cache,
         speculative_config=speculative_config,
+        grammar=GrammarEngine.for_checkpoint(str(model), runner.model_config.eos_token_ids)
+        if grammar
+        else None,
     )
 
 

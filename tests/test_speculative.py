@@ -254,3 +254,24 @@ def test_the_config_as_vllm_takes_it() -> None:
     assert SpeculativeConfig.parse('{"prompt_lookup_max": 1}') == SpeculativeConfig(
         "ngram", 4, 1, 1, 0
     )
+
+
+def test_a_constrained_row_beside_rows_with_drafts(tiny_checkpoint) -> None:
+    """A constrained request with fewer drafts than another row of its step (here none: its
+    prompt never repeats) needs a mask for each of the step's iterations (this once crashed
+    the worker: the masks were counted by the constrained rows' drafts alone)."""
+    from tokenmill.frontend.api.constraints import regex_grammar
+    from tokenmill.protocol.requests import Constraint
+
+    model = tiny_checkpoint("llama")
+    regex = Constraint("regex", regex_grammar(r"[a-z]{5,40}", "r"))
+    requests = [
+        OfflineRequest([11] * 30, max_tokens=60, num_top=2),
+        OfflineRequest([300, 301, 302, 57], max_tokens=30, constraint=regex),
+    ]
+
+    reference = make_engine(model, grammar=True).generate(requests)
+    engine = make_engine(model, grammar=True, speculative_config=NGRAM % 4)
+    for a, b in zip(reference, engine.generate(requests), strict=True):
+        assert_same_bits(a, b)
+    assert _counters(engine).num_drafts > 0
