@@ -14,7 +14,12 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from tokenmill.frontend.server_config import ServerConfig, add_arguments, from_namespace
+from tokenmill.frontend.server_config import (
+    SchedulerArgs,
+    ServerConfig,
+    add_arguments,
+    from_namespace,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +65,49 @@ def resolve(config: ServerConfig) -> tuple[ServerConfig, Path]:
     name = config.model.served_model_name or resolved.name
     model = replace(config.model, max_model_len=max_len, served_model_name=name)
     http = replace(config.http, api_key=config.http.api_key or os.environ.get(API_KEY_ENV, ""))
-    return replace(config, model=model, http=http), model_dir
+    scheduler = resolve_draft_model(config, model_dir)
+    return replace(config, model=model, http=http, scheduler=scheduler), model_dir
+
+
+def resolve_draft_model(config: ServerConfig, model_dir: Path) -> SchedulerArgs:
+    """--speculative-config's draft model as a checkpoint directory (a GGUF file converted,
+    as --model's), refused unless it shares the target's vocabulary and splits at the
+    tensor-parallel size."""
+    from tokenmill.cli.default_model import resolve_model
+    from tokenmill.controller.speculation import SpeculativeConfig
+
+    s = config.scheduler
+    spec = SpeculativeConfig.parse(s.speculative_config)
+    if spec is None or spec.method != "draft_model":
+        return s
+    try:
+        draft_dir = resolve_model(spec.model).directory
+        check_draft_vocabulary(model_dir, draft_dir)
+    except ValueError as e:
+        raise SystemExit(f"--speculative-config: draft {e}") from None
+    raw = json.loads((draft_dir / "config.json").read_text())
+    check_tensor_parallel(raw, config.parallel.tensor_parallel_size)
+    return replace(s, speculative_config=spec.with_model(str(draft_dir)))
+
+
+def check_draft_vocabulary(model_dir: Path, draft_dir: Path) -> None:
+    """A draft model must propose ids that mean the same tokens to the target: the same
+    tokenizer vocabulary and the same number of logits. ValueError says which differs."""
+    from tokenmill.frontend.tokenizer import Tokenizer
+
+    target, draft = Tokenizer(model_dir), Tokenizer(draft_dir)
+    if target.num_logits != draft.num_logits:
+        raise ValueError(
+            f"model {draft_dir} has another vocabulary: {draft.num_logits} logits against the "
+            f"target's {target.num_logits}"
+        )
+    theirs, ours = draft.vocab(), target.vocab()
+    if theirs != ours:
+        differ = sorted(set(theirs.items()) ^ set(ours.items()), key=lambda kv: kv[1])
+        raise ValueError(
+            f"model {draft_dir} has another vocabulary: {len(differ)} token/id pairs differ "
+            f"from the target's (first: {differ[0][0]!r} = {differ[0][1]})"
+        )
 
 
 def check_rerank_prompt(config: ServerConfig, model_dir: Path) -> None:

@@ -4,7 +4,9 @@ stops drafting (controller process).
 A decode row with drafts computes its pending token and the drafts after it as one chunk;
 the worker samples at each position exactly as plain decoding would there and keeps the
 drafts up to the first one its own sample disagrees with (tp_worker/model_runner._verify).
-So which drafts are proposed changes only the speed, never a token or a logprob.
+So which drafts are proposed changes only the speed, never a token or a logprob. N-gram
+drafts are found here; a draft model's are written by the workers
+(tp_worker/draft_model.py), into placeholders the controller sends in their place.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 from tokenmill.controller.request import Request
 
+DRAFT_PLACEHOLDER = 0  # a draft the worker's draft model writes
 MAX_DRAFTS = 16  # num_speculative_tokens at most (a verify step's iterations, 1 + drafts)
 # NOTE: a request whose drafts are rarely kept stops drafting: verifying k drafts costs a
 # chunk of k + 1 tokens where plain decoding computes one. Judged over its last WINDOW
@@ -37,11 +40,12 @@ SPEC_KEYS = {
 class SpeculativeConfig:
     """vLLM's --speculative-config, as far as tokenmill serves it."""
 
-    method: str = "ngram"
+    method: str = "ngram"  # or draft_model
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     disable_by_batch_size: int = 0  # 0 = never; else no drafts while more requests run
+    model: str = ""  # the draft model's checkpoint (method draft_model)
 
     @staticmethod
     def parse(text: str) -> SpeculativeConfig | None:
@@ -61,16 +65,31 @@ class SpeculativeConfig:
             )
         return SpeculativeConfig._from(raw)
 
+    def with_model(self, model: str) -> str:
+        """The flag's JSON with the draft model at `model` (a resolved directory)."""
+        raw = {
+            "model": model,
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "disable_by_batch_size": self.disable_by_batch_size,
+        }
+        return json.dumps(raw)
+
     @staticmethod
     def _from(raw: dict[str, Any]) -> SpeculativeConfig:
         method = raw.get("method", "draft_model" if "model" in raw else "ngram")
-        if method in ("draft_model", "eagle", "eagle3", "medusa", "mtp") or "model" in raw:
+        if method in ("eagle", "eagle3", "medusa", "mtp"):
             raise ValueError(
-                f"--speculative-config: method {method!r} (a draft model) is not served yet; "
-                'use {"method": "ngram", ...}'
+                f"--speculative-config: method {method!r} is not served; use ngram or "
+                'draft_model ({"model": DIR, "num_speculative_tokens": K})'
             )
+        if method == "draft_model":
+            return SpeculativeConfig._draft_model(raw)
         if method != "ngram":
-            raise ValueError(f"--speculative-config: unknown method {method!r}; use ngram")
+            raise ValueError(
+                f"--speculative-config: unknown method {method!r}; use ngram or draft_model"
+            )
+        if "model" in raw:
+            raise ValueError('--speculative-config: "model" goes with method draft_model')
         k = _int(raw, "num_speculative_tokens", 4, 1, MAX_DRAFTS)
         high = _int(raw, "prompt_lookup_max", 4, 1, 64)
         low = _int(raw, "prompt_lookup_min", min(2, high), 1, 64)
@@ -80,6 +99,21 @@ class SpeculativeConfig:
             )
         by_batch = _int(raw, "disable_by_batch_size", 0, 0, 1 << 20)
         return SpeculativeConfig("ngram", k, high, low, by_batch)
+
+    @staticmethod
+    def _draft_model(raw: dict[str, Any]) -> SpeculativeConfig:
+        model = raw.get("model")
+        if not isinstance(model, str) or not model:
+            raise ValueError(
+                '--speculative-config: method draft_model needs "model": a checkpoint '
+                "directory or GGUF file with the target's tokenizer"
+            )
+        lookup = sorted(k for k in raw if k.startswith("prompt_lookup"))
+        if lookup:
+            raise ValueError(f"--speculative-config: {lookup} apply to method ngram only")
+        k = _int(raw, "num_speculative_tokens", 4, 1, MAX_DRAFTS)
+        by_batch = _int(raw, "disable_by_batch_size", 0, 0, 1 << 20)
+        return SpeculativeConfig("draft_model", k, disable_by_batch_size=by_batch, model=model)
 
 
 def _int(raw: dict[str, Any], key: str, default: int, low: int, high: int) -> int:
@@ -128,17 +162,23 @@ class Speculator:
         state = request.drafts
         if state is None or (by_batch and num_running > by_batch):
             return False
+        if self.config.method == "draft_model" and request.grammar is not None:
+            return False  # NOTE: see propose
         return len(request.output_ids) >= state.off_until
 
     def propose(self, request: Request, limit: int) -> list[int]:
         """Up to `limit` drafts (and num_speculative_tokens): what followed the latest earlier
         occurrence of the longest n-gram (prompt_lookup_max down to _min tokens) that ends
-        its tokens; cut where its grammar would refuse one."""
+        its tokens; cut where its grammar would refuse one. With a draft model,
+        placeholders for its drafts, and none for a constrained request (the worker that
+        writes them cannot ask the grammar)."""
         state = request.drafts
         assert state is not None
         limit = min(limit, self.config.num_speculative_tokens)
         if limit <= 0:
             return []
+        if self.config.method == "draft_model":
+            return [] if request.grammar is not None else [DRAFT_PLACEHOLDER] * limit
         state.sync(request)
         drafts = _lookup(
             state.history, self.config.prompt_lookup_min, self.config.prompt_lookup_max, limit

@@ -66,9 +66,12 @@ class SchedulerArgs:
     """Speculative decoding, as vLLM takes it: JSON such as '{"method": "ngram",
     "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}' (n-gram
     prompt lookup: drafts are what followed the latest earlier occurrence of the tokens just
-    generated; "disable_by_batch_size": N drafts nothing while more than N requests run).
-    Drafts are kept only where they are the token the model samples there, so tokens and
-    logprobs are the bits of plain decoding. Empty: off."""
+    generated) or '{"model": DIR, "num_speculative_tokens": 4}' (a draft model: a checkpoint
+    directory or GGUF file with the target's vocabulary, run by the same workers);
+    "disable_by_batch_size": N drafts nothing while more than N requests run. Drafts are
+    kept only where they are the token the model samples there, so tokens and logprobs are
+    the bits of plain decoding. A request opts out with "speculative_decoding": false.
+    Empty: off."""
     disable_prefix_cache: bool = False
     """Turn off the radix prefix cache (every prompt is computed in full)."""
     overlap_schedule: bool = False

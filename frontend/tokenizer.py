@@ -132,6 +132,10 @@ class Tokenizer:
             t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special
         }
 
+    def vocab(self) -> dict[str, int]:
+        """Every token's text and id, added tokens included."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 

@@ -129,7 +129,9 @@ class ForwardBatch(msgspec.Struct, frozen=True, tag="forward"):
     # token and then num_drafts[b] drafts. The step samples at each of those 1 + num_drafts[b]
     # positions, as N = 1 + max(num_drafts) iterations over the one forward pass (a row with
     # fewer drafts repeats its last position; those samples are not read), and keeps a
-    # row's drafts up to the first one its own sample there disagrees with.
+    # row's drafts up to the first one its own sample there disagrees with. Where the workers
+    # run a draft model (RunnerConfig.draft_model), the drafts in input_ids are placeholders
+    # that it writes before the target's forward pass.
     num_drafts: Array | None = None  # [B] int32; None = no row has a draft
 
 

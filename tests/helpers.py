@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from tokenmill.controller.grammar import GrammarEngine
+from tokenmill.controller.speculation import SpeculativeConfig
 from tokenmill.tp_worker.config import RunnerConfig
 from tokenmill.tp_worker.model_runner import ModelRunner
 from tokenmill.tp_worker.offline import OfflineEngine, OfflineOutput
@@ -38,6 +39,7 @@ def make_engine(
         prompt_logprob_chunk=prompt_chunk,
         cpu_kernels=cpu_kernels,
         logprobs_mode=logprobs_mode,
+        draft_model=spec.model if (spec := SpeculativeConfig.parse(speculative_config)) else "",
     )
     runner = ModelRunner(config)
     return OfflineEngine(

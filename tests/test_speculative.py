@@ -9,7 +9,9 @@ drafts. The real n-gram proposer runs in the rest (and on SmolLM2 in test_smollm
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -226,8 +228,11 @@ def test_a_request_whose_drafts_keep_failing_stops_drafting() -> None:
 @pytest.mark.parametrize(
     ("text", "error"),
     [
-        ('{"model": "/some/draft"}', "a draft model"),
-        ('{"method": "eagle", "num_speculative_tokens": 2}', "a draft model"),
+        ('{"method": "eagle", "num_speculative_tokens": 2}', "'eagle' is not served"),
+        ('{"method": "draft_model"}', 'needs "model"'),
+        ('{"model": "/d", "prompt_lookup_max": 3}', "apply to method ngram only"),
+        ('{"method": "ngram", "model": "/d"}', '"model" goes with method draft_model'),
+        ('{"model": "/d", "num_speculative_tokens": 0}', "num_speculative_tokens must be"),
         ('{"method": "medusa2"}', "unknown method"),
         ('{"method": "ngram", "k": 3}', "unknown key"),
         ('{"num_speculative_tokens": 0}', "num_speculative_tokens must be"),
@@ -275,3 +280,114 @@ def test_a_constrained_row_beside_rows_with_drafts(tiny_checkpoint) -> None:
     for a, b in zip(reference, engine.generate(requests), strict=True):
         assert_same_bits(a, b)
     assert _counters(engine).num_drafts > 0
+
+
+@pytest.fixture()
+def draft_of(tmp_path):
+    """draft_of(model, layers): the model's first layers as a draft model (its tokenizer)."""
+    from tokenmill.cli.make_model.draft import layer_truncated
+
+    return lambda model, layers: layer_truncated(model, tmp_path / f"draft-{layers}", layers)
+
+
+def _draft_config(draft, k: int) -> str:
+    return json.dumps({"model": str(draft), "num_speculative_tokens": k})
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("layers", [1, 2], ids=["first-layer", "whole"])
+def test_a_draft_model_changes_no_token_and_no_logprob_bit(
+    tiny_checkpoint, draft_of, k: int, sampled: bool, layers: int
+) -> None:
+    """A draft model run by the worker, cold and warm, in a mixed batch with penalties, a
+    ban and prompt logprobs: the target's first layer of two (it agrees with the target at
+    some positions), or both (the target itself: it proposes the target's own samples but
+    where a penalty moves them, so most drafts are kept and the penalties count them)."""
+    model = tiny_checkpoint("llama")
+    requests = _requests(sampled)
+    reference = make_engine(model, prefix_cache=False).generate(requests)
+    engine = make_engine(model, speculative_config=_draft_config(draft_of(model, layers), k))
+    for _ in range(2):
+        for a, b in zip(reference, engine.generate(requests), strict=True):
+            assert_same_bits(a, b)
+    counters = _counters(engine)
+    assert 0 < counters.num_accepted_tokens <= counters.num_draft_tokens
+    if layers == 1:
+        assert counters.num_accepted_tokens < counters.num_draft_tokens
+    assert engine.controller.kv.hit_tokens > 0
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"dtype": "bfloat16"}, {"cpu_kernels": False}, {"decode_steps": 4}],
+    ids=["float32", "bfloat16", "sdpa", "decode-steps-4"],
+)
+def test_the_target_as_its_own_draft_keeps_every_draft(tiny_checkpoint, settings: dict) -> None:
+    """The draft samples with the target's noise at each position, so a draft model equal to
+    the target proposes exactly the target's samples, greedy and seeded: every draft is kept
+    (but where a penalty, a bias or a ban moves the target's pick: the draft sees none)."""
+    model = tiny_checkpoint("qwen2")
+    requests = [
+        OfflineRequest(r.prompt_ids, max_tokens=24, num_top=r.num_top, temperature=r.temperature,
+                       top_p=r.top_p, seed=r.seed)
+        for r in _requests(sampled=True)
+    ]  # fmt: skip
+    reference = make_engine(model, prefix_cache=False, **settings).generate(requests)
+    engine = make_engine(
+        model, prefix_cache=False, speculative_config=_draft_config(model, 4), **settings
+    )
+    for a, b in zip(reference, engine.generate(requests), strict=True):
+        assert_same_bits(a, b)
+    counters = _counters(engine)
+    assert counters.num_accepted_tokens == counters.num_draft_tokens > 0
+    pool = engine.controller.slots
+    assert pool.num_free == pool.size
+
+
+def test_a_draft_model_after_preemption(tiny_checkpoint, draft_of) -> None:
+    """Preempted requests recompute their tokens in both models (the draft's cache has the
+    target's slots)."""
+    from tokenmill.tp_worker.config import RunnerConfig
+    from tokenmill.tp_worker.model_runner import ModelRunner
+
+    model = tiny_checkpoint("llama")
+    requests = [replace(r, max_tokens=40) for r in _requests(sampled=True)]
+    reference = make_engine(model, prefix_cache=False).generate(requests)
+    config = RunnerConfig(
+        model=str(model),
+        kv_cache_tokens=200,
+        max_running_requests=8,
+        max_model_len=128,
+        dtype="float32",
+        device="cpu",
+        draft_model=str(draft_of(model, 1)),
+    )
+    engine = OfflineEngine(
+        ModelRunner(config), speculative_config=_draft_config(config.draft_model, 4)
+    )
+    for a, b in zip(reference, engine.generate(requests), strict=True):
+        assert_same_bits(a, b)
+    assert engine.controller.scheduler.num_preemptions > 0
+    assert _counters(engine).num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("draft", ["qwen2", "missing"])
+def test_a_draft_model_it_cannot_use_is_refused_at_start(tiny_checkpoint, draft: str) -> None:
+    """Another vocabulary (the tiny qwen2's tokenizer beside the tiny llama), or no
+    checkpoint at all: `tokenmill serve` exits before it starts any process, naming it."""
+    import subprocess
+    import sys
+
+    path = tiny_checkpoint("qwen2") if draft == "qwen2" else Path("/nonexistent/draft")
+    spec = _draft_config(path, 2)
+    command = [sys.executable, "-m", "tokenmill.cli.main", "serve"]
+    done = subprocess.run(
+        [*command, "--model", str(tiny_checkpoint("llama")), "--speculative-config", spec],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0
+    why = "another vocabulary" if draft == "qwen2" else "neither a checkpoint directory"
+    assert why in done.stderr and str(path) in done.stderr, done.stderr

@@ -36,6 +36,9 @@ class RunnerConfig:
     """auto (our CPU kernel on the CPU, SDPA elsewhere), sdpa, or triton (paged, for CUDA)."""
     load_format: str = "auto"
     """auto: the checkpoint's safetensors; dummy: random weights from config.json alone."""
+    draft_model: str = ""
+    """Speculative decoding's draft model (a checkpoint directory with the target's
+    tokenizer): the drafts of a verifying step are placeholders it fills. Empty: none."""
     logprobs_mode: str = "raw"
     """raw: generated tokens' logprobs are the log-softmax of the model's logits; processed:
     of the distribution sampled from (after stop ban, bias, penalties, temperature, filters)."""

@@ -21,6 +21,7 @@ from tokenmill.tp_worker import attention_triton, cpu_ops
 from tokenmill.tp_worker.attention import plan_attention, plan_last_layer
 from tokenmill.tp_worker.config import RunnerConfig
 from tokenmill.tp_worker.device import auto_kv_cache_tokens, resolve_device, resolve_dtype
+from tokenmill.tp_worker.draft_model import DraftModel
 from tokenmill.tp_worker.fed_samples import LastSamples
 from tokenmill.tp_worker.logprobs import ScoredPositions, default_chunk_size, score_prompt
 from tokenmill.tp_worker.model import CausalLM, local_kv_heads
@@ -54,6 +55,19 @@ class ModelRunner:
         if self.cpu_kernels:
             self.model.use_cpu_kernels()
         self.attention_backend = pick_attention_backend(config.attention_backend, self.cpu_kernels)
+        self.drafter = (
+            DraftModel(
+                config.draft_model,
+                self.group,
+                self.dtype,
+                self.device,
+                self.cpu_kernels,
+                self.attention_backend,
+                dummy=config.load_format == "dummy",
+            )
+            if config.draft_model
+            else None
+        )
         # NOTE: allocated before the KV cache is sized from what memory is left.
         self.adjuster = LogitAdjuster(
             config.max_running_requests,
@@ -90,6 +104,8 @@ class ModelRunner:
             )
             for _ in range(self.model_config.num_layers)
         ]
+        if self.drafter is not None:
+            self.drafter.allocate(self.kv_cache_tokens, self.dtype, self.device)
         self.table = torch.zeros(
             config.max_running_requests, self.max_model_len, dtype=torch.int32, device=self.device
         )
@@ -107,7 +123,8 @@ class ModelRunner:
     def _kv_bytes_per_token(self) -> int:
         heads = local_kv_heads(self.model_config, self.group)
         per_layer = 2 * heads * self.model_config.head_dim * self.dtype.itemsize
-        return per_layer * self.model_config.num_layers
+        draft = 0 if self.drafter is None else self.drafter.kv_bytes_per_token(self.dtype.itemsize)
+        return per_layer * self.model_config.num_layers + draft
 
     @torch.inference_mode()
     def step(self, batch: ForwardBatch) -> StepResult:
@@ -123,6 +140,8 @@ class ModelRunner:
                 inputs = inputs.next_decode_step(i, outputs.last_ids)
                 self.adjuster.count_sampled(inputs.adjust, outputs.last_ids)
             prompt_hidden, logits = self._forward(inputs)
+            if self.drafter is not None:
+                self.drafter.follow(self.table, inputs)
             if i == 0 and prompt_hidden is not None:
                 outputs.prompt = self._score_prompt(inputs, prompt_hidden)
             bitmask = self._grammar_mask(batch) if i == 0 else None
@@ -140,6 +159,9 @@ class ModelRunner:
         iteration for each draft position, each from the logits at that position, exactly as
         plain decoding samples there (a token's numbers do not depend on its chunk). A row
         keeps its drafts up to the first its own sample disagrees with."""
+        if self.drafter is not None:
+            self._write_table(inputs)
+            inputs = self.drafter.propose(self.table, inputs)
         verify = inputs.verify
         assert verify is not None
         prompt_hidden, logits = self._forward(inputs)  # NOTE: [L, V], each row's 1 + drafts
@@ -159,6 +181,8 @@ class ModelRunner:
             )
         accepted = verify.accepted(outputs.sampled_ids())
         self.adjuster.uncount_rejected(inputs.adjust, accepted)
+        if self.drafter is not None:
+            self.drafter.complete(self.table, inputs, accepted)
         result = outputs.to_result(batch.step_id, accepted)
         self.last_samples.record(batch, result)
         return result

@@ -11,7 +11,7 @@ the cached prefix the controller sends as history. Rows that use no penalty are 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -89,6 +89,15 @@ class PenaltyTensors:
     drafts: tuple[torch.Tensor, torch.Tensor] | None = None
     draft_steps: np.ndarray | None = None
     draft_rows: np.ndarray | None = None
+    draft_at: np.ndarray | None = None  # [D] host int64 index in the step's [T] tokens
+
+    def with_draft_ids(self, ids: np.ndarray) -> PenaltyTensors:
+        """The same, counting the drafts in `ids` [T] (a draft model's, written into the
+        placeholders the batch came with)."""
+        if self.drafts is None or self.draft_at is None:
+            return self
+        drafts = (self.drafts[0], _to(ids[self.draft_at], self.drafts[1].device, torch.int64))
+        return replace(self, drafts=drafts)
 
     @staticmethod
     def from_message(p: PenaltyBatch, batch: ForwardBatch, device: torch.device) -> PenaltyTensors:
@@ -100,8 +109,9 @@ class PenaltyTensors:
         used = (presence != 0) | (frequency != 0) | (repetition != 1)  # [B] bool
         rows = np.flatnonzero(used)
         row, pos, ids, step = _fed_tokens(p, batch)
+        at = np.arange(len(row)) - (len(row) - len(unpack(batch.input_ids)))  # [T] index
         keep = used[row]
-        row, pos, ids, step = row[keep], pos[keep], ids[keep], step[keep]
+        row, pos, ids, step, at = row[keep], pos[keep], ids[keep], step[keep], at[keep]
         gen = pos >= unpack(p.num_prompt_tokens)[row]
 
         def index(r: np.ndarray, i: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,6 +132,7 @@ class PenaltyTensors:
             drafts=index(row[draft], ids[draft]) if draft.any() else None,
             draft_steps=step[draft] if draft.any() else None,
             draft_rows=row[draft] if draft.any() else None,
+            draft_at=at[draft] if draft.any() else None,
         )
 
 

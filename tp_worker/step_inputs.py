@@ -113,6 +113,7 @@ class VerifyPlan:
     num_drafts: np.ndarray  # [B] int64
     logit_rows: torch.Tensor  # [N, B] int64 row of [L] logits each iteration samples from
     draft_ids: np.ndarray  # [N - 1, B] int64 the draft after iteration i's sample; -1 none
+    draft_at: np.ndarray  # [N - 1, B] int64 index in [T] of that draft; -1 none
     # [N, B] int64 position of the token whose logits iteration i reads (its sample is the
     # token at the position after, which keys a sampled row's noise)
     read_pos: torch.Tensor
@@ -136,13 +137,20 @@ class VerifyPlan:
         steps = np.arange(int(num_drafts.max()) + 1)[:, None]  # [N, 1]
         reached = np.minimum(steps, num_drafts[None, :])  # [N, B]
         first = starts + extend - num_drafts  # [B] index in [T] of each row's first draft
-        at = first[None, :] + steps[:-1]  # [N - 1, B]
         has = steps[:-1] < num_drafts[None, :]
-        draft_ids = np.where(has, ids[np.where(has, at, 0)], -1)
+        draft_at = np.where(has, first[None, :] + steps[:-1], -1)  # [N - 1, B]
         read_pos = (prefix + extend - lens)[None, :] + reached
         return VerifyPlan(
-            num_drafts, _on(offsets[None, :] + reached, device), draft_ids, _on(read_pos, device)
+            num_drafts,
+            _on(offsets[None, :] + reached, device),
+            _draft_ids(ids, draft_at),
+            draft_at,
+            _on(read_pos, device),
         )
+
+    def with_ids(self, ids: np.ndarray) -> VerifyPlan:
+        """The plan for the step's tokens `ids` [T], whose drafts a draft model wrote."""
+        return replace(self, draft_ids=_draft_ids(ids, self.draft_at))
 
     def accepted(self, next_ids: np.ndarray) -> np.ndarray:
         """next_ids [N, B] sampled -> [B] int32 drafts kept: each row's leading run of drafts
@@ -151,6 +159,10 @@ class VerifyPlan:
             return np.zeros(next_ids.shape[1], np.int32)
         agree = next_ids[:-1] == self.draft_ids  # NOTE: -1 (no draft) never agrees
         return np.cumprod(agree, axis=0).sum(axis=0).astype(np.int32)
+
+
+def _draft_ids(ids: np.ndarray, draft_at: np.ndarray) -> np.ndarray:
+    return np.where(draft_at >= 0, ids[np.maximum(draft_at, 0)], -1)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from pathlib import Path
 import msgspec
 
 from tokenmill.controller.config import ControllerConfig
+from tokenmill.controller.speculation import SpeculativeConfig
 from tokenmill.detokenizer.config import DetokenizerConfig
 from tokenmill.frontend.engine.cluster_layout import ClusterLayout
 from tokenmill.frontend.server_config import ServerConfig
@@ -189,7 +190,9 @@ def runner_config(
     config: ServerConfig, model_dir: Path, max_model_len: int, cpu_sharers: int
 ) -> RunnerConfig:
     s, m = config.scheduler, config.model
+    spec = SpeculativeConfig.parse(s.speculative_config)
     return RunnerConfig(
+        draft_model=spec.model if spec is not None else "",
         cpu_sharers=cpu_sharers,
         model=str(model_dir),
         kv_cache_tokens=s.kv_cache_tokens,
