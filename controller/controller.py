@@ -59,6 +59,8 @@ class Controller:
         self.timing = StepTiming(enabled=config.step_timing)
         spec = SpeculativeConfig.parse(config.speculative_config)
         self.speculator = None if spec is None else Speculator(spec)
+        # (step id, when sent) of a one-iteration step sent with none in flight
+        self.timed_step = (0, 0.0)
         self.scheduler = Scheduler(
             self.kv,
             self.rows,
@@ -118,6 +120,8 @@ class Controller:
     def send_step(self, rows: list[ScheduledRow]) -> None:
         self.num_steps += 1
         self.last_busy = time.monotonic()
+        if self.speculator is not None and not self.in_flight and self.scheduler.num_steps == 1:
+            self.timed_step = (self.num_steps, time.perf_counter())
         batch = self.batches.build(self.num_steps, rows, self.scheduler.num_steps)
         self.sockets.send_batch(batch)
         self.in_flight.append((self.num_steps, rows))
@@ -142,10 +146,19 @@ class Controller:
             result = self.receive_result(step_id)
             decode_only = not any(row.is_prefill for row in rows)
             self.timing.on_result(step_id, decode_only, result.busy_s, result.forward_s, len(rows))
+            if decode_only:
+                self.time_decode_step(step_id, rows)
             self.emit(self.outputs.apply(rows, result))
             self.send_due_masks()
             if keep:
                 self.flush_outputs()  # NOTE: while the workers run the next step
+
+    def time_decode_step(self, step_id: int, rows: list[ScheduledRow]) -> None:
+        """Speculation's cost model learns from decode steps the workers ran alone."""
+        if self.speculator is None or self.timed_step[0] != step_id:
+            return
+        seconds = time.perf_counter() - self.timed_step[1]
+        self.speculator.cost.observe(sum(row.num_new for row in rows), seconds)
 
     def send_due_masks(self) -> None:
         """The grammar masks of the oldest step in flight, once every step before it is back:

@@ -210,7 +210,7 @@ class Scheduler:
         optional, so a short pool cuts them instead of preempting anyone."""
         if request.is_replaying or not spec.wants_drafts(request, len(self.running)):
             return ScheduledRow.of(request, 1, False)
-        drafts = spec.propose(request, self._outputs_left(request) - 1)
+        drafts = spec.propose(request, self._outputs_left(request) - 1, len(self.running))
         short = request.num_tokens + len(drafts) - len(request.slots)
         if short > 0:
             drafts = drafts[: len(drafts) - max(0, short - self.kv.num_available)]

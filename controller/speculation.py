@@ -19,13 +19,17 @@ from tokenmill.controller.request import Request
 
 DRAFT_PLACEHOLDER = 0  # a draft the worker's draft model writes
 MAX_DRAFTS = 16  # num_speculative_tokens at most (a verify step's iterations, 1 + drafts)
-# NOTE: a request whose drafts are rarely kept stops drafting: verifying k drafts costs a
-# chunk of k + 1 tokens where plain decoding computes one. Judged over its last WINDOW
-# steps with drafts, it needs MIN_KEPT kept drafts a step on average; below that it drafts
-# nothing for OFF_OUTPUTS << strikes outputs (strikes: how often it fell below, up to 4).
-WINDOW = 8
-MIN_KEPT = 0.5
+# NOTE: drafts that are rarely kept cost time: verifying k drafts computes a chunk of k + 1
+# tokens where plain decoding computes one. A request proposes as many drafts as pay: draft i
+# only if the chance that it is kept (the product of DraftState.odds up to it) is above
+# StepCost.break_even. One that would propose none drafts nothing for OFF_OUTPUTS << strikes
+# outputs (strikes: how often in a row, up to 4), then starts again from the prior.
 OFF_OUTPUTS = 16
+KEEP_DECAY = 0.9  # NOTE: the estimates follow a request's last ~10 steps with drafts
+# A decode step costs a + b * tokens; a / b in tokens before any step is timed (SmolLM2 on
+# two Zen 5 cores measured 13: 9.4 ms a step at 1 row, 14.0 ms at 8). On a GPU it is far
+# larger, and found by the fit within a few steps.
+PRIOR_FIXED_TOKENS = 16.0
 SPEC_KEYS = {
     "method",
     "num_speculative_tokens",
@@ -129,9 +133,29 @@ class DraftState:
 
     history: bytearray = field(default_factory=bytearray)  # its tokens, 4 bytes each
     num_synced: int = 0  # tokens in `history`
-    recent: list[int] = field(default_factory=list)  # kept drafts of its last steps with drafts
+    # per draft position i, decayed counts of its steps whose drafts reached i (every draft
+    # before it kept) and of those that kept draft i
+    reached: list[float] = field(default_factory=list)
+    kept: list[float] = field(default_factory=list)
     off_until: int = 0  # drafts nothing until it has this many outputs
     strikes: int = 0
+
+    def odds(self, i: int) -> float:
+        """The estimated chance that draft i is kept once every draft before it is: kept /
+        reached, with a prior of one try kept half (so a request with no record drafts while
+        0.5 ** (i + 1) pays, and one whose drafts all fail falls below 5%)."""
+        if i >= len(self.reached):
+            return 0.5
+        return (self.kept[i] + 0.5) / (self.reached[i] + 1.0)
+
+    def learn(self, num_drafts: int, num_kept: int) -> None:
+        reached = min(num_drafts, num_kept + 1)  # NOTE: drafts after the first miss say nothing
+        if reached > len(self.reached):
+            self.reached += [0.0] * (reached - len(self.reached))
+            self.kept += [0.0] * (reached - len(self.kept))
+        for i in range(reached):
+            self.reached[i] = KEEP_DECAY * self.reached[i] + 1.0
+            self.kept[i] = KEEP_DECAY * self.kept[i] + (1.0 if i < num_kept else 0.0)
 
     def sync(self, request: Request) -> None:
         n = request.num_tokens
@@ -151,10 +175,51 @@ class SpecCounters:
     accepted_per_pos: list[int] = field(default_factory=list)
 
 
+class StepCost:
+    """A decode step's time as a + b * tokens, fitted by least squares over the steps the
+    controller times (each sent alone, every row decoding), the older ones weighing less:
+    what a draft costs against what a kept one saves, on this machine and model."""
+
+    DECAY = 0.98  # NOTE: a step's weight halves 34 steps later
+    MIN_WEIGHT = 8.0
+
+    def __init__(self, prior_fixed_tokens: float = PRIOR_FIXED_TOKENS) -> None:
+        self.prior = prior_fixed_tokens
+        self.sums = [0.0] * 5  # weight, x, y, x * x, x * y (x: tokens, y: seconds)
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        x, y = float(num_tokens), seconds
+        new = (1.0, x, y, x * x, x * y)
+        self.sums = [self.DECAY * s + v for s, v in zip(self.sums, new, strict=True)]
+
+    def fixed_tokens(self) -> float:
+        """a / b: a step's cost before its tokens, in tokens' worth; the prior until the
+        steps timed vary enough in size to fit a line (and where the fit makes no sense)."""
+        w, x, y, xx, xy = self.sums
+        if w < self.MIN_WEIGHT:
+            return self.prior
+        mean_x, mean_y = x / w, y / w
+        spread = xx / w - mean_x * mean_x
+        if spread < 1.0:
+            return self.prior
+        b = (xy / w - mean_x * mean_y) / spread
+        a = mean_y - b * mean_x
+        if b <= 0 or a <= 0:
+            return self.prior
+        return min(max(a / b, 1.0), 65536.0)
+
+    def break_even(self, num_rows: int) -> float:
+        """The share of its drafts a row must keep for drafting to pay, in a step of
+        `num_rows` decoding rows: a draft adds b to the step, a kept one saves a row's share
+        of a plain step, (a + b * num_rows) / num_rows."""
+        return num_rows / (self.fixed_tokens() + num_rows)
+
+
 class Speculator:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self.counters = SpecCounters(accepted_per_pos=[0] * config.num_speculative_tokens)
+        self.cost = StepCost()
 
     def wants_drafts(self, request: Request, num_running: int) -> bool:
         """Whether the request drafts in its next step (which then needs its last token)."""
@@ -166,15 +231,18 @@ class Speculator:
             return False  # NOTE: see propose
         return len(request.output_ids) >= state.off_until
 
-    def propose(self, request: Request, limit: int) -> list[int]:
-        """Up to `limit` drafts (and num_speculative_tokens): what followed the latest earlier
-        occurrence of the longest n-gram (prompt_lookup_max down to _min tokens) that ends
-        its tokens; cut where its grammar would refuse one. With a draft model,
-        placeholders for its drafts, and none for a constrained request (the worker that
-        writes them cannot ask the grammar)."""
+    def propose(self, request: Request, limit: int, num_rows: int = 1) -> list[int]:
+        """Up to `limit` drafts, num_speculative_tokens, and as many as pay in a step of
+        `num_rows` decoding rows: what followed the latest earlier occurrence of the longest
+        n-gram (prompt_lookup_max down to _min tokens) that ends its tokens, cut where its
+        grammar would refuse one. With a draft model, placeholders for its drafts, and none
+        for a constrained request (the worker that writes them cannot ask the grammar)."""
         state = request.drafts
         assert state is not None
-        limit = min(limit, self.config.num_speculative_tokens)
+        paying = self._paying(state, num_rows)
+        if paying == 0:
+            self._pause(request, state)
+        limit = min(limit, paying)
         if limit <= 0:
             return []
         if self.config.method == "draft_model":
@@ -187,6 +255,25 @@ class Speculator:
             drafts = drafts[: request.grammar.validate_tokens(drafts)]
         return drafts
 
+    def _paying(self, state: DraftState, num_rows: int) -> int:
+        """How many drafts pay: each while the chance that it is kept stays above what it
+        costs (StepCost.break_even)."""
+        need = self.cost.break_even(num_rows)
+        chance, count = 1.0, 0
+        while count < self.config.num_speculative_tokens:
+            chance *= state.odds(count)
+            if chance < need:
+                break
+            count += 1
+        return count
+
+    def _pause(self, request: Request, state: DraftState) -> None:
+        """No draft pays: none for a while, then a fresh start from the prior."""
+        state.off_until = len(request.output_ids) + (OFF_OUTPUTS << state.strikes)
+        state.strikes = min(state.strikes + 1, 4)
+        state.reached.clear()
+        state.kept.clear()
+
     def record(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """A step verified `num_drafts` of the request's drafts and kept `num_accepted`."""
         c = self.counters
@@ -197,15 +284,9 @@ class Speculator:
             c.accepted_per_pos[i] += 1
         state = request.drafts
         assert state is not None
-        state.recent.append(num_accepted)
-        if len(state.recent) < WINDOW:
-            return
-        if sum(state.recent) < MIN_KEPT * WINDOW:
-            state.off_until = len(request.output_ids) + (OFF_OUTPUTS << state.strikes)
-            state.strikes = min(state.strikes + 1, 4)
-        elif state.strikes:
+        state.learn(num_drafts, num_accepted)
+        if num_accepted and state.strikes:
             state.strikes -= 1
-        state.recent.clear()
 
 
 def _lookup(history: bytearray, low: int, high: int, limit: int) -> list[int]:

@@ -20,7 +20,6 @@ from helpers import make_engine
 from tokenmill.controller import speculation
 from tokenmill.controller.request import Request
 from tokenmill.controller.speculation import (
-    WINDOW,
     DraftState,
     SpeculativeConfig,
     Speculator,
@@ -77,7 +76,7 @@ def oracle_drafts(monkeypatch: pytest.MonkeyPatch):
     def install(requests: list[OfflineRequest], outputs: list[OfflineOutput]) -> None:
         future = {tuple(r.prompt_ids): o.output_ids for r, o in zip(requests, outputs, strict=True)}
 
-        def propose(self: Speculator, request: Request, limit: int) -> list[int]:
+        def propose(self: Speculator, request: Request, limit: int, num_rows: int) -> list[int]:
             limit = min(limit, self.config.num_speculative_tokens)
             n = len(request.output_ids)
             drafts = future[tuple(request.prompt_ids)][n : n + limit]
@@ -101,8 +100,9 @@ def _counters(engine: OfflineEngine) -> speculation.SpecCounters:
 def test_drafts_change_no_token_and_no_logprob_bit(
     tiny_checkpoint, oracle_drafts, k: int, sampled: bool
 ) -> None:
-    """Cold (every prompt computed) and warm (the same requests again: prefix-cache hits),
-    against plain decoding; some steps keep every draft, some a few, some none."""
+    """In a mixed batch cold (every prompt computed) and warm (the same requests again:
+    prefix-cache hits), then each request alone, against plain decoding; some steps keep
+    every draft, some a few, some none."""
     model = tiny_checkpoint("llama")
     requests = _requests(sampled)
     reference = make_engine(model, prefix_cache=False).generate(requests)
@@ -111,6 +111,9 @@ def test_drafts_change_no_token_and_no_logprob_bit(
     for _ in range(2):
         for a, b in zip(reference, engine.generate(requests), strict=True):
             assert_same_bits(a, b)
+    alone = make_engine(model, prefix_cache=False, speculative_config=NGRAM % k)
+    for request, a in zip(requests, reference, strict=True):
+        assert_same_bits(a, alone.generate([request])[0])
     counters = _counters(engine)
     assert 0 < counters.num_accepted_tokens < counters.num_draft_tokens
     assert counters.accepted_per_pos[k - 1] > 0  # NOTE: some steps kept all k
@@ -209,19 +212,36 @@ def test_lookup_takes_the_longest_latest_match() -> None:
     assert _lookup(_history([256, 5, 1, 0]), 1, 1, 2) == []
 
 
-def test_a_request_whose_drafts_keep_failing_stops_drafting() -> None:
-    spec = Speculator(SpeculativeConfig(num_speculative_tokens=4))
+def _drafting_request(tokens: list[int]) -> Request:
     request = Request.__new__(Request)
-    request.output_ids, request.drafts = [1] * 10, DraftState()
+    request.prompt_ids, request.output_ids = list(tokens), []
+    request.drafts, request.grammar = DraftState(), None
+    return request
+
+
+def test_a_request_drafts_as_many_tokens_as_pay() -> None:
+    """As many drafts as the chance of each being kept pays for (StepCost.break_even, here
+    the prior: 1 row 6%, 8 rows 33%); drafts that keep failing stop it for a while."""
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1))
+    request = _drafting_request([1, 2, 3, 4, 5, 6] * 4)
     assert spec.wants_drafts(request, num_running=1)
-    for _ in range(WINDOW):
+    assert spec.propose(request, 10, num_rows=1) == [1, 2, 3, 4]  # 0.5 ** 4 > 6%
+    assert spec.propose(request, 10, num_rows=8) == [1]  # 0.5 ** 2 < 33%
+    for _ in range(6):
+        spec.record(request, 4, 4)
+    assert spec.propose(request, 10, num_rows=8) == [1, 2, 3, 4]
+    for _ in range(12):
+        spec.record(request, 4, 1)  # NOTE: the second always fails: one draft pays
+    assert spec.propose(request, 10, num_rows=8) == [1]
+    for _ in range(60):
         spec.record(request, 4, 0)
+    assert spec.propose(request, 10, num_rows=1) == []
     assert not spec.wants_drafts(request, num_running=1)
     request.output_ids += [1] * speculation.OFF_OUTPUTS
-    assert spec.wants_drafts(request, num_running=1)  # NOTE: it tries again later
+    assert spec.wants_drafts(request, num_running=1)  # NOTE: it tries again later,
+    assert request.drafts is not None and not request.drafts.reached  # from the prior
     by_batch = Speculator(SpeculativeConfig(disable_by_batch_size=2))
-    fresh = Request.__new__(Request)
-    fresh.output_ids, fresh.drafts = [], DraftState()
+    fresh = _drafting_request([1, 2])
     assert by_batch.wants_drafts(fresh, 2) and not by_batch.wants_drafts(fresh, 3)
 
 
@@ -270,9 +290,14 @@ def test_a_constrained_row_beside_rows_with_drafts(tiny_checkpoint) -> None:
 
     model = tiny_checkpoint("llama")
     regex = Constraint("regex", regex_grammar(r"[a-z]{5,40}", "r"))
+    # NOTE: a constrained output that repeats itself: its own n-gram drafts, cut where the
+    # grammar refuses one
+    repeats = Constraint("regex", regex_grammar(r"(ab cd ){6}(ef|gh)", "r"))
     requests = [
         OfflineRequest([11] * 30, max_tokens=60, num_top=2),
         OfflineRequest([300, 301, 302, 57], max_tokens=30, constraint=regex),
+        OfflineRequest([40, 41], max_tokens=40, num_top=2, constraint=repeats),
+        OfflineRequest([42, 43], max_tokens=40, temperature=0.9, seed=5, constraint=repeats),
     ]
 
     reference = make_engine(model, grammar=True).generate(requests)
@@ -391,3 +416,18 @@ def test_a_draft_model_it_cannot_use_is_refused_at_start(tiny_checkpoint, draft:
     assert done.returncode != 0
     why = "another vocabulary" if draft == "qwen2" else "neither a checkpoint directory"
     assert why in done.stderr and str(path) in done.stderr, done.stderr
+
+
+def test_the_step_cost_fit_sets_what_drafts_must_keep() -> None:
+    """A decode step of t tokens taking 9 + 0.7 t ms: a / b = 12.9 tokens, so a row must
+    keep 7% of its drafts alone and 38% of them among 8 rows; the prior until the steps
+    seen differ in size."""
+    cost = speculation.StepCost()
+    for _ in range(20):
+        cost.observe(8, 9e-3 + 0.7e-3 * 8)
+    assert cost.fixed_tokens() == speculation.PRIOR_FIXED_TOKENS  # NOTE: one size: no line
+    for t in (1, 5, 8, 12, 30, 40) * 4:
+        cost.observe(t, 9e-3 + 0.7e-3 * t)
+    assert cost.fixed_tokens() == pytest.approx(9 / 0.7, rel=1e-6)
+    assert cost.break_even(1) == pytest.approx(0.072, abs=1e-3)
+    assert cost.break_even(8) == pytest.approx(0.384, abs=1e-3)

@@ -115,6 +115,25 @@ def _check_openai(server) -> None:
         assert spec == plain
 
 
+def _check_stop_string(server) -> None:
+    """A stop string inside a step's kept drafts: the text, tokens and logprobs end where
+    plain decoding ends them."""
+    body = _generate(LOOP, temperature=0)
+    _, plain = server.post("/generate", _opted_out(body))
+    text = plain["text"]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    with_stop = {**body, "sampling_params": {**body["sampling_params"], "stop": [stop]}}
+    for spec, plain in _both_at_once(lambda b: server.post("/generate", b)[1], [with_stop],
+                                     _opted_out):  # fmt: skip
+        assert isinstance(spec, dict) and isinstance(plain, dict)
+        assert spec["meta_info"]["finish_reason"] == plain["meta_info"]["finish_reason"]
+        assert spec["text"] == plain["text"] and len(spec["text"]) < len(text)
+        assert (
+            spec["meta_info"]["output_token_logprobs"]
+            == (plain["meta_info"]["output_token_logprobs"])
+        )
+
+
 @pytest.fixture(scope="module")
 def draft(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory):
     """The tiny llama's first layer of two: agrees with it at some positions."""
@@ -145,6 +164,7 @@ def test_speculation_through_the_server(tiny_checkpoint, draft, tmp_path, layout
     try:
         _check_native(server)
         _check_openai(server)
+        _check_stop_string(server)
         metrics = wait_idle(server)
         assert metrics["tokenmill_kv_slots_used"] == 0
         drafted = metrics["tokenmill_spec_decode_num_draft_tokens_total"]
