@@ -25,7 +25,7 @@ MAX_DRAFTS = 16  # num_speculative_tokens at most (a verify step's iterations, 1
 # StepCost.break_even. One that would propose none drafts nothing for OFF_OUTPUTS << strikes
 # outputs (strikes: how often in a row, up to 4), then starts again from the prior.
 OFF_OUTPUTS = 16
-KEEP_DECAY = 0.9  # NOTE: the estimates follow a request's last ~10 steps with drafts
+KEEP_DECAY = 0.95  # NOTE: the estimates follow a request's last ~20 steps with drafts
 # A decode step costs a + b * tokens; a / b in tokens before any step is timed (SmolLM2 on
 # two Zen 5 cores measured 13: 9.4 ms a step at 1 row, 14.0 ms at 8). On a GPU it is far
 # larger, and found by the fit within a few steps.
@@ -142,11 +142,13 @@ class DraftState:
 
     def odds(self, i: int) -> float:
         """The estimated chance that draft i is kept once every draft before it is: kept /
-        reached, with a prior of one try kept half (so a request with no record drafts while
-        0.5 ** (i + 1) pays, and one whose drafts all fail falls below 5%)."""
+        reached, with a prior of one try kept (a request with no record drafts all it may:
+        a cautious prior cost the repeating workload of benchmarks/speculative.py a third of
+        its gain at 8 users; one whose drafts all fail falls to 1 / 21). A position never
+        reached is taken to be as likely as the one before it."""
         if i >= len(self.reached):
-            return 0.5
-        return (self.kept[i] + 0.5) / (self.reached[i] + 1.0)
+            return self.odds(i - 1) if i else 1.0
+        return (self.kept[i] + 1.0) / (self.reached[i] + 1.0)
 
     def learn(self, num_drafts: int, num_kept: int) -> None:
         reached = min(num_drafts, num_kept + 1)  # NOTE: drafts after the first miss say nothing
