@@ -4,7 +4,8 @@
 # llguidance for Python 3.12, `pip download --no-deps`; see the device README), links
 # tokenmill's folders into an importable tree, then runs benchmarks/gpu_check.py (attention
 # backends agree; an 8B Llama shape with dummy weights: decode step against reading weights and KV
-# once, tok/s with and without top-5), each stage under a time limit. Output in $OUT.
+# once, tok/s with and without top-5, prefill TFLOP/s) after benchmarks/gpu_linear.py (the
+# Triton linear kernel against cuBLAS), each stage under a time limit. Output in $OUT.
 #   run: bash benchmarks/gpu_check.sh        (timeout_s 540 leaves a rerun's worth of time)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-check}
@@ -21,6 +22,9 @@ mkdir -p "$OUT"
         ln -sfn "$PWD/$d" "/tmp/tm/tokenmill/$d"
     done
     export PYTHONPATH=/tmp/tm:/tmp/site PYTHONUNBUFFERED=1
-    timeout 420 python benchmarks/gpu_check.py --device cuda --out "$OUT"
+    timeout 150 python benchmarks/gpu_linear.py --out "$OUT" \
+        --configs "${GPU_LINEAR_CONFIGS:-128x128x64x8x3,64x128x64x4x4,128x64x64x4x3}"
+    echo "gpu_linear.py exit status: $?"
+    timeout 360 python benchmarks/gpu_check.py --device cuda --out "$OUT"
     echo "gpu_check.py exit status: $?"
 } 2>&1 | tee "$OUT/gpu_check.txt"

@@ -38,8 +38,10 @@ class ModelArgs:
     """Longest prompt + output in tokens (0 = the checkpoint's max_position_embeddings,
     capped at 8192)."""
     attention_backend: str = "auto"
-    """auto (our paged kernel on the CPU, torch SDPA on CUDA), sdpa, or triton (a paged,
-    batch-invariant Triton kernel for CUDA; opt-in until validated on a GPU)."""
+    """auto (our paged kernel on the CPU, torch SDPA on CUDA), sdpa, or triton (for CUDA:
+    Triton kernels with a fixed reduction order, the same bits for a row in any batch: the
+    paged attention, and the linear layers and lm_head too; opt-in until validated on a
+    GPU)."""
     load_format: str = "auto"
     """auto (the checkpoint's safetensors) or dummy (random weights from config.json alone,
     to benchmark a model's shape with no weights on disk: its tokens mean nothing)."""

@@ -51,6 +51,8 @@ class DraftModel:
         self.model.eval()
         if cpu_kernels:
             self.model.use_cpu_kernels()
+        if attention_backend == "triton":
+            self.model.use_triton_linear()
         self.cpu_kernels = cpu_kernels
         self.backend = attention_backend
         self.kv_cache: list[tuple[torch.Tensor, torch.Tensor]] = []

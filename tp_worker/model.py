@@ -13,6 +13,7 @@ from torch import nn
 from tokenmill.tp_worker.attention import Attention
 from tokenmill.tp_worker.attention_cpu import PagedAttention
 from tokenmill.tp_worker.cpu_ops import PackedLinear, rms_norm_cpu
+from tokenmill.tp_worker.linear_triton import triton_linear
 from tokenmill.tp_worker.model_config import ModelConfig
 from tokenmill.tp_worker.parallel import ShardedLinear, TpGroup, VocabEmbedding, invariant_linear
 from tokenmill.tp_worker.rope import Rotary
@@ -130,6 +131,7 @@ class CausalLM(nn.Module):
         )
         self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling, device)
         self.lm_head_kernel: PackedLinear | None = None
+        self.triton_lm_head = False
 
     def use_cpu_kernels(self) -> None:
         """Run the dense layers through csrc/ (after the weights are loaded)."""
@@ -144,6 +146,14 @@ class CausalLM(nn.Module):
         self.lm_head_kernel = PackedLinear(self.lm_head.weight.data, None)
         if self.lm_head is not self.embed_tokens:
             self.lm_head.weight.data = self.lm_head.weight.data.new_empty(0)
+
+    def use_triton_linear(self) -> None:
+        """Every linear layer and the lm_head through linear_triton.py (CUDA): each row's
+        output the same bits in any batch, the logits float32 from the accumulators."""
+        for module in self.modules():
+            if isinstance(module, ShardedLinear):
+                module.triton = True
+        self.triton_lm_head = True
 
     @torch.inference_mode()
     def forward(
@@ -177,6 +187,8 @@ class CausalLM(nn.Module):
         if self.lm_head_kernel is not None:
             # NOTE: float32 straight from the accumulators: no rounding of logits to bfloat16.
             local = self.lm_head_kernel(hidden, torch.float32)
+        elif self.triton_lm_head:
+            local = triton_linear(hidden, self.lm_head.weight, None, torch.float32)
         else:
             local = invariant_linear(hidden, self.lm_head.weight).float()
         return self.group.all_gather_last_dim(local)[:, : self.config.vocab_size]

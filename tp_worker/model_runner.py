@@ -55,6 +55,8 @@ class ModelRunner:
         if self.cpu_kernels:
             self.model.use_cpu_kernels()
         self.attention_backend = pick_attention_backend(config.attention_backend, self.cpu_kernels)
+        if self.attention_backend == "triton":
+            self.model.use_triton_linear()  # NOTE: the Triton backend's linear layers too
         self.drafter = (
             DraftModel(
                 config.draft_model,

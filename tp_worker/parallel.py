@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.tp_worker.cpu_ops import PackedLinear, fuses_gate_up, silu_mul_cpu
+from tokenmill.tp_worker.linear_triton import triton_linear
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,7 @@ class ShardedLinear(nn.Module):
             else None
         )
         self.kernel: PackedLinear | None = None
+        self.triton = False  # linear_triton.py, switched on by CausalLM.use_triton_linear
 
     def use_cpu_kernel(self) -> None:
         """Multiply through csrc/linear.cpp from now on; the unpacked weight is freed."""
@@ -132,6 +134,8 @@ class ShardedLinear(nn.Module):
         if self.kernel is not None:
             # NOTE: packed with the bias of a column-parallel layer
             return self.kernel(x, out_dtype)
+        if self.triton:
+            return triton_linear(x, self.weight, bias, out_dtype)
         out = invariant_linear(x, self.weight, bias)
         return out if out_dtype is None else out.to(out_dtype)
 
