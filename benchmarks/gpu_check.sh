@@ -23,8 +23,10 @@ mkdir -p "$OUT"
     done
     export PYTHONPATH=/tmp/tm:/tmp/site PYTHONUNBUFFERED=1
     timeout 150 python benchmarks/gpu_linear.py --out "$OUT" \
-        --configs "${GPU_LINEAR_CONFIGS:-128x128x64x8x3,64x128x64x4x4,128x64x64x4x3}"
+        --configs "${GPU_LINEAR_CONFIGS:-128x128x64x8x3,64x128x64x4x4,64x256x64x8x3}"
     echo "gpu_linear.py exit status: $?"
     timeout 360 python benchmarks/gpu_check.py --device cuda --out "$OUT"
     echo "gpu_check.py exit status: $?"
+    timeout 180 python benchmarks/gpu_profile.py --out "$OUT"
+    echo "gpu_profile.py exit status: $?"
 } 2>&1 | tee "$OUT/gpu_check.txt"
