@@ -160,13 +160,23 @@ def test_a_request_that_opts_out_never_drafts(tiny_checkpoint, oracle_drafts) ->
 def test_preempted_requests_recompute_what_they_kept(tiny_checkpoint, oracle_drafts) -> None:
     """A KV cache too small for the batch: requests are preempted mid-output and replayed;
     drafts never take a slot a running request needs."""
-    from tokenmill.tp_worker.config import RunnerConfig
-    from tokenmill.tp_worker.model_runner import ModelRunner
-
     model = tiny_checkpoint("llama")
     requests = [replace(r, max_tokens=40) for r in _requests(sampled=True)]
     reference = make_engine(model, prefix_cache=False).generate(requests)
     oracle_drafts(requests, reference)
+    engine = _small_cache_engine(model, NGRAM % 4)
+    for a, b in zip(reference, engine.generate(requests), strict=True):
+        assert_same_bits(a, b)
+    assert engine.controller.scheduler.num_preemptions > 0
+    assert _counters(engine).num_accepted_tokens > 0
+
+
+def _small_cache_engine(model: Path, speculative_config: str) -> OfflineEngine:
+    """200 KV slots for 8 requests of up to 70 tokens: some are preempted and replayed."""
+    from tokenmill.tp_worker.config import RunnerConfig
+    from tokenmill.tp_worker.model_runner import ModelRunner
+
+    spec = SpeculativeConfig.parse(speculative_config)
     config = RunnerConfig(
         model=str(model),
         kv_cache_tokens=200,
@@ -174,12 +184,9 @@ def test_preempted_requests_recompute_what_they_kept(tiny_checkpoint, oracle_dra
         max_model_len=128,
         dtype="float32",
         device="cpu",
+        draft_model=spec.model if spec is not None else "",
     )
-    engine = OfflineEngine(ModelRunner(config), speculative_config=NGRAM % 4)
-    for a, b in zip(reference, engine.generate(requests), strict=True):
-        assert_same_bits(a, b)
-    assert engine.controller.scheduler.num_preemptions > 0
-    assert _counters(engine).num_accepted_tokens > 0
+    return OfflineEngine(ModelRunner(config), speculative_config=speculative_config)
 
 
 def test_real_ngram_drafts_on_a_repeating_output(tiny_checkpoint) -> None:
@@ -372,24 +379,10 @@ def test_the_target_as_its_own_draft_keeps_every_draft(tiny_checkpoint, settings
 def test_a_draft_model_after_preemption(tiny_checkpoint, draft_of) -> None:
     """Preempted requests recompute their tokens in both models (the draft's cache has the
     target's slots)."""
-    from tokenmill.tp_worker.config import RunnerConfig
-    from tokenmill.tp_worker.model_runner import ModelRunner
-
     model = tiny_checkpoint("llama")
     requests = [replace(r, max_tokens=40) for r in _requests(sampled=True)]
     reference = make_engine(model, prefix_cache=False).generate(requests)
-    config = RunnerConfig(
-        model=str(model),
-        kv_cache_tokens=200,
-        max_running_requests=8,
-        max_model_len=128,
-        dtype="float32",
-        device="cpu",
-        draft_model=str(draft_of(model, 1)),
-    )
-    engine = OfflineEngine(
-        ModelRunner(config), speculative_config=_draft_config(config.draft_model, 4)
-    )
+    engine = _small_cache_engine(model, _draft_config(draft_of(model, 1), 4))
     for a, b in zip(reference, engine.generate(requests), strict=True):
         assert_same_bits(a, b)
     assert engine.controller.scheduler.num_preemptions > 0
