@@ -148,6 +148,9 @@ def _rows_part(rows: list[ScheduledRow], key: tuple[tuple[str, int], ...]) -> Ro
             prompt_start=_i32([_prompt_start(row) for row in rows]),
             prompt_next_id=_i32([_prompt_next_id(row) for row in rows]),
             sampled=any(a.reads_samples for a in asks),
+            processed=pack_list([a.processed for a in asks], "bool")
+            if any(a.processed for a in asks)
+            else None,
         ),
         min_tokens=any(p.min_tokens for p in params),
         constrained=any(row.request.grammar is not None for row in rows),

@@ -10,12 +10,15 @@ import logging
 import os
 import time
 from collections import deque
+from collections.abc import Callable
+from typing import get_args
 
 import msgspec
 import zmq
 
 from tokenmill.controller.batch_builder import BatchBuilder
 from tokenmill.controller.config import ControllerConfig
+from tokenmill.controller.control import ControlPlane
 from tokenmill.controller.grammar import GrammarEngine
 from tokenmill.controller.kv_allocator import KvAllocator
 from tokenmill.controller.output_processor import OutputProcessor
@@ -26,6 +29,7 @@ from tokenmill.controller.speculation import DraftState, SpeculativeConfig, Spec
 from tokenmill.controller.step_timing import StepTiming
 from tokenmill.protocol.arrays import empty, pack, unpack
 from tokenmill.protocol.cluster import Authenticator, ClusterKey
+from tokenmill.protocol.control import ControlCommand, ControlReply
 from tokenmill.protocol.outputs import BatchOutput, RequestOutput
 from tokenmill.protocol.process import exit_with_parent, setup_process
 from tokenmill.protocol.requests import AbortRequest, FrontendMessage, GenerateRequest
@@ -80,7 +84,12 @@ class Controller:
         self.checked_at_step = -1  # num_steps when the pool and tree were last checked
         self.last_busy = 0.0  # when the last step was sent
         self.next_expiry_check = 0.0
-        self.handlers = {GenerateRequest: self.handle_generate, AbortRequest: self.handle_abort}
+        self.control = ControlPlane(self, config.model_dir)
+        self.handlers: dict[type, Callable] = {
+            GenerateRequest: self.handle_generate,
+            AbortRequest: self.handle_abort,
+        }
+        self.handlers.update(dict.fromkeys(get_args(ControlCommand), self.handle_control))
         self.pending_outputs: list[RequestOutput] = []  # emitted, not yet sent (flush_outputs)
         self.in_flight: deque[tuple[int, list[ScheduledRow]]] = deque()  # sent, not back
         # NOTE: steps in flight whose grammar masks are not sent yet, with the constrained
@@ -98,6 +107,9 @@ class Controller:
         the step in flight stops are wasted (one position each); no step waits for them."""
         self.receive(block=not self.has_work())
         self.expire_waiting()
+        if self.control.holds:  # NOTE: paused, or memory given back: no step runs
+            self.report()
+            return
         rows = self.scheduler.schedule(ahead=bool(self.in_flight))
         if rows is None:  # NOTE: the scheduler needs the step in flight back first
             self.complete_steps(keep=0)
@@ -111,7 +123,7 @@ class Controller:
         self.report()
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self.in_flight)
+        return (self.scheduler.has_work() and not self.control.holds) or bool(self.in_flight)
 
     def receive(self, block: bool) -> None:
         for message in self.sockets.receive_requests(timeout_ms=100 if block else 0):
@@ -213,7 +225,7 @@ class Controller:
         request = Request.from_message(message, self.num_arrivals)
         if len(self.scheduler.waiting) >= self.config.max_queued_requests:
             detail = f"{len(self.scheduler.waiting)} requests wait already (--max-queued-requests)"
-            self._end(request, "rejected", detail)  # NOTE: never queued, nothing to free
+            self.end(request, "rejected", detail)  # NOTE: never queued, nothing to free
             return
         if message.constraint is not None and not self._start_grammar(request):
             return
@@ -230,20 +242,25 @@ class Controller:
         constraint = request.message.constraint
         assert constraint is not None
         if self.grammar is None:
-            self._end(request, "error", "this engine runs no grammar constraints")
+            self.end(request, "error", "this engine runs no grammar constraints")
             return False
         matcher = self.grammar.matcher(constraint)
         if matcher.is_error():
             logger.error("grammar of %s does not compile: %s", request.req_id, matcher.get_error())
-            self._end(request, "error", f"the {constraint.kind} constraint does not compile")
+            self.end(request, "error", f"the {constraint.kind} constraint does not compile")
             return False
         request.grammar = matcher
         return True
 
+    def handle_control(self, command: ControlCommand) -> None:
+        reply = self.control.handle(command)
+        self.flush_outputs()  # NOTE: the ends a pause or an update made, before the reply
+        self.sockets.send_report(reply)
+
     def handle_abort(self, message: AbortRequest) -> None:
         request = self.requests.get(message.req_id)
         if request is not None:
-            self._end(request, "abort")
+            self.end(request, "abort")
 
     def expire_waiting(self) -> None:
         """Fails the requests that have waited past --queue-timeout without ever starting."""
@@ -254,9 +271,9 @@ class Controller:
         self.next_expiry_check = now + EXPIRY_CHECK_S
         for request in list(self.scheduler.waiting):
             if not request.admitted_before and now - request.queued_at > timeout:
-                self._end(request, "queue_timeout", f"not started within {timeout:g} s")
+                self.end(request, "queue_timeout", f"not started within {timeout:g} s")
 
-    def _end(self, request: Request, reason: str, detail: str | None = None) -> None:
+    def end(self, request: Request, reason: str, detail: str | None = None) -> None:
         """Ends `request` outside a step: frees what it holds and tells the detokenizer (with
         its detokenize params, if it never had an output)."""
         request.finish_reason = reason
@@ -403,7 +420,7 @@ class ControllerSockets:
     def send_outputs(self, batch: BatchOutput) -> None:
         self.detokenizer.send(self.encoder.encode(batch))
 
-    def send_report(self, report: EngineReport) -> None:
+    def send_report(self, report: EngineReport | ControlReply) -> None:
         self.reports.send(self.encoder.encode(report), copy=False)
 
 

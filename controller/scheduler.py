@@ -268,6 +268,14 @@ class Scheduler:
         num_new = min(budget, request.num_prompt_tokens - request.num_computed_tokens)
         return ScheduledRow.of(request, num_new, True)
 
+    def retract_all(self) -> int:
+        """Every running request back to the queue, its KV released (computed tokens to the
+        prefix cache), to be recomputed; how many. NOTE: no step may be in flight."""
+        retracted = list(reversed(self.running))
+        for request in retracted:
+            self._preempt(request)
+        return len(retracted)
+
     def _preempt(self, request: Request) -> None:
         logger.info(
             "preempting %s (%d tokens) to free KV slots", request.req_id, request.num_tokens

@@ -1,4 +1,5 @@
-"""Frontend -> controller channel: a tokenized request, or an abort.
+"""Frontend -> controller channel: a tokenized request, an abort, or a control command
+(protocol/control.py).
 
 A request's static data crosses once, here; the controller passes `detokenize` on to the
 detokenizer with the request's first output, so that channel stays ordered.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from tokenmill.protocol.arrays import Array
+from tokenmill.protocol.control import ControlCommand
 
 
 class SamplingParams(msgspec.Struct, frozen=True):
@@ -32,6 +34,10 @@ class LogprobParams(msgspec.Struct, frozen=True):
     num_top: int = 0  # top logprobs per scored position, 0..20
     token_ids: tuple[int, ...] = ()  # ids scored at every generated position
     prompt_start: int = -1  # score prompt tokens from this position; -1 = none
+    # generated tokens' logprobs describe the distribution sampled from (after penalties,
+    # temperature, filters) instead of the model's own; the frontend resolves the request's
+    # `logprobs_mode` against the server's --logprobs-mode
+    processed: bool = False
 
     @property
     def reads_samples(self) -> bool:
@@ -75,4 +81,4 @@ class AbortRequest(msgspec.Struct, frozen=True, tag="abort"):
     req_id: str
 
 
-FrontendMessage = GenerateRequest | AbortRequest
+FrontendMessage = GenerateRequest | AbortRequest | ControlCommand

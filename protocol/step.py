@@ -10,6 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from tokenmill.protocol.arrays import Array
+from tokenmill.protocol.control import WorkerCommand, WorkerCommandDone
 
 
 class PenaltyBatch(msgspec.Struct, frozen=True, array_like=True):
@@ -97,6 +98,9 @@ class LogprobAsks(msgspec.Struct, frozen=True, array_like=True):
     # NOTE: False when no row reads a logprob of its sampled tokens (LogprobParams.
     # reads_samples): the worker then skips their log-softmax and sends NaN for them.
     sampled: bool = True
+    # [B] bool rows whose sampled logprobs are processed (LogprobParams.processed); None:
+    # none (or all, where the worker's own --logprobs-mode says processed)
+    processed: Array | None = None
 
 
 # NOTE: an input id the controller does not know yet (overlap scheduling: it sends step N + 1
@@ -142,8 +146,9 @@ class GrammarMask(msgspec.Struct, frozen=True, tag="grammar_mask"):
     bitmask: Array  # [G, ceil(V / 32)] ([N * G, W] with drafts) int32, as GrammarRows.bitmask
 
 
-# What the controller sends each rank, in order: a batch, and the masks it waits for.
-BatchMessage = ForwardBatch | GrammarMask
+# What the controller sends each rank, in order: a batch, and the masks it waits for; or,
+# with no step in flight, a control command (new weights, memory released or taken back).
+BatchMessage = ForwardBatch | GrammarMask | WorkerCommand
 
 
 class StepResult(msgspec.Struct, frozen=True, tag="step"):
@@ -185,4 +190,4 @@ class WorkerFailed(msgspec.Struct, frozen=True, tag="worker_failed"):
     message: str
 
 
-WorkerMessage = WorkerReady | StepResult | WorkerFailed
+WorkerMessage = WorkerReady | StepResult | WorkerFailed | WorkerCommandDone

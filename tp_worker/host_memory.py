@@ -20,6 +20,8 @@ from __future__ import annotations
 import ctypes
 import logging
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 # NOTE: mallopt's parameter numbers (malloc.h).
@@ -43,3 +45,15 @@ def keep_freed_memory() -> bool:
     if not took:
         logger.info("the C library kept its own malloc thresholds")
     return took
+
+
+def give_memory_back(device: torch.device) -> None:
+    """Memory freed a moment ago back to the system, though keep_freed_memory keeps it
+    otherwise: malloc_trim on the host (glibc), the caching allocator's blocks on a GPU."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        logger.info("no malloc_trim here: freed memory stays with the process")

@@ -147,6 +147,16 @@ class CausalLM(nn.Module):
         if self.lm_head is not self.embed_tokens:
             self.lm_head.weight.data = self.lm_head.weight.data.new_empty(0)
 
+    def drop_cpu_kernels(self) -> None:
+        """The packed panels gone: the layers multiply their (restored) weights with torch
+        until use_cpu_kernels packs them again."""
+        for module in self.modules():
+            if isinstance(module, ShardedLinear):
+                module.kernel = None
+            elif isinstance(module, DecoderLayer):
+                module.kv_kernel = None
+        self.lm_head_kernel = None
+
     def use_triton_linear(self) -> None:
         """Every linear layer and the lm_head through linear_triton.py (CUDA): each row's
         output the same bits in any batch, the logits float32 from the accumulators."""

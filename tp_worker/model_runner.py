@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from tokenmill.protocol.arrays import unpack
+from tokenmill.protocol.control import WorkerAction
 from tokenmill.protocol.step import ForwardBatch, StepResult
 from tokenmill.tp_worker import attention_triton, cpu_ops
 from tokenmill.tp_worker.attention import plan_attention, plan_last_layer
@@ -31,6 +32,7 @@ from tokenmill.tp_worker.penalties import LogitAdjuster
 from tokenmill.tp_worker.step_inputs import StepInputs, StepInputsBuilder
 from tokenmill.tp_worker.step_outputs import StepOutputs, score_sampled
 from tokenmill.tp_worker.weight_loader import dummy_weights, load_weights
+from tokenmill.tp_worker.weight_update import WeightUpdater
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +50,8 @@ class ModelRunner:
         else:
             load_weights(self.model, Path(config.model))
         self.model.eval()
+        # NOTE: before the CPU kernels pack (and free) them: new weights need the shapes back
+        self.param_shapes = {n: tuple(p.shape) for n, p in self.model.named_parameters()}
         # NOTE: decided once: the dense layers and attention run in csrc/ together or not at all.
         self.cpu_kernels = (
             config.cpu_kernels and self.device.type == "cpu" and cpu_ops.supports(self.dtype)
@@ -92,8 +96,27 @@ class ModelRunner:
         )
         # NOTE: a row can never hold more tokens than the whole cache.
         self.max_model_len = min(config.max_model_len, self.kv_cache_tokens)
-        # NOTE: head-major: a row's keys of one head lie together when its slots do, so
-        # attention reads runs of memory rather than a head's share of every slot's line.
+        self.kv_cache: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.allocate_kv()
+        self.updater: WeightUpdater | None = None  # the control plane's, made on first use
+        self.table = torch.zeros(
+            config.max_running_requests, self.max_model_len, dtype=torch.int32, device=self.device
+        )
+        # NOTE: the same memory, written through numpy where the table lives on the host
+        self.host_table = self.table.numpy() if self.device.type == "cpu" else None
+        self.time_forward = False  # --step-timing: accumulate forward_s (syncs on CUDA)
+        # NOTE: where a batch's grammar masks follow it (GrammarRows.bitmask None): reads
+        # them, [G, W] int32, for the step id (the worker's step channel; None in process).
+        self.receive_mask: Callable[[int], np.ndarray] | None = None
+        self.forward_s = 0.0
+        self.prompt_chunk = config.prompt_logprob_chunk or default_chunk_size(
+            self.model_config.vocab_size
+        )
+
+    def allocate_kv(self) -> None:
+        """The KV cache (the draft model's too), zeroed. NOTE: head-major: a row's keys of one
+        head lie together when its slots do, so attention reads runs of memory rather than a
+        head's share of every slot's line."""
         kv_shape = (
             local_kv_heads(self.model_config, self.group),
             self.kv_cache_tokens,
@@ -108,19 +131,13 @@ class ModelRunner:
         ]
         if self.drafter is not None:
             self.drafter.allocate(self.kv_cache_tokens, self.dtype, self.device)
-        self.table = torch.zeros(
-            config.max_running_requests, self.max_model_len, dtype=torch.int32, device=self.device
-        )
-        # NOTE: the same memory, written through numpy where the table lives on the host
-        self.host_table = self.table.numpy() if self.device.type == "cpu" else None
-        self.time_forward = False  # --step-timing: accumulate forward_s (syncs on CUDA)
-        # NOTE: where a batch's grammar masks follow it (GrammarRows.bitmask None): reads
-        # them, [G, W] int32, for the step id (the worker's step channel; None in process).
-        self.receive_mask: Callable[[int], np.ndarray] | None = None
-        self.forward_s = 0.0
-        self.prompt_chunk = config.prompt_logprob_chunk or default_chunk_size(
-            self.model_config.vocab_size
-        )
+
+    def carry_out(self, action: WorkerAction) -> None:
+        """A control command (protocol/control.py): new weights, memory released or taken
+        back. Raises BadWeights where the caller's weights do not fit."""
+        if self.updater is None:
+            self.updater = WeightUpdater(self)
+        self.updater.carry_out(action)
 
     def _kv_bytes_per_token(self) -> int:
         heads = local_kv_heads(self.model_config, self.group)

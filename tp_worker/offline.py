@@ -56,6 +56,8 @@ class OfflineRequest:
     min_tokens: int = 0
     speculative: bool = True
     """May draft, where the engine speculates."""
+    processed: bool = False
+    """Its sampled tokens' logprobs describe the distribution sampled from."""
 
     def message(self, req_id: str) -> GenerateRequest:
         sampling = SamplingParams(
@@ -76,6 +78,7 @@ class OfflineRequest:
             num_top=self.num_top,
             token_ids=self.token_ids,
             prompt_start=self.prompt_logprob_start,
+            processed=self.processed,
         )
         return GenerateRequest(
             req_id,

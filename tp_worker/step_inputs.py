@@ -195,6 +195,8 @@ class StepInputs:
     prompt_offsets: np.ndarray  # [B + 1] int32 each row's first scored prompt position in [P]
     prompt_num_top: int
     sampled_logprobs: bool  # some row reads its sampled tokens' logprobs
+    # [Q] int64 rows whose sampled logprobs are processed (LogprobAsks.processed); None: none
+    processed_rows: torch.Tensor | None
     decode_slots: torch.Tensor | None  # [N-1, B] int64
     last_layer: LastLayerRows | None  # None: every token's final hidden state is kept
     verify: VerifyPlan | None = None  # None: no row has drafts
@@ -251,6 +253,9 @@ class StepInputs:
             prompt_offsets=prompt.offsets,
             prompt_num_top=prompt.num_top,
             sampled_logprobs=batch.logprobs.sampled,
+            processed_rows=None
+            if batch.logprobs.processed is None
+            else _on(np.flatnonzero(unpack(batch.logprobs.processed)), device),
             decode_slots=None
             if batch.decode_slots is None
             else _tensor(batch.decode_slots, device),

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -63,8 +63,25 @@ def score_sampled(
     # NOTE: positions only where a row draws noise (a position keys its draw).
     positions = inputs.prefix_lens + inputs.extend_lens if inputs.sampling.any_random else None
     next_ids = sample(adjusted, inputs.sampling, positions, greedy, cpu_kernel and not processed)
+    some = None if processed else inputs.processed_rows  # NOTE: rows of a request's own mode
+    if some is not None:
+        next_ids[some] = sample(
+            adjusted[some],
+            inputs.sampling.rows(some),
+            None if positions is None else positions[some],
+            greedy[some],
+        )
     if scores is None:
         return SampledScores(next_ids)
+    result = _scores_of(scores, inputs, next_ids)
+    if some is None:
+        return result
+    theirs = _scores_of(LogSoftmax.given(processed_logprobs(adjusted, inputs.sampling)), inputs,
+                        next_ids)  # fmt: skip
+    return _per_row(result, theirs, some, inputs)
+
+
+def _scores_of(scores: LogSoftmax, inputs: StepInputs, next_ids: torch.Tensor) -> SampledScores:
     top_ids, top_logprobs = None, None
     if inputs.max_top:
         # NOTE: None where every row asked: the top arrays need no row selection then.
@@ -78,6 +95,34 @@ def score_sampled(
         token_ids_logprobs=scores.at(inputs.token_id_rows, inputs.token_ids)
         if len(inputs.token_ids)
         else None,
+    )
+
+
+def _per_row(
+    raw: SampledScores, processed: SampledScores, rows: torch.Tensor, inputs: StepInputs
+) -> SampledScores:
+    """Each row's scores in its own request's mode: `processed`'s for `rows`, else `raw`'s
+    (a request's numbers do not depend on the modes of the rows beside it)."""
+    mine = torch.zeros(len(raw.next_ids), dtype=torch.bool, device=raw.next_ids.device)
+    mine[rows] = True
+
+    def pick(a: torch.Tensor | None, b: torch.Tensor | None, at: torch.Tensor | None) -> Any:
+        if a is None or b is None:
+            return a
+        which = mine if at is None else mine[at]
+        return torch.where(which.view(-1, *([1] * (a.dim() - 1))), b, a)
+
+    every = len(inputs.top_rows) == len(raw.next_ids)
+    return SampledScores(
+        next_ids=raw.next_ids,
+        logprobs=pick(raw.logprobs, processed.logprobs, None),
+        top_ids=pick(raw.top_ids, processed.top_ids, None if every else inputs.top_rows),
+        top_logprobs=pick(
+            raw.top_logprobs, processed.top_logprobs, None if every else inputs.top_rows
+        ),
+        token_ids_logprobs=pick(
+            raw.token_ids_logprobs, processed.token_ids_logprobs, inputs.token_id_rows
+        ),
     )
 
 

@@ -40,7 +40,7 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
     for number, path in enumerate(files, 1):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                if _load_one(model, name, f.get_tensor(name)):
+                if load_tensor(model, name, f.get_tensor(name)):
                     expected.discard(name)
         if len(files) > 1:
             logger.info(
@@ -92,7 +92,9 @@ def _expected_names(model: CausalLM) -> set[str]:
     return names
 
 
-def _load_one(model: CausalLM, name: str, tensor: torch.Tensor) -> bool:
+def load_tensor(model: CausalLM, name: str, tensor: torch.Tensor) -> bool:
+    """One Hugging Face tensor into this rank's share of the parameter it belongs to; False
+    for a tensor the model has no place for."""
     if name == "model.embed_tokens.weight":
         return _copy_vocab_rows(model.embed_tokens.weight, model.embed_tokens.vocab_start, tensor)
     if name == "lm_head.weight":

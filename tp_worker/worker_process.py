@@ -22,6 +22,7 @@ import zmq
 
 from tokenmill.protocol.arrays import unpack
 from tokenmill.protocol.cluster import ClusterKey
+from tokenmill.protocol.control import WorkerCommand, WorkerCommandDone
 from tokenmill.protocol.process import exit_with_parent, setup_process
 from tokenmill.protocol.step import (
     BatchMessage,
@@ -35,6 +36,7 @@ from tokenmill.tp_worker.config import RunnerConfig, WorkerConfig
 from tokenmill.tp_worker.device import resolve_device
 from tokenmill.tp_worker.host_memory import keep_freed_memory
 from tokenmill.tp_worker.model_runner import ModelRunner
+from tokenmill.tp_worker.weight_update import BadWeights
 
 logger = logging.getLogger(__name__)
 
@@ -145,10 +147,11 @@ class BatchReader:
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 logger.error("dropped a frame that is not a batch message: %s", e)
 
-    def receive_batch(self) -> ForwardBatch | None:
+    def receive_work(self) -> ForwardBatch | WorkerCommand | None:
+        """The next batch or control command (None once the controller is gone)."""
         while True:
             message = self.receive()
-            if message is None or isinstance(message, ForwardBatch):
+            if message is None or not isinstance(message, GrammarMask):
                 return message
             logger.error("dropped the grammar masks of step %d: no batch waits", message.step_id)
 
@@ -167,7 +170,12 @@ def serve(
     reader = BatchReader(batches)
     encoder = msgspec.msgpack.Encoder()
     runner.receive_mask = reader.receive_mask
-    while (batch := reader.receive_batch()) is not None:
+    while (batch := reader.receive_work()) is not None:
+        if isinstance(batch, WorkerCommand):
+            done = carry_out(runner, batch)
+            if results is not None:
+                results.send(encoder.encode(done))
+            continue
         started = time.perf_counter()
         runner.forward_s = 0.0
         try:
@@ -183,3 +191,19 @@ def serve(
             busy = time.perf_counter() - started
             result = msgspec.structs.replace(result, busy_s=busy, forward_s=runner.forward_s)
         results.send(encoder.encode(result))
+
+
+def carry_out(runner: ModelRunner, command: WorkerCommand) -> WorkerCommandDone:
+    """A control command on this rank; weights that do not fit are the caller's mistake (every
+    rank refuses them alike, before any changes), anything else is logged and reported."""
+    action = type(command.action).__name__
+    try:
+        runner.carry_out(command.action)
+    except BadWeights as e:
+        logger.warning("%s refused: %s", action, e)
+        return WorkerCommandDone(command.step_id, False, str(e), bad_input=True)
+    except Exception as e:
+        logger.exception("%s failed", action)
+        return WorkerCommandDone(command.step_id, False, f"{action} failed: {e!r}"[:1000])
+    logger.info("%s done", action)
+    return WorkerCommandDone(command.step_id, True, "")
