@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 INITIAL_WEIGHT_VERSION = "default"  # SGLang's name for the weights a server started with
 PAUSED_DETAIL = "aborted by /pause_generation (mode abort)"
+UPDATE_ABORT_DETAIL = "aborted by a weight update (abort_all_requests)"
 
 
 class Refused(Exception):
@@ -131,6 +132,9 @@ class ControlPlane:
         weights is used again); on success the cache is emptied and the version moves on."""
         if "weights" in self.released:
             raise Refused(409, "the weights are released: POST /resume_memory_occupation first")
+        if command.abort_all:
+            for request in list(self.controller.requests.values()):
+                self.controller.end(request, "paused", UPDATE_ABORT_DETAIL)
         self.num_retracted = self.controller.scheduler.retract_all()
         self.run_on_ranks(command)
         cache = self.controller.kv.cache

@@ -323,6 +323,7 @@ class Controller:
                 prefix_cached_tokens=self.kv.cache.num_cached if self.kv.cache else 0,
                 step_timing=self.timing.totals(),
                 replica=self.config.replica,
+                weight_version=self.control.weight_version,
                 **self._spec_counts(),
             )
         )

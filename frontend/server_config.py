@@ -132,6 +132,12 @@ class HttpArgs:
     flag shows in the process list."""
     api_key_protect_metrics: bool = False
     """Require the API key on /metrics too."""
+    enable_rl_control: bool = False
+    """Serve the RL control routes (SGLang's): /pause_generation, /continue_generation,
+    /flush_cache, /get_weight_version, /update_weights_from_disk,
+    /init_weights_update_group, /update_weights_from_distributed,
+    /destroy_weights_update_group, /release_memory_occupation, /resume_memory_occupation.
+    Off: they are 404s. They need the API key where one is set."""
     tool_call_parser: str = "auto"
     """How tool calls are read from chat output: hermes (`<tool_call>{...}</tool_call>`:
     Qwen2.5, Qwen3, Hermes), llama3_json (`{"name", "parameters"}`: Llama 3.1 / 3.2), or

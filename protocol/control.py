@@ -41,6 +41,7 @@ class LoadWeights(msgspec.Struct, frozen=True, tag="load_weights"):
     ctl_id: str
     model_path: str
     weight_version: str | None = None
+    abort_all: bool = False  # requests in flight fail instead of going back to the queue
 
 
 class JoinWeightsGroup(msgspec.Struct, frozen=True, tag="join_weights_group"):
@@ -53,7 +54,7 @@ class JoinWeightsGroup(msgspec.Struct, frozen=True, tag="join_weights_group"):
     rank_offset: int
     world_size: int
     group_name: str
-    backend: str  # gloo (CPU) or nccl (CUDA)
+    backend: str  # gloo (CPU) or nccl (CUDA); "": the device's
 
 
 class ReceiveWeights(msgspec.Struct, frozen=True, tag="receive_weights"):
@@ -66,6 +67,7 @@ class ReceiveWeights(msgspec.Struct, frozen=True, tag="receive_weights"):
     shapes: tuple[tuple[int, ...], ...]
     group_name: str = ""
     weight_version: str | None = None
+    abort_all: bool = False  # as LoadWeights'
 
 
 class LeaveWeightsGroup(msgspec.Struct, frozen=True, tag="leave_weights_group"):

@@ -1,4 +1,5 @@
-"""Controller -> frontend channel: the engine's state, for /health and /metrics."""
+"""Controller -> frontend channel: the engine's state, for /health and /metrics; and the
+replies to control commands (protocol/control.py's ControlReply) on the same socket."""
 
 from __future__ import annotations
 
@@ -26,3 +27,4 @@ class EngineReport(msgspec.Struct, frozen=True, tag="engine_report"):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    weight_version: str = "default"  # the weights in force (protocol/control.py)

@@ -17,23 +17,27 @@ class ServerProcess:
     port: int
     log_path: Path
     model: str
+    api_key: str | None = None  # sent with every request but /metrics' when set
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
     def get(self, path: str, timeout: float = 10.0) -> tuple[int, str]:
+        req = urllib.request.Request(self.base_url + path, headers=self._headers())
         try:
-            with urllib.request.urlopen(self.base_url + path, timeout=timeout) as r:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
                 return r.status, r.read().decode()
         except urllib.error.HTTPError as e:
             return e.code, e.read().decode()
 
     def post(self, path: str, body: object, timeout: float = 60.0) -> tuple[int, dict]:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        req = urllib.request.Request(
-            self.base_url + path, data=data, headers={"Content-Type": "application/json"}
-        )
+        headers = {"Content-Type": "application/json", **self._headers()}
+        req = urllib.request.Request(self.base_url + path, data=data, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 return r.status, json.loads(r.read())

@@ -124,7 +124,7 @@ class WeightUpdater:
     def join(self, action: JoinWeightsGroup) -> None:
         if self.trainer is not None:
             raise BadWeights(f"already in weights group {self.trainer.name!r}; destroy it first")
-        if action.backend not in ("gloo", "nccl"):
+        if action.backend not in ("", "gloo", "nccl"):
             raise BadWeights(f"backend {action.backend!r}: use gloo (CPU) or nccl (CUDA)")
         self.trainer = TrainerLink(action, self.runner.group.rank, self.runner.device)
 
@@ -236,7 +236,8 @@ class TrainerLink:
         )
         prefixed = dist.PrefixStore(action.group_name, self.store)
         self.group: Any
-        if action.backend == "nccl":
+        backend = action.backend or ("nccl" if device.type == "cuda" else "gloo")
+        if backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
             self.group = dist.ProcessGroupNCCL(prefixed, rank, action.world_size, options)
         else:

@@ -96,6 +96,7 @@ class RequestContext:
     rerank: RerankPrompt | None = None  # --rerank-template and --rerank-labels
     grammar: Any = None  # constraints.GrammarValidator; None: no constraints (no tokenizer)
     tool_call_parser: str = "auto"  # --tool-call-parser
+    logprobs_mode: str = "raw"  # --logprobs-mode: a request's without `logprobs_mode`
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,7 @@ class ParsedRequest:
     batched: bool = False  # native: the response is a list (batch of prompts or n > 1)
     text_in_logprobs: bool = True  # native `return_text_in_logprobs`
     tool_parser: str | None = None  # chat with tools: the format its output is read in
+    return_token_ids: bool = False  # vLLM's: prompt_token_ids and each choice's token_ids
 
     @property
     def wants_logprobs(self) -> bool:
@@ -238,6 +240,15 @@ def resolve_max_tokens(prompt_len: int, opts: PromptOptions, ctx: RequestContext
     if opts.max_tokens < opts.min_max_tokens:
         raise ApiError(f"max_tokens must be at least {opts.min_max_tokens}", opts.max_tokens_param)
     return opts.max_tokens
+
+
+def logprobs_processed(mode: str | None, ctx: RequestContext) -> bool:
+    """Whether a request's sampled logprobs describe the distribution sampled from: its
+    `logprobs_mode`, else the server's --logprobs-mode."""
+    mode = mode or ctx.logprobs_mode
+    if mode not in ("raw", "processed"):
+        raise ApiError(f"logprobs_mode {mode!r}: use raw or processed", "logprobs_mode")
+    return mode == "processed"
 
 
 def draw_seed(seed: int | None) -> int:

@@ -33,6 +33,7 @@ from tokenmill.frontend.api.common import (
     check_token_ids,
     decode_body,
     is_token_ids,
+    logprobs_processed,
     new_id,
     stop_strings,
 )
@@ -78,6 +79,7 @@ class GenerateBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     text: str | list[str] | None = None
     input_ids: Any = None  # list[int] | list[list[int]], checked by `_prompts`
     sampling_params: NativeSampling | None = None
+    logprobs_mode: str | None = None  # raw or processed; default: the server's --logprobs-mode
     return_logprob: bool | None = None
     logprob_start_len: Annotated[int, Meta(ge=-1)] | None = None
     top_logprobs_num: TopLogprobs | None = None
@@ -116,10 +118,13 @@ def _logprob_params(body: GenerateBody, ctx: RequestContext) -> LogprobParams:
         raise ApiError(f"top_logprobs_num must be at most {ctx.max_logprobs}", "top_logprobs_num")
     token_ids = tuple(body.token_ids_logprob or ())
     check_token_ids(list(token_ids), ctx, "token_ids_logprob")
+    mode = logprobs_processed(body.logprobs_mode, ctx)
     if not body.return_logprob:
-        return LogprobParams(token_ids=token_ids)
+        return LogprobParams(token_ids=token_ids, processed=mode)
     start = -1 if body.logprob_start_len is None else body.logprob_start_len
-    return LogprobParams(return_logprob=True, num_top=top, token_ids=token_ids, prompt_start=start)
+    return LogprobParams(
+        return_logprob=True, num_top=top, token_ids=token_ids, prompt_start=start, processed=mode
+    )
 
 
 def _options(body: GenerateBody, ctx: RequestContext) -> PromptOptions:

@@ -73,6 +73,7 @@ class NativeResponder(Responder):
             "prompt_tokens": s.num_prompt_tokens or len(s.choice.prompt_ids),
             "completion_tokens": s.num_output_tokens,
             "cached_tokens": s.num_cached_tokens,
+            "weight_version": self.weight_version(),
         }
         if s.choice.request.logprobs.return_logprob:
             meta.update(self._input_logprobs(s))

@@ -34,6 +34,7 @@ from tokenmill.frontend.api.common import (
     check_token_ids,
     check_unsupported,
     decode_body,
+    logprobs_processed,
     new_id,
     stop_strings,
 )
@@ -90,6 +91,12 @@ class _OpenAIFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # False: no drafts for this request where the server speculates (--speculative-config);
     # its tokens and logprobs are the same either way
     speculative_decoding: bool | None = None
+    # vLLM's: the prompt's and each choice's token ids in the response (streamed: the
+    # prompt's with a choice's first chunk, each chunk's new ones)
+    return_token_ids: bool | None = None
+    # raw (the model's own distribution) or processed (the one sampled from); default: the
+    # server's --logprobs-mode
+    logprobs_mode: str | None = None
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -331,7 +338,11 @@ def parse_chat(raw: bytes, ctx: RequestContext) -> ParsedRequest:
     except ChatTemplateError as e:
         raise ApiError(str(e), "messages") from e
     ids = ctx.tokenizer.encode(text, add_special_tokens=False)
-    logprobs = LogprobParams(return_logprob=bool(body.logprobs), num_top=top)
+    logprobs = LogprobParams(
+        return_logprob=bool(body.logprobs),
+        num_top=top,
+        processed=logprobs_processed(body.logprobs_mode, ctx),
+    )
     max_tokens = body.max_completion_tokens or body.max_tokens
     opts = _options(body, ctx, max_tokens, 1, "messages", logprobs, constraint)
     response_id = new_id("chatcmpl")
@@ -344,6 +355,7 @@ def parse_chat(raw: bytes, ctx: RequestContext) -> ParsedRequest:
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         logprobs=bool(body.logprobs),
         tool_parser=tool_parser,
+        return_token_ids=bool(body.return_token_ids),
     )
 
 
@@ -402,6 +414,7 @@ def parse_completion(raw: bytes, ctx: RequestContext) -> ParsedRequest:
         return_logprob=has_logprobs,
         num_top=body.logprobs or 0,
         prompt_start=0 if echo and has_logprobs else -1,
+        processed=logprobs_processed(body.logprobs_mode, ctx),
     )
     constraint = _constraints(body).resolve(ctx.grammar)
     # NOTE: `max_tokens: 0` with echo scores the prompt without generating (lm-eval).
@@ -416,4 +429,5 @@ def parse_completion(raw: bytes, ctx: RequestContext) -> ParsedRequest:
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         echo=echo,
         logprobs=has_logprobs,
+        return_token_ids=bool(body.return_token_ids),
     )

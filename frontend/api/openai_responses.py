@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import codecs
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,6 +112,9 @@ class Responder:
         self.states = [ChoiceState(c) for c in parsed.choices]
         self.created = int(time.time())
         self._keep = not parsed.stream
+        # NOTE: the weights in force as the response is written (the HTTP layer sets it;
+        # a weight update recomputes the requests it finds running with the new weights)
+        self.weight_version: Callable[[], str] = lambda: "default"
 
     def add(self, index: int, out: DetokenizedOutput) -> list[Any]:
         """Records `out`; returns the chunks to stream now (none when not streaming)."""
@@ -141,6 +145,7 @@ class Responder:
             "created": self.created,
             "model": self.parsed.model,
             "system_fingerprint": None,
+            "weight_version": self.weight_version(),
         }
 
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
@@ -203,7 +208,11 @@ class ChatResponder(Responder):
                 "logprobs": lp,
                 "finish_reason": reason if last else None,
             }
+            if self.parsed.return_token_ids:
+                choice["token_ids"] = list(out.token_ids)
             chunks.append(self._chunk(choice))
+        if self.parsed.return_token_ids and first:
+            chunks[0]["prompt_token_ids"] = state.choice.prompt_ids
         for i, call in enumerate(calls):
             last = final and i == len(calls) - 1
             choice = {
@@ -230,15 +239,18 @@ class ChatResponder(Responder):
         choices = []
         for s in self.states:
             message, reason = self._message(s)
-            choices.append(
-                {
-                    "index": s.choice.index,
-                    "message": message,
-                    "logprobs": chat_logprobs(s.logprobs) if self.parsed.logprobs else None,
-                    "finish_reason": reason,
-                }
-            )
+            choice = {
+                "index": s.choice.index,
+                "message": message,
+                "logprobs": chat_logprobs(s.logprobs) if self.parsed.logprobs else None,
+                "finish_reason": reason,
+            }
+            if self.parsed.return_token_ids:
+                choice["token_ids"] = s.token_ids
+            choices.append(choice)
         body = {**self._envelope(self.object_name), "choices": choices, "usage": self.usage()}
+        if self.parsed.return_token_ids:
+            body["prompt_token_ids"] = self.states[0].choice.prompt_ids
         return body
 
 
@@ -313,6 +325,10 @@ class CompletionResponder(Responder):
             "logprobs": self._logprobs(state, out.logprobs, echo),
             "finish_reason": out.finish_reason,
         }
+        if self.parsed.return_token_ids:
+            choice["token_ids"] = list(out.token_ids)
+            if first:
+                choice["prompt_token_ids"] = state.choice.prompt_ids
         return [self._chunk(choice)]
 
     def response(self) -> dict[str, Any]:
@@ -320,12 +336,14 @@ class CompletionResponder(Responder):
         for s in self.states:
             self._start_offset(s)
             prefix = (s.choice.prompt_text or "") if self.parsed.echo else ""
-            choices.append(
-                {
-                    "index": s.choice.index,
-                    "text": prefix + s.text,
-                    "logprobs": self._logprobs(s, s.logprobs, self.parsed.echo),
-                    "finish_reason": s.finish_reason,
-                }
-            )
+            choice = {
+                "index": s.choice.index,
+                "text": prefix + s.text,
+                "logprobs": self._logprobs(s, s.logprobs, self.parsed.echo),
+                "finish_reason": s.finish_reason,
+            }
+            if self.parsed.return_token_ids:
+                choice["token_ids"] = s.token_ids
+                choice["prompt_token_ids"] = s.choice.prompt_ids
+            choices.append(choice)
         return {**self._envelope(self.object_name), "choices": choices, "usage": self.usage()}

@@ -16,6 +16,7 @@ from tokenmill.frontend import VERSION
 from tokenmill.frontend.api.native_requests import GenerateBody
 from tokenmill.frontend.api.openai_requests import ChatCompletionBody, CompletionBody
 from tokenmill.frontend.api.scoring import RerankBody, ScoreBody
+from tokenmill.frontend.app.control_routes import CONTROL_ROUTES, ControlResponse
 
 # --- response shapes -------------------------------------------------------------------
 
@@ -58,6 +59,8 @@ class CompletionChoice(Shape):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    token_ids: list[int] | None = None  # with return_token_ids (streamed: the new ones)
+    prompt_token_ids: list[int] | None = None  # with return_token_ids (streamed: once)
 
 
 class CompletionResponse(Shape):
@@ -70,6 +73,7 @@ class CompletionResponse(Shape):
     system_fingerprint: str | None
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    weight_version: str | None = None  # the weights that produced it
 
 
 class TopLogprob(Shape):
@@ -101,6 +105,7 @@ class ChatChoice(Shape):
     message: ChatMessageOut
     logprobs: ChatLogprobs | None
     finish_reason: str | None
+    token_ids: list[int] | None = None  # with return_token_ids
 
 
 class ChatCompletionResponse(Shape):
@@ -111,6 +116,8 @@ class ChatCompletionResponse(Shape):
     system_fingerprint: str | None
     choices: list[ChatChoice]
     usage: Usage
+    weight_version: str | None = None  # the weights that produced it
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
 class GenerateResponse(Shape):
@@ -211,16 +218,23 @@ ERRORS = {
 }
 
 
-def openapi_document() -> dict[str, Any]:
+def openapi_document(rl_control: bool = False) -> dict[str, Any]:
+    """The routes served; with `rl_control` (--enable-rl-control), the control routes too."""
+    routes = dict(ROUTES)
+    if rl_control:
+        routes.update(
+            {path: (method, summary, body, ControlResponse, False)
+             for path, (method, summary, body) in CONTROL_ROUTES.items()}
+        )  # fmt: skip
     types: list[Any] = [ErrorResponse]
-    for _, _, body, response, _ in ROUTES.values():
+    for _, _, body, response, _ in routes.values():
         types += [t for t in (body, response) if t is not None]
     schemas, components = msgspec.json.schema_components(
         types, ref_template="#/components/schemas/{name}"
     )
     error_ref, refs = schemas[0], iter(schemas[1:])
     paths: dict[str, Any] = {}
-    for path, (method, summary, body, _, streams) in ROUTES.items():
+    for path, (method, summary, body, _, streams) in routes.items():
         operation: dict[str, Any] = {"summary": summary}
         if body is not None:
             operation["requestBody"] = {

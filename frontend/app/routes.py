@@ -44,6 +44,7 @@ from tokenmill.frontend.api.scoring import (
     score_response,
 )
 from tokenmill.frontend.app.auth import auth_middleware
+from tokenmill.frontend.app.control_routes import ControlApi
 from tokenmill.frontend.app.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from tokenmill.frontend.app.metrics import ApiMetrics
 from tokenmill.frontend.app.openapi import openapi_document
@@ -176,7 +177,7 @@ class HttpApi:
         self.ctx = ctx
         self.metrics = ApiMetrics(lambda: engine.stats)
         self.created = int(time.time())
-        self.openapi_json = msgspec.json.encode(openapi_document())
+        self.openapi_json = msgspec.json.encode(openapi_document(config.http.enable_rl_control))
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, parse_chat, ChatResponder)
@@ -258,6 +259,8 @@ class HttpApi:
         parsed: ParsedRequest = await self._parse(request, parse)
         self.metrics.on_start(len(parsed.choices), parsed.wants_logprobs)
         responder = responder_cls(parsed, self.ctx.tokenizer)
+        stats = self.engine.stats
+        responder.weight_version = lambda: stats.weight_version
         if parsed.stream:
             return await self._stream(request, parsed, responder)
         async with aclosing(self._outputs(parsed)) as outputs:
@@ -278,7 +281,7 @@ class HttpApi:
                 if first and out.token_ids:
                     first_token[index] = now
                 self.metrics.on_output(out, now - start, first)
-                if out.finish_reason in ("error", "rejected", "queue_timeout"):
+                if out.finish_reason in ("error", "rejected", "queue_timeout", "paused"):
                     raise _engine_refusal(out)
                 if out.finish_reason is not None and out.num_output_tokens > 1:
                     tpot = (now - first_token.get(index, now)) / (out.num_output_tokens - 1)
@@ -351,6 +354,9 @@ def _engine_refusal(out: DetokenizedOutput) -> ApiError:
             code="queue_full",
             headers={"Retry-After": str(RETRY_AFTER_S)},
         )
+    if out.finish_reason == "paused":
+        message = f"the request was {out.finish_detail}"
+        return ApiError(message, status=503, type="server_error", code="generation_paused")
     if out.finish_reason == "queue_timeout":
         message = f"the server is overloaded: the request was {out.finish_detail}"
         return ApiError(message, status=503, type="server_error", code="queue_timeout")
@@ -417,6 +423,7 @@ def build_app(
         rerank=rerank_prompt(config.scoring, tokenizer),
         grammar=grammar_validator(tokenizer),
         tool_call_parser=config.http.tool_call_parser,
+        logprobs_mode=config.scheduler.logprobs_mode,
     )
     api = HttpApi(config, engine, ctx)
     middlewares = [_error_middleware(api.metrics)]
@@ -435,6 +442,8 @@ def build_app(
     app.router.add_get("/health", api.health)
     app.router.add_get("/metrics", api.prometheus)
     app.router.add_get("/openapi.json", api.openapi)
+    if config.http.enable_rl_control:
+        ControlApi(engine).add_routes(app)
     return app
 
 

@@ -7,10 +7,11 @@ over the controller and detokenizer sockets, and tests can implement it with a f
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from tokenmill.protocol.control import ControlCommand, ControlReply
 from tokenmill.protocol.outputs import DetokenizedOutput
 from tokenmill.protocol.requests import GenerateRequest
 
@@ -33,6 +34,7 @@ class EngineStats:
     # speculative decoding (EngineReport.spec_*): rows that verified drafts, drafts, kept
     # drafts, and kept drafts by position; None while the engine does not speculate
     spec: tuple[int, int, int, tuple[int, ...]] | None = None
+    weight_version: str = "default"  # the weights in force (the RL control plane's)
     # time.monotonic() of the controller's last report (it reports between steps)
     last_report: float = field(default_factory=time.monotonic)
     extra: dict[str, float] = field(default_factory=dict)
@@ -62,3 +64,8 @@ class EngineClient(Protocol):
         ...
 
     async def abort(self, req_id: str) -> None: ...
+
+    async def control(self, make: Callable[[str], ControlCommand]) -> ControlReply:
+        """One control command (`make(ctl_id)`) carried out by every engine replica; their
+        reply (the worst status of them). Raises EngineDeadError if the engine dies."""
+        ...

@@ -200,7 +200,9 @@ def runner_config(
         max_model_len=max_model_len,
         dtype=m.dtype,
         device=m.device,
-        logprobs_mode=s.logprobs_mode,
+        # NOTE: each request carries its own mode (the frontend resolves it against
+        # --logprobs-mode), so the ranks' own is raw
+        logprobs_mode="raw",
         load_format=m.load_format,
         attention_backend=m.attention_backend,
     )

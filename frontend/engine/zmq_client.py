@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Callable
 
 import msgspec
 import zmq
@@ -21,6 +22,7 @@ import zmq.asyncio
 
 from tokenmill.frontend.engine.client import EngineDeadError, EngineStats
 from tokenmill.frontend.engine.replica_router import ReplicaRouter
+from tokenmill.protocol.control import ControlCommand, ControlReply
 from tokenmill.protocol.outputs import DetokenizedBatch, DetokenizedOutput
 from tokenmill.protocol.process import ServingPriority
 from tokenmill.protocol.requests import AbortRequest, GenerateRequest
@@ -59,6 +61,7 @@ class ZmqEngineClient:
         self._priority = priority or ServingPriority(0)
         self._replica_of: dict[str, int] = {}
         self._tasks: list[asyncio.Task] = []
+        self._controls: dict[str, asyncio.Future[ControlReply]] = {}  # by ctl_id
 
     def _socket(self, kind: int, addr: str, bind: bool) -> zmq.asyncio.Socket:
         sock = self.context.socket(kind)
@@ -109,12 +112,35 @@ class ZmqEngineClient:
         replica = self._replica_of.get(req_id, 0)
         await self.requests[replica].send(self.encoder.encode(AbortRequest(req_id)))
 
+    async def control(self, make: Callable[[str], ControlCommand]) -> ControlReply:
+        if not self.stats.alive:
+            raise EngineDeadError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        waits = []
+        for sock in self.requests:
+            ctl_id = uuid.uuid4().hex
+            future: asyncio.Future[ControlReply] = loop.create_future()
+            self._controls[ctl_id] = future
+            waits.append(future)
+            await sock.send(self.encoder.encode(make(ctl_id)))
+        try:
+            replies = await asyncio.gather(*waits)
+        finally:
+            for future in waits:
+                future.cancel()
+        worst = max(replies, key=lambda r: r.status)
+        self.stats.weight_version = worst.weight_version
+        return worst
+
     def mark_dead(self, why: str = "the engine stopped while the request ran") -> None:
         """Fails every request in flight with EngineDeadError(why); no new one starts."""
         self.stats.alive = False
         self._dead_why = why
         for queue in self._queues.values():
             queue.put_nowait(_DEAD)
+        for future in self._controls.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(why))
 
     async def _receive_outputs(self) -> None:
         decoder = msgspec.msgpack.Decoder(DetokenizedBatch)
@@ -131,13 +157,18 @@ class ZmqEngineClient:
                     queue.put_nowait(output)
 
     async def _receive_reports(self) -> None:
-        decoder = msgspec.msgpack.Decoder(EngineReport)
+        decoder = msgspec.msgpack.Decoder(EngineReport | ControlReply)
         while True:
             frame = await self.reports.recv()
             try:
                 report = decoder.decode(frame)
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 logger.error("dropped a frame that is not an EngineReport: %s", e)
+                continue
+            if isinstance(report, ControlReply):
+                future = self._controls.pop(report.ctl_id, None)
+                if future is not None and not future.done():
+                    future.set_result(report)
                 continue
             self._update_stats(report)
 
@@ -158,6 +189,7 @@ class ZmqEngineClient:
                 report.spec_accepted_per_pos,
             )
         s.extra["prefix_cache_tokens"] = report.prefix_cached_tokens
+        self.stats.weight_version = report.weight_version
         s.extra.update(report.step_timing)
         s.last_report = time.monotonic()
         s.extra["num_steps"] = report.num_steps
