@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 
 import torch
+from triton_interpreter import rowwise_interpreted_dot
 
 from tokenmill.tp_worker.attention_triton import SPLIT, plan_triton
 
@@ -81,6 +82,13 @@ def run(dtype: torch.dtype, window: int) -> None:
             window or None,
         ).attend(q[mine], k, v, scale)  # fmt: skip
         assert torch.equal(alone, got[mine]), (dtype, window, r)
+        if e > 2:  # NOTE: the row's tokens as two chunks (another place in their tiles)
+            cut = slice(start + 1, start + e)
+            later = plan_triton(
+                table[r : r + 1], token_rows[cut] - r, positions[cut], out_slots[cut],
+                window or None,
+            ).attend(q[cut], k, v, scale)  # fmt: skip
+            assert torch.equal(later, got[cut]), (dtype, window, r, "chunked")
         start += e
     print(f"{dtype} window={window}: max |error| {error:.2e}, rows alone = in the batch")
 
@@ -120,6 +128,7 @@ def run_model(model_dir: str) -> None:
 
 
 if __name__ == "__main__":
+    rowwise_interpreted_dot()
     for dtype in (torch.float32, torch.bfloat16):
         for window in (0, 100):
             run(dtype, window)

@@ -6,6 +6,7 @@ batches of every size and at other places in them, bit for bit."""
 from __future__ import annotations
 
 import torch
+from triton_interpreter import rowwise_interpreted_dot
 
 from tokenmill.tp_worker.linear_triton import TileConfig, tile_config, triton_linear
 
@@ -44,30 +45,6 @@ def check_rows_alone_and_in_batches(dtype: torch.dtype, config: TileConfig | Non
     # NOTE: a row at another place in another batch
     moved = torch.cat([x[40:45], x[:3]])
     assert torch.equal(triton_linear(moved, w, None, torch.float32, config)[5:], whole[:3])
-
-
-def rowwise_interpreted_dot() -> None:
-    """NOTE: the interpreter runs tl.dot as one numpy (BLAS) product of the two tiles, whose
-    bits for a row depend on its place in the tile (BLAS treats the rows of a panel in groups
-    of unequal code), and leaves bfloat16 operands as raw bits; a GPU's tensor cores compute
-    every row of a tile alike, from bfloat16 into float32. Here each row is multiplied on its
-    own, from the operands' float32 values, so what is checked is the kernel's own part: its
-    tiles, its masks and its K order do not depend on the number of rows."""
-    import numpy as np
-    from triton.runtime import interpreter
-
-    def operand(t) -> np.ndarray:
-        """bfloat16 is kept as its uint16 bits there (and its dot is left undone)."""
-        if t.data.dtype == np.uint16:
-            return (t.data.astype(np.uint32) << 16).view(np.float32)
-        return t.data
-
-    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # noqa: ARG001
-        x, w = operand(a), operand(b)
-        rows = [np.matmul(x[i : i + 1], w, dtype=d.data.dtype) for i in range(len(x))]
-        return interpreter.TensorHandle(np.concatenate(rows) + d.data, d.dtype.scalar)
-
-    interpreter.InterpreterBuilder.create_dot = dot
 
 
 def main() -> int:
