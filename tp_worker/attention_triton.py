@@ -189,10 +189,9 @@ if triton is not None:
             rescale = tl.exp(best - base)
             v = tl.load(V + where, mask=inside[:, None], other=0.0).to(tl.float32)
             total = total * rescale + tl.sum(weights, 1)
-            # NOTE: three TF32 products (the tensor cores) carry a float32 product's bits to
-            # within a few units in its last place; IEEE float32 (no tensor cores) made the
-            # decode step's 64-row tiles of 4 live rows cost ~9 ms a step on an H200
-            acc = acc * rescale[:, None] + tl.dot(weights, v, input_precision="tf32x3")
+            # NOTE: IEEE float32: three TF32 passes ("tf32x3") were slower on the H200 (the
+            # kernel 20 -> 29 ms a decode step at 64 rows, 84 -> 120 ms a 4,096-token prefill)
+            acc = acc * rescale[:, None] + tl.dot(weights, v, input_precision="ieee")
             best = new_best
         at = ((first + t) * num_heads + head) * num_splits + split
         tl.store(MAX + at, best, mask=live)
