@@ -57,9 +57,7 @@ class PagedAttention:
         q = q.contiguous()
         out = torch.empty_like(q)
         lib = library()
-        # NOTE: the same kernel for every call of a model: its dtype, head size and the
-        # machine decide (csrc/attention_amx.cpp takes bfloat16 heads of 64, 128, ... on AMX).
-        amx = q.dtype == torch.bfloat16 and q.shape[2] % 64 == 0 and amx_enabled(lib)
+        amx = uses_amx(q.dtype, q.shape[2])
         status = (lib.tm_paged_attention_amx if amx else lib.tm_paged_attention)(
             q.data_ptr(),
             k_cache.data_ptr(),
@@ -108,3 +106,10 @@ class PagedAttention:
             kept_q, kept_cos_sin = qkv[:, : num_heads * kv[0].shape[2]], [c[index] for c in cos_sin]
             q = rope_store_cpu(kept_q, tuple(kept_cos_sin), kv, self.out_slots[index], num_heads, 0)
         return self.attend(q, kv[0], kv[1], scale)
+
+
+def uses_amx(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether attention runs csrc/attention_amx.cpp. NOTE: the same kernel for every call of
+    a model: its dtype, head size and the machine decide (bfloat16 heads of 64, 128, ... on
+    AMX)."""
+    return dtype == torch.bfloat16 and head_dim % 64 == 0 and amx_enabled()

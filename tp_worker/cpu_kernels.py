@@ -35,6 +35,7 @@ SOURCES = tuple(
         "rope.cpp",
         "log_softmax.cpp",
         "sample.cpp",
+        "layer_stack.cpp",
     )
 )
 HEADERS = tuple(
@@ -146,6 +147,21 @@ def load(path: Path) -> ctypes.CDLL:
     lib.tm_row_argmax.restype = None
     lib.tm_sample.argtypes = [_P, _I, _I, _P, _I, *[_P] * 7]
     lib.tm_sample.restype = None
+    lib.tm_layer_stack.argtypes = [
+        _P,
+        _I,
+        _P,
+        ctypes.c_float,
+        ctypes.c_float,
+        _P,
+        _I,
+        *[_P] * 4,
+        _I,
+        *[_P] * 4,
+        _I,
+        _P,
+    ]
+    lib.tm_layer_stack.restype = ctypes.c_int
     lib.tm_linear_isa.argtypes = []
     lib.tm_linear_isa.restype = ctypes.c_int
     return lib

