@@ -2,9 +2,10 @@
 
 It calls the kernels model.py's DecoderLayer calls through ctypes one at a time, in the same
 order, on the same operands and into rows laid out the same way, so every bit is the Python
-loop's. What it takes away is what lay between those calls: at one decode row a layer's
-eight kernels run in ~0.3 ms on SmolLM2 while the Python and ctypes around them (argument
-conversion, torch's allocations and views) cost about a third of that again, 30 layers deep.
+loop's. What it takes away is what lay between those calls: at one decode row on SmolLM2 a
+layer's eight kernels run in ~0.14 ms, and the Python and ctypes around them (argument
+conversion, torch's allocations and views) added ~0.08 ms more, 30 layers deep (a 2-core Zen
+5; docs/performance.md, "One user at a time").
 
 Used where the whole layer runs in csrc/: one rank (a row-parallel product's all-reduce is
 torch.distributed's, between kernels), our paged attention, the MLP's gate/up product with
@@ -74,7 +75,6 @@ class LayerStack:
         # NOTE: the cache the table's K and V columns point into, known by its first tensor
         # (held weakly: a released cache must be freed, and a new one is a new tensor).
         self._cache_key: ReferenceType[torch.Tensor] | None = None
-        self._kv_shape = (0, 0)
         self._scratch: Scratch | None = None
 
     @staticmethod
@@ -103,6 +103,8 @@ class LayerStack:
         """The first `count` layers over the float32 residual stream x [T, hidden] (in place)."""
         assert attention.query_index is None, "a plan that drops queries is the last layer's"
         assert x.dtype == torch.float32 and x.is_contiguous(), (x.dtype, x.stride())
+        # NOTE: the kernels take raw pointers: what they read must be laid out as they expect.
+        assert attention.table.dtype == torch.int32 and attention.table.is_contiguous()
         tokens = x.shape[0]
         if tokens == 0 or count == 0:
             return
