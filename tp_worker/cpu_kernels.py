@@ -47,6 +47,7 @@ HEADERS = tuple(
         "bf16.h",
         "epilogue.h",
         "exp.h",
+        "kernels.h",
         "panel_queue.h",
         "silu.h",
     )

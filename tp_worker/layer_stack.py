@@ -58,6 +58,7 @@ class LayerStack:
         self.eps = first.input_layernorm.eps
         self.scale = first.scale
         self.linear_amx = _kernel(first.qkv_proj).amx
+        self.attention_amx = uses_amx(dtype, self.head_dim)  # NOTE: as PagedAttention.attend
         self.table = torch.zeros(len(layers), len(FIELDS), dtype=torch.int64)
         for row, layer in zip(self.table, layers, strict=True):
             bias = _kernel(layer.qkv_proj).bias
@@ -76,6 +77,7 @@ class LayerStack:
         # (held weakly: a released cache must be freed, and a new one is a new tensor).
         self._cache_key: ReferenceType[torch.Tensor] | None = None
         self._scratch: Scratch | None = None
+        self._shape: tuple[tuple[int, ...], ctypes.Array[ctypes.c_int64]] | None = None
 
     @staticmethod
     def of(layers: Sequence[DecoderLayer], dtype: torch.dtype, tp_size: int) -> LayerStack | None:
@@ -116,7 +118,7 @@ class LayerStack:
         status = library().tm_layer_stack(
             self.table.data_ptr(),
             count,
-            self._shape(attention, k_cache),
+            self._shape_for(attention, k_cache),
             self.eps,
             self.scale,
             x.data_ptr(),
@@ -135,9 +137,11 @@ class LayerStack:
         )
         assert status == 0, f"tm_layer_stack failed ({status})"
 
-    def _shape(
+    def _shape_for(
         self, attention: PagedAttention, k_cache: torch.Tensor
     ) -> ctypes.Array[ctypes.c_int64]:
+        """Shape's fields (csrc/layer_stack.cpp), made again only where the window or the
+        cache's layout changed."""
         fields = (
             self.hidden,
             self.heads,
@@ -146,12 +150,14 @@ class LayerStack:
             self.inter,
             DTYPE_CODES[self.dtype],
             int(self.linear_amx),
-            int(uses_amx(self.dtype, self.head_dim)),
+            int(self.attention_amx),
             attention.sliding_window,
             k_cache.stride(0),
             k_cache.stride(1),
         )
-        return (ctypes.c_int64 * len(fields))(*fields)
+        if self._shape is None or self._shape[0] != fields:
+            self._shape = (fields, (ctypes.c_int64 * len(fields))(*fields))
+        return self._shape[1]
 
     def _point_at(self, kv_cache: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """The table's K and V columns at this cache (written again only for a new cache)."""

@@ -38,6 +38,7 @@
 #include "attention_common.h"
 #include "bf16.h"
 #include "exp.h"
+#include "kernels.h"
 
 namespace {
 

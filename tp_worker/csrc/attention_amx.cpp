@@ -34,6 +34,7 @@
 #include "attention_common.h"
 #include "bf16.h"
 #include "exp.h"
+#include "kernels.h"
 
 #if defined(TOKENMILL_AMX)
 namespace {

@@ -42,6 +42,7 @@
 #include "bf16.h"
 #include "epilogue.h"
 #include "panel_queue.h"
+#include "kernels.h"
 
 namespace {
 

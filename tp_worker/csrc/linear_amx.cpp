@@ -23,6 +23,7 @@
 #include "amx.h"
 #include "bf16.h"
 #include "epilogue.h"
+#include "kernels.h"
 
 #if defined(TOKENMILL_AMX)
 #include <sys/syscall.h>

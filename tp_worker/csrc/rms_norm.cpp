@@ -17,6 +17,7 @@
 #endif
 
 #include "bf16.h"
+#include "kernels.h"
 
 namespace {
 

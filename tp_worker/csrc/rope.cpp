@@ -13,6 +13,7 @@
 #endif
 
 #include "bf16.h"
+#include "kernels.h"
 
 namespace {
 

@@ -1,0 +1,34 @@
+// The C entry points of the kernels one native call chains (layer_stack.cpp), declared once:
+// each defining file includes this too, so a signature that drifts from its declaration is
+// a compile error rather than a silent mismatch (tp_worker).
+#pragma once
+
+#include <cstdint>
+
+extern "C" {
+int tm_rms_norm(const void* x, const void* weight, void* out, int64_t rows, int64_t hidden,
+                int64_t out_stride, float eps, int dtype, int x_dtype);
+int tm_linear(const void* x, int64_t m, int64_t k, int64_t lda, const void* packed, int64_t n,
+              const float* bias, void* out, int64_t ldc, int dtype, int out_dtype,
+              const void* residual, int glu);
+int tm_linear_amx(const void* x, int64_t m, int64_t k, int64_t lda, const void* packed,
+                  int64_t n, const float* bias, void* out, int64_t ldc, int dtype, int out_dtype,
+                  const void* residual, int glu);
+int tm_rope_store(const void* qkv, const void* cos, const void* sin, const int64_t* slots,
+                  void* q_out, void* k_cache, void* v_cache, int64_t tokens, int64_t heads,
+                  int64_t kv_heads, int64_t dim, int64_t head_stride, int64_t slot_stride,
+                  int dtype);
+int tm_paged_attention(const void* q, const void* k_cache, const void* v_cache,
+                       const int32_t* table, const int64_t* rows, const int64_t* token_starts,
+                       const int64_t* num_tokens, const int64_t* first_pos, void* out,
+                       int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
+                       int64_t head_dim, int64_t head_stride, int64_t slot_stride,
+                       int64_t table_stride, int64_t window, float scale, int dtype);
+int tm_paged_attention_amx(const void* q, const void* k_cache, const void* v_cache,
+                           const int32_t* table, const int64_t* rows,
+                           const int64_t* token_starts, const int64_t* num_tokens,
+                           const int64_t* first_pos, void* out, int64_t num_rows,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                           int64_t head_stride, int64_t slot_stride, int64_t table_stride,
+                           int64_t window, float scale, int dtype);
+}
