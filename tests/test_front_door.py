@@ -30,7 +30,7 @@ def busy_server(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory):
         tiny_checkpoint("llama"),
         log,
         "--max-running-requests", "1", "--max-queued-requests", "2", "--queue-timeout", "3",
-        "--kv-cache-tokens", "8192", "--max-model-len", "8192",
+        "--kv-cache-tokens", "16384", "--max-model-len", "16384",
         env={"TOKENMILL_API_KEY": KEY},
     )  # fmt: skip
     yield server
@@ -80,7 +80,9 @@ class LongStream:
     """A streaming request that holds the one running slot until closed."""
 
     def __init__(self, server: ServerProcess) -> None:
-        body = {"model": server.model, "prompt": "hold", "max_tokens": 8000, "stream": True}
+        # NOTE: as long as the tiny checkpoint allows: with the layers as one native call,
+        # 8,000 tokens once ran out within the 3 s a queued request waits.
+        body = {"model": server.model, "prompt": "hold", "max_tokens": 16000, "stream": True}
         body["ignore_eos"] = True
         self.conn = connect(server)
         headers = {"Content-Type": "application/json", **AUTH}
