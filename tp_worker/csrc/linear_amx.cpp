@@ -20,10 +20,13 @@
 #include <cstring>
 #include <vector>
 
+#include <omp.h>
+
 #include "amx.h"
 #include "bf16.h"
 #include "epilogue.h"
 #include "kernels.h"
+#include "panel_queue.h"
 
 #if defined(TOKENMILL_AMX)
 #include <sys/syscall.h>
@@ -182,18 +185,22 @@ void linear_amx(const uint16_t* x, int64_t m, int64_t k, int64_t lda, const uint
   const int64_t k_pad = (k + TILE_K - 1) / TILE_K * TILE_K;
   const int64_t num_panels = (n + NR - 1) / NR, panel_elems = k_pad * NR;
   const Rows rows(x, m, k, lda, k_pad);
-  const int64_t chunk = chunk_rows(m, k_pad);
+  const int64_t chunk = chunk_rows(m, k_pad), num_chunks = (m + chunk - 1) / chunk;
+  // NOTE: each thread takes its own share of the panels front to back (the same panels from
+  // one chunk to the next, as schedule(static) would give it), then the back of another's
+  // share that is not done: a thread that the server's other processes preempt no longer
+  // holds the other one idle at the region's end (panel_queue.h).
+  tokenmill::PanelQueue queue(num_chunks, omp_get_max_threads(), num_panels);
 #pragma omp parallel
   {
     configure_tiles();
+    const int thread = omp_get_thread_num();
     alignas(64) float acc[2][BLOCK_M * NR];
     PendingRows<Out> pending(out, ldc, residual, glu);
     int which = 0;
-    for (int64_t c0 = 0; c0 < m; c0 += chunk) {
-      const int64_t c1 = std::min<int64_t>(m, c0 + chunk);
-      // NOTE: static, so a thread keeps the same panels from one chunk to the next.
-#pragma omp for schedule(static) nowait
-      for (int64_t p = 0; p < num_panels; ++p) {
+    for (int64_t c = 0; c < num_chunks; ++c) {
+      const int64_t c0 = c * chunk, c1 = std::min<int64_t>(m, c0 + chunk);
+      for (int64_t p = queue.next(c, thread); p >= 0; p = queue.next(c, thread)) {
         const int64_t col0 = p * NR, cols = std::min<int64_t>(NR, n - col0);
         const uint16_t* panel = packed + p * panel_elems;
         for (int64_t r0 = c0; r0 < c1; r0 += BLOCK_M) {
