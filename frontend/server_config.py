@@ -50,7 +50,14 @@ class ModelArgs:
 @dataclass(frozen=True)
 class SchedulerArgs:
     kv_cache_tokens: int = 0
-    """KV cache size in tokens (0 = derived from available memory; printed at start)."""
+    """KV cache size in tokens (0 = derived from memory, printed at start: on a GPU what
+    --gpu-memory-utilization leaves after a profiling step; on the CPU a quarter of the
+    available memory)."""
+    gpu_memory_utilization: float = 0.9
+    """Share of each GPU's total memory a rank may use (vLLM's flag): the weights, the
+    activations of a profiling step (a --max-prefill-tokens prefill with prompt logprobs)
+    and what lives outside torch are taken off, the KV cache gets the rest. Ignored on the
+    CPU and with --kv-cache-tokens."""
     max_running_requests: int = 64
     """Requests decoded together at most; more wait in the queue."""
     max_prefill_tokens: int = 2048
@@ -265,6 +272,12 @@ def validate(config: ServerConfig) -> None:
             "--kv-cache-tokens",
             s.kv_cache_tokens,
             "use 0 (auto) or a positive size",
+        ),
+        (
+            0 < s.gpu_memory_utilization <= 1,
+            "--gpu-memory-utilization",
+            s.gpu_memory_utilization,
+            "use a share in (0, 1]",
         ),
         (m.max_model_len >= 0, "--max-model-len", m.max_model_len, "use 0 (auto) or positive"),
         (m.load_format in ("auto", "dummy"), "--load-format", m.load_format, "use auto or dummy"),

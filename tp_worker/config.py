@@ -14,6 +14,13 @@ class RunnerConfig:
     kv_cache_tokens: int = 0
     """KV slots per layer, addressed 0..kv_cache_tokens-1 (0 = what free memory allows, at
     most max_running_requests * max_model_len)."""
+    gpu_memory_utilization: float = 0.9
+    """With kv_cache_tokens 0 on a GPU: the share of the device's memory this rank may use
+    (memory_profile.py sizes the KV cache after a profiling step)."""
+    profile_tokens: int = 2048
+    """The profiling step's prefill: the largest chunk a step takes (--max-prefill-tokens)."""
+    max_logprobs: int = 20
+    """Top logprobs the profiling step scores at each prompt position (--max-logprobs)."""
     max_running_requests: int = 64
     """Rows of the request->slot table: requests that can hold KV at once."""
     max_model_len: int = 4096

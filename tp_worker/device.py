@@ -31,22 +31,17 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-# NOTE: the share of free memory the KV cache may take when --kv-cache-tokens is 0. On a GPU
-# the weights are already loaded; on the CPU the rest of the machine needs room too.
-KV_MEMORY_FRACTION = {"cuda": 0.85, "cpu": 0.25}
+# NOTE: the share of available memory the KV cache may take on the CPU when
+# --kv-cache-tokens is 0: the rest of the machine needs room too. (A GPU's cache is sized
+# after a profiling step: memory_profile.py.)
+CPU_KV_MEMORY_FRACTION = 0.25
 
 
-def auto_kv_cache_tokens(
-    bytes_per_token: int, device: torch.device, cap: int, cpu_sharers: int = 1
-) -> int:
-    """KV slots that fit in the free memory of `device`, at most `cap`; on the CPU,
-    `cpu_sharers` processes size theirs from the same memory at once."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-    else:
-        free = _mem_available() // max(1, cpu_sharers)
-    fraction = KV_MEMORY_FRACTION.get(device.type, 0.25)
-    return max(1, min(cap, int(free * fraction) // bytes_per_token))
+def cpu_kv_cache_tokens(bytes_per_token: int, cap: int, cpu_sharers: int = 1) -> int:
+    """KV slots that fit in the host's available memory, at most `cap`; `cpu_sharers`
+    processes size theirs from the same memory at once."""
+    free = _mem_available() // max(1, cpu_sharers)
+    return max(1, min(cap, int(free * CPU_KV_MEMORY_FRACTION) // bytes_per_token))
 
 
 def _mem_available() -> int:

@@ -21,10 +21,16 @@ from tokenmill.protocol.step import ForwardBatch, StepResult
 from tokenmill.tp_worker import attention_triton, cpu_ops
 from tokenmill.tp_worker.attention import plan_attention, plan_last_layer
 from tokenmill.tp_worker.config import RunnerConfig
-from tokenmill.tp_worker.device import auto_kv_cache_tokens, resolve_device, resolve_dtype
+from tokenmill.tp_worker.device import cpu_kv_cache_tokens, resolve_device, resolve_dtype
 from tokenmill.tp_worker.draft_model import DraftModel
 from tokenmill.tp_worker.fed_samples import LastSamples
 from tokenmill.tp_worker.logprobs import ScoredPositions, default_chunk_size, score_prompt
+from tokenmill.tp_worker.memory_profile import (
+    CudaMemory,
+    DeviceMemory,
+    KvBudget,
+    profile_kv_budget,
+)
 from tokenmill.tp_worker.model import CausalLM, local_kv_heads
 from tokenmill.tp_worker.model_config import ModelConfig, load_model_config
 from tokenmill.tp_worker.parallel import TpGroup
@@ -38,7 +44,9 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, config: RunnerConfig) -> None:
+    def __init__(self, config: RunnerConfig, memory: DeviceMemory | None = None) -> None:
+        """memory: how the KV cache is sized after a profiling step where kv_cache_tokens is
+        0 (None: CudaMemory on a GPU; on the CPU, no profiling: a share of free memory)."""
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -84,26 +92,6 @@ class ModelRunner:
         self.processed_logprobs = config.logprobs_mode == "processed"
         self.last_samples = LastSamples(config.max_running_requests)
         self.step_inputs = StepInputsBuilder(self.device)
-        # NOTE: every rank must address the same slots: the smallest free memory decides.
-        self.kv_cache_tokens = config.kv_cache_tokens or self.group.min_over_ranks(
-            auto_kv_cache_tokens(
-                self._kv_bytes_per_token(),
-                self.device,
-                config.max_running_requests * config.max_model_len,
-                config.cpu_sharers,
-            ),
-            self.device,
-        )
-        # NOTE: a row can never hold more tokens than the whole cache.
-        self.max_model_len = min(config.max_model_len, self.kv_cache_tokens)
-        self.kv_cache: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.allocate_kv()
-        self.updater: WeightUpdater | None = None  # the control plane's, made on first use
-        self.table = torch.zeros(
-            config.max_running_requests, self.max_model_len, dtype=torch.int32, device=self.device
-        )
-        # NOTE: the same memory, written through numpy where the table lives on the host
-        self.host_table = self.table.numpy() if self.device.type == "cpu" else None
         self.time_forward = False  # --step-timing: accumulate forward_s (syncs on CUDA)
         # NOTE: where a batch's grammar masks follow it (GrammarRows.bitmask None): reads
         # them, [G, W] int32, for the step id (the worker's step channel; None in process).
@@ -112,6 +100,16 @@ class ModelRunner:
         self.prompt_chunk = config.prompt_logprob_chunk or default_chunk_size(
             self.model_config.vocab_size
         )
+        self.updater: WeightUpdater | None = None  # the control plane's, made on first use
+        self.kv_cache: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # NOTE: every rank must address the same slots: the smallest memory decides.
+        self.kv_cache_tokens = config.kv_cache_tokens or self.group.min_over_ranks(
+            self._fitting_kv_tokens(memory), self.device
+        )
+        # NOTE: a row can never hold more tokens than the whole cache.
+        self.max_model_len = min(config.max_model_len, self.kv_cache_tokens)
+        self.allocate_kv()
+        self._allocate_table(config.max_running_requests)
 
     def allocate_kv(self) -> None:
         """The KV cache (the draft model's too), zeroed. NOTE: head-major: a row's keys of one
@@ -131,6 +129,54 @@ class ModelRunner:
         ]
         if self.drafter is not None:
             self.drafter.allocate(self.kv_cache_tokens, self.dtype, self.device)
+
+    def _allocate_table(self, rows: int) -> None:
+        self.table = torch.zeros(rows, self.max_model_len, dtype=torch.int32, device=self.device)
+        # NOTE: the same memory, written through numpy where the table lives on the host
+        self.host_table = self.table.numpy() if self.device.type == "cpu" else None
+
+    def _fitting_kv_tokens(self, memory: DeviceMemory | None) -> int:
+        """KV slots that fit, at most max_running_requests full rows: on a GPU what
+        --gpu-memory-utilization leaves after a profiling step, on the CPU a share of the
+        available memory (the profile's peak is torch's CUDA allocator's)."""
+        cap = self.config.max_running_requests * self.config.max_model_len
+        if memory is None and self.device.type == "cuda":
+            memory = CudaMemory(self.device)
+        if memory is None:
+            return cpu_kv_cache_tokens(self._kv_bytes_per_token(), cap, self.config.cpu_sharers)
+        budget = self.profile_kv_budget(memory)
+        logger.info("KV cache after a profiling step: %s", budget.describe())
+        if budget.kv_tokens < budget.profile_tokens:
+            raise RuntimeError(
+                f"--gpu-memory-utilization {budget.utilization:g} leaves room for "
+                f"{budget.kv_tokens} KV tokens, fewer than one --max-prefill-tokens chunk "
+                f"({budget.profile_tokens}): {budget.describe()}. Raise it, or lower "
+                "--max-prefill-tokens, or give the model more GPUs (--tensor-parallel-size)"
+            )
+        return min(cap, budget.kv_tokens)
+
+    def profile_kv_budget(self, memory: DeviceMemory) -> KvBudget:
+        """The profiling step (memory_profile.py) over a scratch KV cache of one chunk's
+        slots and a one-row table; then the runner holds no cache and its row samples are
+        forgotten, as before."""
+        tokens = max(1, min(self.config.profile_tokens, self.config.max_model_len))
+        self.kv_cache_tokens = self.max_model_len = tokens
+        self.allocate_kv()
+        self._allocate_table(1)
+        try:
+            return profile_kv_budget(
+                self.step,
+                memory,
+                tokens,
+                self.config.max_logprobs,
+                self.config.gpu_memory_utilization,
+                self._kv_bytes_per_token(),
+            )
+        finally:
+            self.kv_cache = []
+            if self.drafter is not None:
+                self.drafter.kv_cache = []
+            self.last_samples = LastSamples(self.config.max_running_requests)
 
     def carry_out(self, action: WorkerAction) -> None:
         """A control command (protocol/control.py): new weights, memory released or taken
