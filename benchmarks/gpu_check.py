@@ -10,6 +10,8 @@
    the time to read the weights and that KV once at the copy bandwidth measured here, output
    tokens per second without and with top-5 logprobs, and a 4,096-token prefill chunk's
    TFLOP/s against a bare 8192^3 bfloat16 product's (the Triton backend by default).
+3. On a GPU, the KV cache sized by the profiling step (--gpu-memory-utilization 0.9): what
+   it found, and the peak of 64 rows decoding over that cache against the share.
 
 Writes gpu_check.json and prints a table.
 
@@ -21,6 +23,7 @@ Writes gpu_check.json and prints a table.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import shutil
 import tempfile
@@ -231,6 +234,31 @@ def speed(model: Path, args: argparse.Namespace, backend: str, bandwidth: float)
     return result
 
 
+def kv_sizing(model: Path, args: argparse.Namespace) -> dict:
+    """The KV cache sized by the profiling step (--gpu-memory-utilization 0.9, the default):
+    what it found, then the peak of a 64-row decode over that cache against the share."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    rows, length = 64, args.context + args.steps + 64
+    e = engine(
+        model, args, "triton", load_format="dummy", kv_cache_tokens=0, max_running_requests=rows,
+        max_model_len=length, profile_tokens=max(args.prefill, 8192),  # engine()'s chunk
+    )  # fmt: skip
+    budget = e.runner.kv_budget
+    assert budget is not None, "the runner did not profile"
+    print(f"KV sizing: {budget.describe()}", flush=True)
+    torch.cuda.reset_peak_memory_stats()
+    gen = torch.Generator().manual_seed(1)
+    prompts = torch.randint(10, 30000, (rows, args.context), generator=gen).tolist()
+    e.generate([OfflineRequest(p, max_tokens=8, num_top=5) for p in prompts])
+    peak = torch.cuda.max_memory_allocated() + budget.use.outside_torch
+    share = budget.utilization * budget.use.total
+    print(f"KV sizing: {rows} rows x {args.context}: peak {peak / 2**30:.1f} GiB of the "
+          f"{share / 2**30:.1f} GiB share", flush=True)  # fmt: skip
+    return {"kv_tokens": budget.kv_tokens, "describe": budget.describe(), "peak": peak,
+            "share": share}  # fmt: skip
+
+
 def main() -> int:
     args = parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -254,6 +282,8 @@ def main() -> int:
         r["prefill_over_product"] = r["prefill_tflop_s"] * 1e12 / rate
         report[backend] = r
         print(f"{backend}: prefill = {r['prefill_over_product']:.2f} of the bare product's")
+    if device.type == "cuda":  # NOTE: the CPU sizes its cache from free memory, unprofiled
+        report["kv_sizing"] = kv_sizing(model, args)
     (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2))
     return 0
 

@@ -102,6 +102,7 @@ class ModelRunner:
         )
         self.updater: WeightUpdater | None = None  # the control plane's, made on first use
         self.kv_cache: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_budget: KvBudget | None = None  # what the profiling step found, where it ran
         # NOTE: every rank must address the same slots: the smallest memory decides.
         self.kv_cache_tokens = config.kv_cache_tokens or self.group.min_over_ranks(
             self._fitting_kv_tokens(memory), self.device
@@ -144,7 +145,7 @@ class ModelRunner:
             memory = CudaMemory(self.device)
         if memory is None:
             return cpu_kv_cache_tokens(self._kv_bytes_per_token(), cap, self.config.cpu_sharers)
-        budget = self.profile_kv_budget(memory)
+        budget = self.kv_budget = self.profile_kv_budget(memory)
         logger.info("KV cache after a profiling step: %s", budget.describe())
         if budget.kv_tokens < budget.profile_tokens:
             raise RuntimeError(
