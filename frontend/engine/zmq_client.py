@@ -3,8 +3,9 @@ engine reports from the controller, all over ZeroMQ with msgspec frames (main pr
 
 With --data-parallel-size D there are D engines (controller, ranks, detokenizer each): a
 request goes to the one replica_router.py picks, and its abort follows it there; every
-detokenizer and controller sends to the same two inputs here. One receive task per input
-socket dispatches to per-request queues. When the engine dies every open request gets
+detokenizer and controller sends to the same two inputs here. The outputs' socket is read
+by the event loop's reader on it (frame_reader.py), the reports' by a task; both dispatch
+to per-request queues. When the engine dies every open request gets
 EngineDeadError; a request whose consumer goes away is aborted.
 """
 
@@ -21,6 +22,7 @@ import zmq
 import zmq.asyncio
 
 from tokenmill.frontend.engine.client import EngineDeadError, EngineStats
+from tokenmill.frontend.engine.frame_reader import FrameReader
 from tokenmill.frontend.engine.replica_router import ReplicaRouter
 from tokenmill.protocol.control import ControlCommand, ControlReply
 from tokenmill.protocol.outputs import DetokenizedBatch, DetokenizedOutput
@@ -43,7 +45,12 @@ class ZmqEngineClient:
     ) -> None:
         self.context = zmq.asyncio.Context()
         self.requests = [self._socket(zmq.PUSH, a, bind=False) for a in request_addrs]
-        self.outputs = self._socket(zmq.PULL, output_addr, bind=True)
+        # NOTE: a plain socket on the same context, read by the event loop's reader
+        self.outputs: zmq.Socket = zmq.Context.shadow(self.context.underlying).socket(zmq.PULL)
+        self.outputs.setsockopt(zmq.LINGER, 0)
+        self.outputs.bind(output_addr)
+        self._output_decoder = msgspec.msgpack.Decoder(DetokenizedBatch)
+        self._outputs_reader = FrameReader(self.outputs, self._handle_outputs)
         self.reports = self._socket(zmq.PULL, report_addr, bind=True)
         self.encoder = msgspec.msgpack.Encoder()
         replicas = len(request_addrs)
@@ -74,10 +81,8 @@ class ZmqEngineClient:
         return len(self._queues)
 
     def start(self) -> None:
-        self._tasks = [
-            asyncio.create_task(self._receive_outputs()),
-            asyncio.create_task(self._receive_reports()),
-        ]
+        self._outputs_reader.start(asyncio.get_running_loop())
+        self._tasks = [asyncio.create_task(self._receive_reports())]
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[DetokenizedOutput]:
         if not self.stats.alive:
@@ -142,19 +147,16 @@ class ZmqEngineClient:
             if not future.done():
                 future.set_exception(EngineDeadError(why))
 
-    async def _receive_outputs(self) -> None:
-        decoder = msgspec.msgpack.Decoder(DetokenizedBatch)
-        while True:
-            frame = await self.outputs.recv()
-            try:
-                batch = decoder.decode(frame)
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                logger.error("dropped a frame that is not a DetokenizedBatch: %s", e)
-                continue
-            for output in batch.outputs:
-                queue = self._queues.get(output.req_id)
-                if queue is not None:
-                    queue.put_nowait(output)
+    def _handle_outputs(self, frame: bytes) -> None:
+        try:
+            batch = self._output_decoder.decode(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            logger.error("dropped a frame that is not a DetokenizedBatch: %s", e)
+            return
+        for output in batch.outputs:
+            queue = self._queues.get(output.req_id)
+            if queue is not None:
+                queue.put_nowait(output)
 
     async def _receive_reports(self) -> None:
         decoder = msgspec.msgpack.Decoder(EngineReport | ControlReply)
@@ -201,6 +203,8 @@ class ZmqEngineClient:
                 self.ready.set()
 
     def close(self) -> None:
+        self._outputs_reader.stop()
         for task in self._tasks:
             task.cancel()
+        self.outputs.close(linger=0)
         self.context.destroy(linger=0)
