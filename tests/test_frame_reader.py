@@ -1,5 +1,6 @@
 """The frontend's outputs reader (frontend/engine/frame_reader.py) on real ZeroMQ sockets:
-frames that came before it started, bursts drained in one wake-up, nothing after stop."""
+frames that came before it started, bursts drained in one wake-up, the frames after one its
+handler failed on, nothing after stop."""
 
 from __future__ import annotations
 
@@ -39,10 +40,23 @@ def test_reader_takes_early_frames_bursts_and_stops(tmp_path) -> None:
         push.send(b"one more")
         await _wait_for(frames, 504)
         assert frames[-1] == b"one more"
+
+        def fail_once(frame: bytes) -> None:
+            if frame == b"bad":
+                raise ValueError("a handler that fails")
+            frames.append(frame)
+
+        reader.stop()
+        reader = FrameReader(pull, fail_once)
+        reader.start(asyncio.get_running_loop())
+        for frame in (b"bad", b"good 1", b"good 2"):
+            push.send(frame)
+        await _wait_for(frames, 506)
+        assert frames[-2:] == [b"good 1", b"good 2"]
         reader.stop()
         push.send(b"after stop")
         await asyncio.sleep(0.1)
-        assert len(frames) == 504
+        assert len(frames) == 506
         pull.close(linger=0)
         push.close(linger=0)
         context.term()

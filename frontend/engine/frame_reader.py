@@ -11,9 +11,12 @@ the callback at once.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 
 import zmq
+
+logger = logging.getLogger(__name__)
 
 
 class FrameReader:
@@ -43,4 +46,9 @@ class FrameReader:
                 frame = self._sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._on_frame(frame)
+            # NOTE: a callback that raised must not end the drain: the frames left behind
+            # would raise no new edge, and the outputs would stop.
+            try:
+                self._on_frame(frame)
+            except Exception:
+                logger.exception("the outputs' handler failed on a frame; it is dropped")
