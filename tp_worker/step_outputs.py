@@ -1,6 +1,8 @@
 """What a step sends back: sampled ids and the logprob arrays rows asked for (tp_worker).
 
-Everything stays on the device until the step ends; one transfer packs it into a StepResult.
+Everything stays on the device until the step ends; one transfer packs it into a StepResult
+(on a GPU one copy of every array the result needs, so the host waits for the device once a
+step; on the CPU the tensors' own memory).
 """
 
 from __future__ import annotations
@@ -149,35 +151,37 @@ class StepOutputs:
         steps, rows = len(self.sampled), len(self.sampled[0].next_ids)
 
         absent = _absent(steps, rows)
+        prompt = self.prompt  # NOTE: None: no row scored a prompt position (offsets all 0)
+        fields = [f for f in SAMPLED_FIELDS if getattr(self.sampled[0], f) is not None]
+        device = [getattr(s, f) for f in fields for s in self.sampled]
+        if prompt is not None:
+            device += [prompt.logprobs, prompt.top_ids, prompt.top_logprobs]
+        host = iter(to_host(device))
 
         def stacked(name: str) -> Array:
             """[N, ...]: the field of every iteration, or the absent one where none computed
             it."""
-            parts = [getattr(s, name) for s in self.sampled]
-            if parts[0] is None:
+            if name not in fields:
                 return getattr(absent, name)
-            arrays = [_host(t) for t in parts]
+            arrays = [next(host) for _ in range(steps)]
             # NOTE: [None] for one iteration (most steps): np.stack is ~10 Python-level calls
             array = arrays[0][None] if len(arrays) == 1 else np.stack(arrays)
             return pack(array.astype(np.int32) if name == "next_ids" else array)
 
-        prompt = self.prompt  # NOTE: None: no row scored a prompt position (offsets all 0)
-        offsets = self.inputs.prompt_offsets
+        sampled = {name: stacked(name) for name in SAMPLED_FIELDS}
+        if prompt is None:
+            scored = absent.prompt_logprobs, absent.prompt_top_ids, absent.prompt_top_logprobs
+            offsets = absent.prompt_offsets
+        else:
+            scored = pack(next(host)), pack(next(host)), pack(next(host))
+            offsets = pack(self.inputs.prompt_offsets)
         return StepResult(
             step_id=step_id,
-            next_ids=stacked("next_ids"),
-            logprobs=stacked("logprobs"),
-            top_ids=stacked("top_ids"),
-            top_logprobs=stacked("top_logprobs"),
-            token_ids_logprobs=stacked("token_ids_logprobs"),
-            prompt_offsets=absent.prompt_offsets if prompt is None else pack(offsets),
-            prompt_logprobs=absent.prompt_logprobs
-            if prompt is None
-            else pack(_host(prompt.logprobs)),
-            prompt_top_ids=absent.prompt_top_ids if prompt is None else pack(_host(prompt.top_ids)),
-            prompt_top_logprobs=absent.prompt_top_logprobs
-            if prompt is None
-            else pack(_host(prompt.top_logprobs)),
+            **sampled,
+            prompt_offsets=offsets,
+            prompt_logprobs=scored[0],
+            prompt_top_ids=scored[1],
+            prompt_top_logprobs=scored[2],
             num_accepted=None if num_accepted is None else pack(num_accepted),
         )
 
@@ -211,6 +215,34 @@ def _absent(steps: int, rows: int) -> _Absent:
     )
 
 
+SAMPLED_FIELDS = ("next_ids", "logprobs", "top_ids", "top_logprobs", "token_ids_logprobs")
+
+
 def _host(t: torch.Tensor) -> np.ndarray:
     """A tensor's values in host memory (no copy of a CPU tensor)."""
     return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
+
+
+def to_host(tensors: list[torch.Tensor]) -> list[np.ndarray]:
+    """The tensors' values in host memory, in order: on the CPU their own memory, on a device
+    one copy of them all (gathered)."""
+    if all(t.device.type == "cpu" for t in tensors):
+        return [t.numpy() for t in tensors]
+    return gathered(tensors)
+
+
+def gathered(tensors: list[torch.Tensor]) -> list[np.ndarray]:
+    """The tensors' bytes joined on their device, copied to the host once and cut back into
+    arrays of their dtypes and shapes. NOTE: laid out by element size, largest first, so that
+    each array starts aligned for its dtype."""
+    order = sorted(range(len(tensors)), key=lambda i: -tensors[i].element_size())
+    pieces = [tensors[i].contiguous().reshape(-1).view(torch.uint8) for i in order]
+    joined = torch.cat(pieces).cpu().numpy() if pieces else np.zeros(0, np.uint8)
+    arrays: list[np.ndarray] = [np.empty(0)] * len(tensors)
+    at = 0
+    for i, piece in zip(order, pieces, strict=True):
+        t, size = tensors[i], piece.numel()
+        dtype = torch.empty(0, dtype=t.dtype).numpy().dtype
+        arrays[i] = joined[at : at + size].view(dtype).reshape(t.shape)
+        at += size
+    return arrays
