@@ -19,6 +19,7 @@ from tokenmill.protocol.step import ForwardBatch, StepResult
 from tokenmill.tp_worker import cpu_ops, model_runner
 from tokenmill.tp_worker.offline import OfflineOutput, OfflineRequest
 from tokenmill.tp_worker.step_inputs import LastLayerRows
+from tokenmill.tp_worker.upload import Upload
 
 LENGTHS = [3, 9, 17, 30, 64, 5, 41, 12]
 
@@ -230,12 +231,15 @@ def test_a_last_layer_of_the_tokens_read_equals_one_of_every_token(
         _assert_same(a, b, atol=0.0)
 
 
+HOST = Upload(torch.device("cpu"))
+
+
 def test_the_last_layer_keeps_each_rows_last_token_and_scored_positions() -> None:
     extend = np.array([5, 1, 4])
     prefix = np.array([0, 9, 20])
     keep_from = np.array([4, 0, 1])  # row 2 scores its last three prompt positions
     rows = LastLayerRows.plan(
-        extend, np.array([0, 5, 6]), prefix, keep_from, np.array([7, 8, 9]), torch.device("cpu")
+        extend, np.array([0, 5, 6]), prefix, keep_from, np.array([7, 8, 9]), HOST
     )
     assert rows is not None
     assert rows.index.tolist() == [4, 5, 7, 8, 9]
@@ -248,6 +252,6 @@ def test_the_last_layer_keeps_each_rows_last_token_and_scored_positions() -> Non
         prefix,
         np.zeros(3, np.int64),
         np.zeros(0, np.int64),
-        torch.device("cpu"),
+        HOST,
     )
     assert every is None  # a decode step reads every token

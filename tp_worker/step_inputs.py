@@ -6,7 +6,6 @@ once, so the model runner's step reads as a short sequence of calls.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -16,6 +15,7 @@ from tokenmill.protocol.arrays import Array, unpack
 from tokenmill.protocol.step import ForwardBatch
 from tokenmill.tp_worker.penalties import LogitAdjustments, row_of_each
 from tokenmill.tp_worker.sampling import SamplingTensors
+from tokenmill.tp_worker.upload import Upload, empty
 
 _NUMPY_OF = {
     torch.int64: np.int64,
@@ -23,30 +23,13 @@ _NUMPY_OF = {
     torch.float32: np.float32,
     torch.bool: np.bool_,
 }
-_TORCH_OF = {numpy: torch_dtype for torch_dtype, numpy in _NUMPY_OF.items()}
 
 
-def _tensor(array: Array, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+def _tensor(array: Array, up: Upload, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """One copy out of the message's bytes (which are read-only), already in `dtype`."""
     if 0 in array.shape:
-        return _empty(array.shape, dtype, device)
-    return _on(unpack(array).astype(_NUMPY_OF[dtype]), device)
-
-
-def _on(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A writable host array as a tensor on `device` (the same memory on the CPU).
-    NOTE: no .to() call on the CPU: a step builds ~25 of these, each a dispatcher round."""
-    if not array.size:
-        return _empty(array.shape, _TORCH_OF[array.dtype.type], device)
-    tensor = torch.from_numpy(array)
-    return tensor if device.type == "cpu" else tensor.to(device)
-
-
-@functools.cache
-def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """NOTE: made once: a decode step has ~10 empty inputs (no fills, no prompt scores, no
-    caller-given ids), and nothing writes into an empty tensor."""
-    return torch.empty(shape, dtype=dtype, device=device)
+        return empty(array.shape, dtype, up.device)
+    return up(unpack(array).astype(_NUMPY_OF[dtype]))
 
 
 @dataclass(frozen=True)
@@ -69,7 +52,7 @@ class LastLayerRows:
         prefix_lens: np.ndarray,
         keep_from: np.ndarray,
         prompt_hidden_index: np.ndarray,
-        device: torch.device,
+        up: Upload,
         logit_lens: np.ndarray | None = None,
     ) -> LastLayerRows | None:
         """token_starts [B]: each row's first new token in [T]; keep_from [B]: its first kept
@@ -86,12 +69,12 @@ class LastLayerRows:
         assert (prompt_index >= 0).all(), "a prompt-scoring state outside the kept tokens"
 
         return LastLayerRows(
-            _on(index, device),
-            _on(prefix_lens + keep_from, device),
-            _on(counts, device),
-            _on(starts, device),
-            _on(prompt_index, device),
-            _on(suffix_index(starts, counts, logit_lens), device),
+            up(index),
+            up(prefix_lens + keep_from),
+            up(counts),
+            up(starts),
+            up(prompt_index),
+            up(suffix_index(starts, counts, logit_lens)),
         )
 
 
@@ -129,7 +112,7 @@ class VerifyPlan:
         prefix: np.ndarray,
         extend: np.ndarray,
         ids: np.ndarray,
-        device: torch.device,
+        up: Upload,
     ) -> VerifyPlan:
         """ids [T]: the step's input tokens; a row's drafts are its last num_drafts[b]."""
         lens = num_drafts + 1
@@ -142,10 +125,10 @@ class VerifyPlan:
         read_pos = (prefix + extend - lens)[None, :] + reached
         return VerifyPlan(
             num_drafts,
-            _on(offsets[None, :] + reached, device),
+            up(offsets[None, :] + reached),
             _draft_ids(ids, draft_at),
             draft_at,
-            _on(read_pos, device),
+            up(read_pos),
         )
 
     def with_ids(self, ids: np.ndarray) -> VerifyPlan:
@@ -202,7 +185,7 @@ class StepInputs:
     verify: VerifyPlan | None = None  # None: no row has drafts
 
     @staticmethod
-    def from_batch(batch: ForwardBatch, device: torch.device) -> StepInputs:
+    def from_batch(batch: ForwardBatch, up: Upload) -> StepInputs:
         extend_np = unpack(batch.extend_lens).astype(np.int64)
         prefix_np = unpack(batch.prefix_lens).astype(np.int64)
         starts_np = np.cumsum(extend_np) - extend_np
@@ -218,74 +201,70 @@ class StepInputs:
             logit_lens = drafts + 1
             prompt.keep_from[:] = np.minimum(prompt.keep_from, extend_np - logit_lens)
             ids = unpack(batch.input_ids).astype(np.int64)
-            verify = VerifyPlan.plan(drafts, starts_np, prefix_np, extend_np, ids, device)
+            verify = VerifyPlan.plan(drafts, starts_np, prefix_np, extend_np, ids, up)
         logit_index = suffix_index(starts_np, extend_np, logit_lens)
         return StepInputs(
-            input_ids=_tensor(batch.input_ids, device),
-            positions=_on(positions, device),
-            out_slots=_tensor(batch.out_slots, device),
-            req_rows=_on(req_rows, device),
-            token_rows=_on(np.repeat(req_rows, extend_np), device),
-            prefix_lens=_on(prefix_np, device),
-            extend_lens=_on(extend_np, device),
-            is_prefill=_tensor(batch.is_prefill, device, torch.bool),
-            starts=_on(starts_np, device),
-            last_index=None if len(positions) == len(logit_index) else _on(logit_index, device),
-            fill_rows=_tensor(batch.fill_rows, device),
-            fill_lens=_tensor(batch.fill_lens, device),
-            fill_slots=_tensor(batch.fill_slots, device, torch.int32),
+            input_ids=_tensor(batch.input_ids, up),
+            positions=up(positions),
+            out_slots=_tensor(batch.out_slots, up),
+            req_rows=up(req_rows),
+            token_rows=up(np.repeat(req_rows, extend_np)),
+            prefix_lens=up(prefix_np),
+            extend_lens=up(extend_np),
+            is_prefill=_tensor(batch.is_prefill, up, torch.bool),
+            starts=up(starts_np),
+            last_index=None if len(positions) == len(logit_index) else up(logit_index),
+            fill_rows=_tensor(batch.fill_rows, up),
+            fill_lens=_tensor(batch.fill_lens, up),
+            fill_slots=_tensor(batch.fill_slots, up, torch.int32),
             sampling=SamplingTensors(
-                temperature=_on(temperature, device),
-                top_k=_tensor(s.top_k, device),
-                top_p=_tensor(s.top_p, device, torch.float32),
-                min_p=_tensor(s.min_p, device, torch.float32),
-                seed=_tensor(s.seed, device),
-                random_rows=_on(np.flatnonzero(temperature > 0), device),
+                temperature=up(temperature),
+                top_k=_tensor(s.top_k, up),
+                top_p=_tensor(s.top_p, up, torch.float32),
+                min_p=_tensor(s.min_p, up, torch.float32),
+                seed=_tensor(s.seed, up),
+                random_rows=up(np.flatnonzero(temperature > 0)),
             ),
-            adjust=LogitAdjustments.from_batch(batch, device),
-            top_rows=_on(np.flatnonzero(num_top > 0), device),
+            adjust=LogitAdjustments.from_batch(batch, up.device),
+            top_rows=up(np.flatnonzero(num_top > 0)),
             max_top=int(num_top.max()) if len(num_top) else 0,
-            token_id_rows=_on(row_of_each(unpack(batch.logprobs.token_ids_offsets)), device),
-            token_ids=_tensor(batch.logprobs.token_ids, device),
-            prompt_rows=_on(prompt.rows, device),
-            prompt_hidden_index=_on(prompt.hidden_index, device),
-            prompt_targets=_on(prompt.targets, device),
+            token_id_rows=up(row_of_each(unpack(batch.logprobs.token_ids_offsets))),
+            token_ids=_tensor(batch.logprobs.token_ids, up),
+            prompt_rows=up(prompt.rows),
+            prompt_hidden_index=up(prompt.hidden_index),
+            prompt_targets=up(prompt.targets),
             prompt_offsets=prompt.offsets,
             prompt_num_top=prompt.num_top,
             sampled_logprobs=batch.logprobs.sampled,
             processed_rows=None
             if batch.logprobs.processed is None
-            else _on(np.flatnonzero(unpack(batch.logprobs.processed)), device),
-            decode_slots=None
-            if batch.decode_slots is None
-            else _tensor(batch.decode_slots, device),
+            else up(np.flatnonzero(unpack(batch.logprobs.processed))),
+            decode_slots=None if batch.decode_slots is None else _tensor(batch.decode_slots, up),
             last_layer=LastLayerRows.plan(
                 extend_np,
                 starts_np,
                 prefix_np,
                 prompt.keep_from,
                 prompt.hidden_index,
-                device,
+                up,
                 logit_lens,
             ),
             verify=verify,
         )
 
-    def next_tokens(self, batch: ForwardBatch, device: torch.device) -> StepInputs:
+    def next_tokens(self, batch: ForwardBatch, up: Upload) -> StepInputs:
         """The inputs of `batch`, which decodes these inputs' rows again with the same asks
         (StepInputsBuilder checked it): its tokens, their positions and slots; the rest as
         here."""
         # NOTE: one new token a row: each token's position is its row's prefix length.
-        prefix = _on(unpack(batch.prefix_lens).astype(np.int64), device)
+        prefix = up(unpack(batch.prefix_lens).astype(np.int64))
         return replace(
             self,
-            input_ids=_tensor(batch.input_ids, device),
+            input_ids=_tensor(batch.input_ids, up),
             positions=prefix,
-            out_slots=_tensor(batch.out_slots, device),
+            out_slots=_tensor(batch.out_slots, up),
             prefix_lens=prefix,
-            decode_slots=None
-            if batch.decode_slots is None
-            else _tensor(batch.decode_slots, device),
+            decode_slots=None if batch.decode_slots is None else _tensor(batch.decode_slots, up),
         )
 
     def verify_iteration(self, step: int) -> StepInputs:
@@ -326,16 +305,20 @@ class StepInputsBuilder:
     chunk, a table fill, a stop ban or penalties, which change every step) takes the whole
     path."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, staged: bool | None = None) -> None:
+        """staged: the arrays through one copy (upload.py; None: on a GPU, not on the CPU)."""
         self.device = device
+        self.staged = staged
         self._last: tuple[ForwardBatch, StepInputs] | None = None  # a batch whose rows decode
 
     def build(self, batch: ForwardBatch) -> StepInputs:
+        up = Upload(self.device, self.staged)
         last = self._last
         if last is not None and _same_rows(batch, last[0]):
-            inputs = last[1].next_tokens(batch, self.device)
+            inputs = last[1].next_tokens(batch, up)
         else:
-            inputs = StepInputs.from_batch(batch, self.device)
+            inputs = StepInputs.from_batch(batch, up)
+        up.flush()
         self._last = (batch, inputs) if _rows_persist(batch, inputs) else None
         return inputs
 
