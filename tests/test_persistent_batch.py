@@ -24,6 +24,7 @@ from tokenmill.protocol.requests import (
 )
 from tokenmill.protocol.step import ForwardBatch
 from tokenmill.tp_worker.step_inputs import StepInputs, StepInputsBuilder
+from tokenmill.tp_worker.upload import Upload
 
 
 def _messages() -> list[GenerateRequest]:
@@ -116,7 +117,7 @@ def test_worker_keeps_the_rows_inputs_of_a_decode_run(
     def checked(self: StepInputsBuilder, batch: ForwardBatch) -> StepInputs:
         before = self._last
         inputs = built(self, batch)
-        _same_inputs(inputs, StepInputs.from_batch(batch, self.device))
+        _same_inputs(inputs, StepInputs.from_batch(batch, Upload(self.device)))
         kept.append(before is not None and inputs.sampling is before[1].sampling)
         return inputs
 
@@ -156,4 +157,4 @@ def test_a_changed_ask_takes_the_whole_path(tiny_checkpoint) -> None:
     second = msgspec.structs.replace(first, step_id=11, logprobs=asks)
     inputs = builder.build(second)
     assert inputs.max_top == 2
-    _same_inputs(inputs, StepInputs.from_batch(second, torch.device("cpu")))
+    _same_inputs(inputs, StepInputs.from_batch(second, Upload(torch.device("cpu"))))
