@@ -29,11 +29,13 @@ from tokenmill.protocol.requests import (
 )
 from tokenmill.protocol.step import ForwardBatch
 from tokenmill.tp_worker.penalties import LogitAdjuster, LogitAdjustments
+from tokenmill.tp_worker.upload import Upload
 
 VOCAB = 64
 EOS = 2
 NUM_ROWS = 4
 CPU = torch.device("cpu")
+HOST = Upload(CPU)  # NOTE: the arrays used where they lie, as a CPU worker does
 
 
 def reference_logits(
@@ -133,7 +135,7 @@ class Simulation:
         if not rows:
             return
         batch = build_forward_batch(1, rows)
-        adjust = LogitAdjustments.from_batch(batch, CPU)
+        adjust = LogitAdjustments.from_batch(batch, HOST)
         self.adjuster.begin(adjust)
         logits = torch.randn(len(rows), VOCAB) * 4  # [B, V] float32
         adjusted = self.adjuster.adjust(logits, adjust, 0)
@@ -190,12 +192,12 @@ def test_multi_step_counts_each_iteration_and_lifts_the_ban_on_time() -> None:
     for row, request in enumerate(requests):
         request.row = row
         adjust = LogitAdjustments.from_batch(
-            build_forward_batch(1, [ScheduledRow.of(request, request.num_tokens, True)]), CPU
+            build_forward_batch(1, [ScheduledRow.of(request, request.num_tokens, True)]), HOST
         )
         adjuster.begin(adjust)
         request.num_computed_tokens = request.num_tokens
         request.output_ids.append(9)  # the prefill's sample
-    adjust = LogitAdjustments.from_batch(_decode_batch(requests, 4), CPU)
+    adjust = LogitAdjustments.from_batch(_decode_batch(requests, 4), HOST)
     adjuster.begin(adjust)
     for i in range(4):
         if i > 0:
@@ -221,7 +223,7 @@ def test_no_adjustment_returns_the_logits_themselves() -> None:
     batch = build_forward_batch(1, [ScheduledRow.of(request, 3, True)])
     assert batch.sampling.penalties is None and batch.sampling.logit_bias is None
     assert batch.sampling.stop_ban is None
-    adjust = LogitAdjustments.from_batch(batch, CPU)
+    adjust = LogitAdjustments.from_batch(batch, HOST)
     logits = torch.randn(1, VOCAB)
     assert adjuster.adjust(logits, adjust, 0) is logits
 
@@ -231,7 +233,7 @@ def test_stop_ban_masks_eos_and_stop_ids_until_min_tokens() -> None:
     request = _request("a", [1, 2, 3], min_tokens=2, stop_token_ids=(7,))
     request.row = 1
     batch = build_forward_batch(1, [ScheduledRow.of(request, 3, True)])
-    adjust = LogitAdjustments.from_batch(batch, CPU)
+    adjust = LogitAdjustments.from_batch(batch, HOST)
     logits = torch.zeros(1, VOCAB)
     logits[0, EOS] = logits[0, 7] = 50.0
     got = adjuster.adjust(logits, adjust, 0)

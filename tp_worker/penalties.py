@@ -19,10 +19,18 @@ import torch
 from tokenmill.protocol.arrays import unpack
 from tokenmill.protocol.step import ForwardBatch, LogitBias, PenaltyBatch, StopBan
 from tokenmill.tp_worker.grammar_mask import GrammarTensors
+from tokenmill.tp_worker.upload import Upload
+
+_NUMPY_OF = {torch.int64: np.int64, torch.float32: np.float32}
 
 
 def _to(values: np.ndarray, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(np.array(values)).to(device=device, dtype=dtype)
+
+
+def _up(values: np.ndarray, up: Upload, dtype: torch.dtype) -> torch.Tensor:
+    """A step's array with the step's other inputs (upload.py: one copy on a GPU)."""
+    return up(np.array(values, dtype=_NUMPY_OF[dtype]))
 
 
 def row_of_each(offsets: np.ndarray) -> np.ndarray:
@@ -44,17 +52,17 @@ class StopBanTensors:
     eos_steps: torch.Tensor  # [E] int64
 
     @staticmethod
-    def from_message(ban: StopBan, device: torch.device) -> StopBanTensors:
+    def from_message(ban: StopBan, up: Upload) -> StopBanTensors:
         steps = unpack(ban.num_steps).astype(np.int64)
         rows = row_of_each(unpack(ban.offsets))
         eos_rows = np.flatnonzero(unpack(ban.ban_eos) & (steps > 0))
         return StopBanTensors(
             num_steps=steps,
-            rows=_to(rows, device, torch.int64),
-            ids=_to(unpack(ban.ids), device, torch.int64),
-            row_steps=_to(steps[rows], device, torch.int64),
-            eos_rows=_to(eos_rows, device, torch.int64),
-            eos_steps=_to(steps[eos_rows], device, torch.int64),
+            rows=_up(rows, up, torch.int64),
+            ids=_up(unpack(ban.ids), up, torch.int64),
+            row_steps=_up(steps[rows], up, torch.int64),
+            eos_rows=_up(eos_rows, up, torch.int64),
+            eos_steps=_up(steps[eos_rows], up, torch.int64),
         )
 
 
@@ -65,11 +73,11 @@ class BiasTensors:
     values: torch.Tensor  # [L] float32
 
     @staticmethod
-    def from_message(bias: LogitBias, device: torch.device) -> BiasTensors:
+    def from_message(bias: LogitBias, up: Upload) -> BiasTensors:
         return BiasTensors(
-            rows=_to(row_of_each(unpack(bias.offsets)), device, torch.int64),
-            ids=_to(unpack(bias.ids), device, torch.int64),
-            values=_to(unpack(bias.values), device, torch.float32),
+            rows=_up(row_of_each(unpack(bias.offsets)), up, torch.int64),
+            ids=_up(unpack(bias.ids), up, torch.int64),
+            values=_up(unpack(bias.values), up, torch.float32),
         )
 
 
@@ -100,7 +108,7 @@ class PenaltyTensors:
         return replace(self, drafts=drafts)
 
     @staticmethod
-    def from_message(p: PenaltyBatch, batch: ForwardBatch, device: torch.device) -> PenaltyTensors:
+    def from_message(p: PenaltyBatch, batch: ForwardBatch, up: Upload) -> PenaltyTensors:
         """Sorts the tokens this step feeds (history first) into prompt and generated ones,
         on the host, where positions are known: no device sync."""
         table = unpack(batch.req_rows).astype(np.int64)
@@ -115,18 +123,18 @@ class PenaltyTensors:
         gen = pos >= unpack(p.num_prompt_tokens)[row]
 
         def index(r: np.ndarray, i: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-            return _to(table[r], device, torch.int64), _to(i, device, torch.int64)
+            return _up(table[r], up, torch.int64), _up(i, up, torch.int64)
 
         draft = step > 0
         gen &= ~draft
 
         return PenaltyTensors(
-            rows=_to(rows, device, torch.int64),
-            table_rows=_to(table[rows], device, torch.int64),
-            presence=_to(presence[rows, None], device, torch.float32),
-            frequency=_to(frequency[rows, None], device, torch.float32),
-            repetition=_to(repetition[rows, None], device, torch.float32),
-            restart_rows=_to(table[np.flatnonzero(unpack(p.restart) & used)], device, torch.int64),
+            rows=_up(rows, up, torch.int64),
+            table_rows=_up(table[rows], up, torch.int64),
+            presence=_up(presence[rows, None], up, torch.float32),
+            frequency=_up(frequency[rows, None], up, torch.float32),
+            repetition=_up(repetition[rows, None], up, torch.float32),
+            restart_rows=_up(table[np.flatnonzero(unpack(p.restart) & used)], up, torch.int64),
             generated=index(row[gen], ids[gen]),
             prompt=index(row[~gen & ~draft], ids[~gen & ~draft]),
             drafts=index(row[draft], ids[draft]) if draft.any() else None,
@@ -167,18 +175,20 @@ class LogitAdjustments:
     grammar: GrammarTensors | None = None  # NOTE: a constrained batch runs one iteration
 
     @staticmethod
-    def from_batch(batch: ForwardBatch, device: torch.device) -> LogitAdjustments:
+    def from_batch(batch: ForwardBatch, up: Upload) -> LogitAdjustments:
+        """NOTE: the grammar's rows and masks copy on their own (the masks may come after the
+        batch, once the forward pass is done)."""
         s = batch.sampling
         ban, bias, penalties = s.stop_ban, s.logit_bias, s.penalties
         return LogitAdjustments(
-            stop_ban=None if ban is None else StopBanTensors.from_message(ban, device),
-            logit_bias=None if bias is None else BiasTensors.from_message(bias, device),
+            stop_ban=None if ban is None else StopBanTensors.from_message(ban, up),
+            logit_bias=None if bias is None else BiasTensors.from_message(bias, up),
             penalties=None
             if penalties is None
-            else PenaltyTensors.from_message(penalties, batch, device),
+            else PenaltyTensors.from_message(penalties, batch, up),
             grammar=None
             if s.grammar is None
-            else GrammarTensors(s.grammar, device, batch.num_drafts is not None),
+            else GrammarTensors(s.grammar, up.device, batch.num_drafts is not None),
         )
 
     def active(self, iteration: int) -> bool:

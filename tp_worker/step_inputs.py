@@ -225,7 +225,7 @@ class StepInputs:
                 seed=_tensor(s.seed, up),
                 random_rows=up(np.flatnonzero(temperature > 0)),
             ),
-            adjust=LogitAdjustments.from_batch(batch, up.device),
+            adjust=LogitAdjustments.from_batch(batch, up),
             top_rows=up(np.flatnonzero(num_top > 0)),
             max_top=int(num_top.max()) if len(num_top) else 0,
             token_id_rows=up(row_of_each(unpack(batch.logprobs.token_ids_offsets))),
