@@ -74,6 +74,23 @@ def oracle(
     return Oracle(torch.log_softmax(logits, dim=-1)[:-1].numpy())
 
 
+def _bits(values: list) -> np.ndarray:
+    return np.asarray(values, np.float32).view(np.int32)
+
+
+def assert_same_bits(a: OfflineOutput, b: OfflineOutput) -> None:
+    """The same tokens and the same float bits of every logprob an output carries."""
+    assert a.output_ids == b.output_ids
+    assert np.array_equal(_bits(a.logprobs), _bits(b.logprobs))
+    assert np.array_equal(np.asarray(a.top_ids), np.asarray(b.top_ids))
+    assert np.array_equal(_bits(a.top_logprobs), _bits(b.top_logprobs))
+    assert np.array_equal(_bits(a.token_ids_logprobs), _bits(b.token_ids_logprobs))
+    assert np.array_equal(_bits(a.prompt_logprobs), _bits(b.prompt_logprobs))
+    assert np.array_equal(np.asarray(a.prompt_top_ids), np.asarray(b.prompt_top_ids))
+    assert np.array_equal(_bits(a.prompt_top_logprobs), _bits(b.prompt_top_logprobs))
+    assert a.finish_reason == b.finish_reason
+
+
 def assert_matches_oracle(
     out: OfflineOutput, prompt: list[int], hf_model: torch.nn.Module, atol: float
 ) -> Oracle:

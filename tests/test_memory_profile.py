@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import assert_same_bits
 
 from tokenmill.frontend.server_config import SchedulerArgs, ServerConfig, validate
 from tokenmill.protocol.arrays import unpack
@@ -98,10 +99,7 @@ def test_runner_sizes_its_cache_after_a_scored_prefill(tiny_checkpoint) -> None:
     plain = ModelRunner(config(model, kv_cache_tokens=1000))
     request = OfflineRequest(list(range(3, 60)), max_tokens=12, num_top=3, prompt_logprob_start=0)
     ours, theirs = (OfflineEngine(r).generate([request])[0] for r in (runner, plain))
-    assert ours.output_ids == theirs.output_ids
-    assert np.array_equal(ours.logprobs, theirs.logprobs)
-    assert np.array_equal(ours.prompt_logprobs, theirs.prompt_logprobs)
-    assert np.array_equal(np.stack(ours.top_logprobs), np.stack(theirs.top_logprobs))
+    assert_same_bits(ours, theirs)
 
 
 def test_too_little_memory_for_one_chunk_fails_naming_the_flags(tiny_checkpoint) -> None:

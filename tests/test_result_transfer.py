@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import make_engine
+from helpers import assert_same_bits, make_engine
 
 from tokenmill.tp_worker import step_outputs
 from tokenmill.tp_worker.offline import OfflineRequest
@@ -47,11 +47,5 @@ def test_a_generation_through_the_gathered_copy_is_the_same(
     monkeypatch.setattr(step_outputs, "to_host", step_outputs.gathered)
     through = make_engine(model, dtype=dtype, decode_steps=3).generate(requests)
     for a, b in zip(plain, through, strict=True):
-        assert a.output_ids == b.output_ids
-        assert np.array_equal(a.logprobs, b.logprobs)
-        assert np.array_equal(a.prompt_logprobs, b.prompt_logprobs)
-        for field in ("top_ids", "top_logprobs", "token_ids_logprobs", "prompt_top_logprobs"):
-            ours, theirs = getattr(a, field), getattr(b, field)
-            assert len(ours) == len(theirs)
-            assert all(np.array_equal(x, y) for x, y in zip(ours, theirs, strict=True))
+        assert_same_bits(a, b)
     assert len(plain[0].top_ids) == 6 and len(plain[2].token_ids_logprobs) == 6

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import make_engine
+from helpers import assert_same_bits, make_engine
 
 from tokenmill.controller import speculation
 from tokenmill.controller.request import Request
@@ -52,20 +52,6 @@ def _requests(sampled: bool) -> list[OfflineRequest]:
     base[5] = replace(base[5], min_tokens=10, stop_at_eos=True)
     base[6] = replace(base[6], speculative=False)
     return base
-
-
-def _bits(values: list) -> np.ndarray:
-    return np.asarray(values, np.float32).view(np.int32)
-
-
-def assert_same_bits(a: OfflineOutput, b: OfflineOutput) -> None:
-    assert a.output_ids == b.output_ids
-    assert np.array_equal(_bits(a.logprobs), _bits(b.logprobs))
-    assert np.array_equal(np.asarray(a.top_ids), np.asarray(b.top_ids))
-    assert np.array_equal(_bits(a.top_logprobs), _bits(b.top_logprobs))
-    assert np.array_equal(_bits(a.token_ids_logprobs), _bits(b.token_ids_logprobs))
-    assert np.array_equal(_bits(a.prompt_logprobs), _bits(b.prompt_logprobs))
-    assert a.finish_reason == b.finish_reason
 
 
 @pytest.fixture()

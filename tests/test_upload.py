@@ -8,10 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import make_engine
+from helpers import assert_same_bits, make_engine
 
 from tokenmill.tp_worker import upload
-from tokenmill.tp_worker.offline import OfflineEngine, OfflineOutput, OfflineRequest
+from tokenmill.tp_worker.offline import OfflineEngine, OfflineRequest
 from tokenmill.tp_worker.step_inputs import StepInputsBuilder
 from tokenmill.tp_worker.upload import Upload
 
@@ -47,16 +47,6 @@ def _staged(engine: OfflineEngine) -> OfflineEngine:
     return engine
 
 
-def _assert_same(a: OfflineOutput, b: OfflineOutput) -> None:
-    assert a.output_ids == b.output_ids
-    assert np.array_equal(a.logprobs, b.logprobs)
-    assert np.array_equal(a.prompt_logprobs, b.prompt_logprobs)
-    for field in ("top_ids", "top_logprobs", "token_ids_logprobs", "prompt_top_logprobs"):
-        ours, theirs = getattr(a, field), getattr(b, field)
-        assert len(ours) == len(theirs)
-        assert all(np.array_equal(x, y) for x, y in zip(ours, theirs, strict=True))
-
-
 REQUESTS = [
     OfflineRequest(list(range(3, 60)), max_tokens=8, num_top=3, prompt_logprob_start=0),
     OfflineRequest(list(range(7, 30)), max_tokens=8, temperature=0.8, top_p=0.9, seed=5),
@@ -80,4 +70,4 @@ def test_generations_through_the_staged_path_are_the_same(tiny_checkpoint, setti
     plain = make_engine(model, **settings).generate(REQUESTS)
     staged = _staged(make_engine(model, **settings)).generate(REQUESTS)
     for a, b in zip(plain, staged, strict=True):
-        _assert_same(a, b)
+        assert_same_bits(a, b)
