@@ -19,9 +19,7 @@ import torch
 from tokenmill.protocol.arrays import unpack
 from tokenmill.protocol.step import ForwardBatch, LogitBias, PenaltyBatch, StopBan
 from tokenmill.tp_worker.grammar_mask import GrammarTensors
-from tokenmill.tp_worker.upload import Upload
-
-_NUMPY_OF = {torch.int64: np.int64, torch.float32: np.float32}
+from tokenmill.tp_worker.upload import NUMPY_OF, Upload
 
 
 def _to(values: np.ndarray, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -30,7 +28,7 @@ def _to(values: np.ndarray, device: torch.device, dtype: torch.dtype) -> torch.T
 
 def _up(values: np.ndarray, up: Upload, dtype: torch.dtype) -> torch.Tensor:
     """A step's array with the step's other inputs (upload.py: one copy on a GPU)."""
-    return up(np.array(values, dtype=_NUMPY_OF[dtype]))
+    return up(np.array(values, dtype=NUMPY_OF[dtype]))
 
 
 def row_of_each(offsets: np.ndarray) -> np.ndarray:

@@ -15,21 +15,14 @@ from tokenmill.protocol.arrays import Array, unpack
 from tokenmill.protocol.step import ForwardBatch
 from tokenmill.tp_worker.penalties import LogitAdjustments, row_of_each
 from tokenmill.tp_worker.sampling import SamplingTensors
-from tokenmill.tp_worker.upload import Upload, empty
-
-_NUMPY_OF = {
-    torch.int64: np.int64,
-    torch.int32: np.int32,
-    torch.float32: np.float32,
-    torch.bool: np.bool_,
-}
+from tokenmill.tp_worker.upload import NUMPY_OF, Upload, empty
 
 
 def _tensor(array: Array, up: Upload, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """One copy out of the message's bytes (which are read-only), already in `dtype`."""
     if 0 in array.shape:
         return empty(array.shape, dtype, up.device)
-    return up(unpack(array).astype(_NUMPY_OF[dtype]))
+    return up(unpack(array).astype(NUMPY_OF[dtype]))
 
 
 @dataclass(frozen=True)

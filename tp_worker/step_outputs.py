@@ -19,6 +19,7 @@ from tokenmill.protocol.step import StepResult
 from tokenmill.tp_worker.logprobs import LogSoftmax, ScoredPositions
 from tokenmill.tp_worker.sampling import greedy_ids, processed_logprobs, sample
 from tokenmill.tp_worker.step_inputs import StepInputs
+from tokenmill.tp_worker.upload import NUMPY_OF
 
 
 @dataclass(frozen=True)
@@ -242,7 +243,6 @@ def gathered(tensors: list[torch.Tensor]) -> list[np.ndarray]:
     at = 0
     for i, piece in zip(order, pieces, strict=True):
         t, size = tensors[i], piece.numel()
-        dtype = torch.empty(0, dtype=t.dtype).numpy().dtype
-        arrays[i] = joined[at : at + size].view(dtype).reshape(t.shape)
+        arrays[i] = joined[at : at + size].view(NUMPY_OF[t.dtype]).reshape(t.shape)
         at += size
     return arrays

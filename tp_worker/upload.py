@@ -18,12 +18,14 @@ import functools
 import numpy as np
 import torch
 
-TORCH_OF = {
-    np.dtype(np.int64): torch.int64,
-    np.dtype(np.int32): torch.int32,
-    np.dtype(np.float32): torch.float32,
-    np.dtype(np.bool_): torch.bool,
+# NOTE: the dtypes a step's arrays come in, both ways
+NUMPY_OF = {
+    torch.int64: np.dtype(np.int64),
+    torch.int32: np.dtype(np.int32),
+    torch.float32: np.dtype(np.float32),
+    torch.bool: np.dtype(np.bool_),
 }
+TORCH_OF = {numpy: torch_dtype for torch_dtype, numpy in NUMPY_OF.items()}
 ARENA_BYTES = 1 << 20  # NOTE: a decode step of 64 rows takes ~10 KiB; a prefill chunk more
 ALIGN = 64  # NOTE: every view starts aligned for any dtype (view(dtype) requires it)
 
