@@ -5,7 +5,7 @@ percentile and median) over the rounds, and whether the two give the same bits.
 On a shared host whose speed swings 2x within minutes, two runs of a benchmark compare noise;
 two builds called in turn within one run compare the code. Cases: bfloat16 attention at the
 medium checkpoint's shapes (64 scoring items of 32 tokens after one shared 1,024-token query, 64
-decode rows at a context of 300, 8 prompts of 256; the first and last also with each row's slots
+decode rows at a context of 300, 8 prompts of 256; each also with each row's slots
 in runs, as a fresh server's slot pool hands them out, the others scattered) and bfloat16 linear
 layers (a prefill's gate/up and down products, each gate/up also with its fused silu(gate) x up
 epilogue, a scoring step's 8,192-row down product, a 64-row decode product, and a whole decode
@@ -61,6 +61,7 @@ ATTENTION_CASES = {
     "attention, 64 x 32 after a shared 1024": (64, 1024, 32, True, False),
     "attention, the same, slots in runs": (64, 1024, 32, True, True),
     "attention, 64 decode rows x 300": (64, 300, 1, False, False),
+    "attention, 64 decode rows x 300, slots in runs": (64, 300, 1, False, True),
     "attention, 8 x 256 prompt": (8, 0, 256, False, False),
     "attention, 8 x 256 prompt, slots in runs": (8, 0, 256, False, True),
 }

@@ -65,6 +65,7 @@ struct Scratch {
   std::vector<float> scores;  // [tiles][LANES][padded]
   std::vector<float> acc;     // [tiles][LANES][PASS_D] weighted values, between key blocks
   alignas(64) uint16_t vt[KEY_PAIRS / 2][PASS_D * 2];  // values of 16 key pairs, interleaved
+  int tile_rows = 16;  // rows of tiles 0-5 as the thread's tiles are configured now
 };
 
 // What a group's tiles share: the keys from first_key (a multiple of KEY_PAIRS, the
@@ -288,6 +289,12 @@ void attend_group(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_
   // and the blocks before a lane's first visible key add only +0.0.
   const Span sp = span(s, table, its, tiles);
   const int64_t dim = s.head_dim;
+  // NOTE: as many tile rows as the group has live lanes (3 at a decode token of a model with
+  // 3 query heads a KV head, not 16): rows never mix, so these are the bits of 16-row tiles.
+  int live = 1;
+  for (int64_t t = 0; t < tiles; ++t)
+    live = std::max(live, static_cast<int>(its[t].num_tokens * its[t].num_heads));
+  if (live != w.tile_rows) tokenmill::configure_tiles(live), w.tile_rows = live;
   const uint16_t* keys = k_cache + its[0].kv_head * s.head_stride;
   const uint16_t* values = v_cache + its[0].kv_head * s.head_stride;
   load_queries(q, s, its, tiles, sp.padded, w);

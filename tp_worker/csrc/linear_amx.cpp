@@ -191,9 +191,12 @@ void linear_amx(const uint16_t* x, int64_t m, int64_t k, int64_t lda, const uint
   // share that is not done: a thread that the server's other processes preempt no longer
   // holds the other one idle at the region's end (panel_queue.h).
   tokenmill::PanelQueue queue(num_chunks, omp_get_max_threads(), num_panels);
+  // NOTE: fewer than 16 rows (a decode step of a few requests): tiles of that many rows,
+  // the same bits in fewer cycles (amx.h).
+  const int tile_rows = static_cast<int>(std::clamp<int64_t>(m, 1, 16));
 #pragma omp parallel
   {
-    configure_tiles();
+    configure_tiles(tile_rows);
     const int thread = omp_get_thread_num();
     alignas(64) float acc[2][BLOCK_M * NR];
     PendingRows<Out> pending(out, ldc, residual, glu);
