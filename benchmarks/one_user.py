@@ -2,9 +2,11 @@
 
 A decode step of one row must read every weight once (and the row's keys and values): the
 floor is those bytes over this machine's read bandwidth, measured as a torch sum over 1 GiB
-of float32 on all of torch's threads (best of 7, again before each round; the best reading
-decides). Then one `tokenmill serve --step-timing` gets --requests random prompts one after
-another (vLLM's `bench serve --max-concurrency 1` workload: --input-len tokens in,
+of float32 on all of torch's threads (best of 7, again after each server's round; the best
+reading of the run is the floor, and each round is also set against its own floor, the better
+of the readings either side of it: on a shared host a neighbour's load slows the memory and
+the server alike). Then one `tokenmill serve --step-timing` gets --requests random prompts
+one after another (vLLM's `bench serve --max-concurrency 1` workload: --input-len tokens in,
 --output-len out, ignore_eos); each round prints its median TPOT and TTFT and where a decode
 step's period went: the model forward, the rest of the worker's step, and outside the
 worker (the controller, the sockets, and the detokenizer's and frontend's share of the
@@ -103,6 +105,7 @@ class Server:
     base_url: str
     tpot_ms: list[float]
     ttft_ms: list[float]
+    round_floor_ms: list[float]  # per round: the floor at the readings either side of it
     parts_ms: list[tuple[float, float, float]]  # per round: forward, worker other, outside
 
 
@@ -125,7 +128,7 @@ def start(
     finally:
         os.environ.clear()
         os.environ.update(saved)
-    return Server(name, proc, base_url, [], [], [])
+    return Server(name, proc, base_url, [], [], [], [])
 
 
 async def one_round(server: Server, args: argparse.Namespace, seed: int) -> None:
@@ -171,7 +174,7 @@ def main() -> int:
     print(
         f"a one-row decode step reads {weights / 1e6:.1f} MB of weights and {kv / 1e6:.1f} MB of "
         f"keys and values (mean context {context}); read bandwidth {bandwidths[0] / 1e9:.1f} GB/s "
-        f"({torch.get_num_threads()} threads), measured again before each round",
+        f"({torch.get_num_threads()} threads), measured again around each round",
         flush=True,
     )
     variants: list[tuple[str, dict[str, str], str]] = [("as is", {}, "")]
@@ -189,7 +192,12 @@ def main() -> int:
             bandwidths.append(read_bandwidth())
             print(f"round {i + 1} (read bandwidth {bandwidths[-1] / 1e9:.1f} GB/s):")
             for server in servers[i % len(servers) :] + servers[: i % len(servers)]:
+                before = bandwidths[-1]
                 measure(server, args, seed=2 + i)
+                bandwidths.append(read_bandwidth())
+                # NOTE: the better of the readings either side: what the memory gave while
+                # this server's round ran, as near as a reading outside it can tell.
+                server.round_floor_ms.append((weights + kv) / max(before, bandwidths[-1]) * 1e3)
     finally:
         for server in servers:
             stop_server(server.proc)
@@ -203,11 +211,14 @@ def main() -> int:
     for server in servers:
         tpot = statistics.median(server.tpot_ms)
         parts = [statistics.median(p[j] for p in server.parts_ms) for j in range(3)]
+        local = [t / f for t, f in zip(server.tpot_ms, server.round_floor_ms, strict=True)]
         print(
             f"{server.name}: median TPOT {tpot:.2f} ms over {args.rounds} rounds "
             f"({', '.join(f'{t:.2f}' for t in server.tpot_ms)}) = {tpot / floor_ms:.2f}x the "
-            f"floor; TTFT {statistics.median(server.ttft_ms):.0f} ms; forward {parts[0]:.2f}, "
-            f"rest of the worker {parts[1]:.2f}, outside the worker {parts[2]:.2f} ms"
+            f"floor ({', '.join(f'{r:.2f}' for r in local)}x each round's own floor, the "
+            f"readings either side of it); TTFT {statistics.median(server.ttft_ms):.0f} ms; "
+            f"forward {parts[0]:.2f}, rest of the worker {parts[1]:.2f}, outside the worker "
+            f"{parts[2]:.2f} ms"
         )
     return 0
 
