@@ -7,9 +7,9 @@ reading of the run is the floor, and each round is also set against its own floo
 of the readings either side of it: on a shared host a neighbour's load slows the memory and
 the server alike). Then one `tokenmill serve --step-timing` gets --requests random prompts
 one after another (vLLM's `bench serve --max-concurrency 1` workload: --input-len tokens in,
---output-len out, ignore_eos); each round prints its median TPOT and TTFT and where a decode
-step's period went: the model forward, the rest of the worker's step, and outside the
-worker (the controller, the sockets, and the detokenizer's and frontend's share of the
+--output-len out, ignore_eos); each round prints its median TPOT and TTFT and where a
+token's share of the decode steps' period went (a step computes --decode-steps tokens): the
+model forward, the rest of the worker's step, and outside the worker (the controller, the sockets, and the detokenizer's and frontend's share of the
 cores). --ab adds a server with TOKENMILL_CPU_LAYER_STACK=0 (the layers through Python, a
 kernel call at a time), each --compare FLAGS a server with FLAGS added; their rounds take
 turns with the first server's.
@@ -42,7 +42,14 @@ from tokenmill.cli.bench.datasets import random_requests
 from tokenmill.cli.default_model import resolve_model
 from tokenmill.tp_worker.model_config import ModelConfig, load_model_config
 
-TIMING = ("decode_steps", "period_seconds", "worker_busy_seconds", "forward_seconds")
+TIMING = (
+    "decode_steps",
+    "period_seconds",
+    "worker_busy_seconds",
+    "forward_seconds",
+    "rows",
+    "row_tokens",
+)
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
@@ -154,12 +161,14 @@ def measure(server: Server, args: argparse.Namespace, seed: int) -> None:
         k: after[f"tokenmill_step_timing_{k}"] - before[f"tokenmill_step_timing_{k}"]
         for k in TIMING
     }
-    period, busy, forward = (d[k] / d["decode_steps"] * 1e3 for k in TIMING[1:])
+    # NOTE: a token's share: with --decode-steps N a step computes N tokens a row.
+    tokens = d["decode_steps"] * d["row_tokens"] / d["rows"]
+    period, busy, forward = (d[k] / tokens * 1e3 for k in TIMING[1:4])
     server.parts_ms.append((forward, busy - forward, period - busy))
     print(
         f"  {server.name}: median TPOT {server.tpot_ms[-1]:.2f} ms, TTFT {server.ttft_ms[-1]:.0f} "
-        f"ms; a decode step: forward {forward:.2f}, rest of the worker {busy - forward:.2f}, "
-        f"outside the worker {period - busy:.2f} ms",
+        f"ms; a token's share of the decode steps: forward {forward:.2f}, rest of the worker "
+        f"{busy - forward:.2f}, outside the worker {period - busy:.2f} ms",
         flush=True,
     )
 

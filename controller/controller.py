@@ -157,7 +157,14 @@ class Controller:
             step_id, rows = self.in_flight.popleft()
             result = self.receive_result(step_id)
             decode_only = not any(row.is_prefill for row in rows)
-            self.timing.on_result(step_id, decode_only, result.busy_s, result.forward_s, len(rows))
+            self.timing.on_result(
+                step_id,
+                decode_only,
+                result.busy_s,
+                result.forward_s,
+                len(rows),
+                result.next_ids.shape[0],
+            )
             if decode_only:
                 self.time_decode_step(step_id, rows)
             self.emit(self.outputs.apply(rows, result))

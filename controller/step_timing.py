@@ -23,10 +23,19 @@ class StepTiming:
     busy_s: float = 0.0
     forward_s: float = 0.0
     rows: int = 0
+    # NOTE: rows x decode steps: a multi-step batch (--decode-steps) computes several tokens a
+    # row, so a token's share of a step is the step over tokens / rows.
+    row_tokens: int = 0
     _last: tuple[int, float, bool] | None = None  # the last result: (step id, when, decode only)
 
     def on_result(
-        self, step_id: int, decode_only: bool, busy_s: float, forward_s: float, num_rows: int
+        self,
+        step_id: int,
+        decode_only: bool,
+        busy_s: float,
+        forward_s: float,
+        num_rows: int,
+        num_steps: int = 1,
     ) -> None:
         """A step's result is back: its period, from the result of the step before, counts
         when both steps decoded only."""
@@ -41,6 +50,7 @@ class StepTiming:
         self.busy_s += busy_s
         self.forward_s += forward_s
         self.rows += num_rows
+        self.row_tokens += num_rows * num_steps
 
     def totals(self) -> dict[str, float]:
         if not self.enabled:
@@ -51,4 +61,5 @@ class StepTiming:
             "step_timing_worker_busy_seconds": self.busy_s,
             "step_timing_forward_seconds": self.forward_s,
             "step_timing_rows": self.rows,
+            "step_timing_row_tokens": self.row_tokens,
         }

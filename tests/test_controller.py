@@ -642,3 +642,6 @@ def test_step_timing_counts_decode_steps_from_result_to_result() -> None:
     assert totals["step_timing_decode_steps"] == 2  # steps 3 and 4
     assert totals["step_timing_forward_seconds"] == pytest.approx(0.06)
     assert totals["step_timing_period_seconds"] > 0
+    assert totals["step_timing_rows"] == totals["step_timing_row_tokens"] == 4
+    timing.on_result(7, True, 1.0, 0.3, 2, num_steps=4)  # a 4-step batch of 2 rows
+    assert timing.totals()["step_timing_row_tokens"] == 4 + 8
