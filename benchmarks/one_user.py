@@ -9,10 +9,10 @@ the server alike). Then one `tokenmill serve --step-timing` gets --requests rand
 one after another (vLLM's `bench serve --max-concurrency 1` workload: --input-len tokens in,
 --output-len out, ignore_eos); each round prints its median TPOT and TTFT and where a
 token's share of the decode steps' period went (a step computes --decode-steps tokens): the
-model forward, the rest of the worker's step, and outside the worker (the controller, the sockets, and the detokenizer's and frontend's share of the
-cores). --ab adds a server with TOKENMILL_CPU_LAYER_STACK=0 (the layers through Python, a
-kernel call at a time), each --compare FLAGS a server with FLAGS added; their rounds take
-turns with the first server's.
+model forward, the rest of the worker's step, and outside the worker (the controller, the
+sockets, and the detokenizer's and frontend's share of the cores). --ab adds a server with
+TOKENMILL_CPU_LAYER_STACK=0 (the layers through Python, a kernel call at a time), each
+--compare FLAGS a server with FLAGS added; their rounds take turns with the first server's.
 
     python benchmarks/one_user.py [--model DIR_OR_GGUF | --preset medium] [--dtype bfloat16]
         [--requests 8] [--input-len 256] [--output-len 64] [--rounds 3] [--ab]
