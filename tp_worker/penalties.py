@@ -19,16 +19,11 @@ import torch
 from tokenmill.protocol.arrays import unpack
 from tokenmill.protocol.step import ForwardBatch, LogitBias, PenaltyBatch, StopBan
 from tokenmill.tp_worker.grammar_mask import GrammarTensors
-from tokenmill.tp_worker.upload import NUMPY_OF, Upload
+from tokenmill.tp_worker.upload import Upload
 
 
 def _to(values: np.ndarray, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(np.array(values)).to(device=device, dtype=dtype)
-
-
-def _up(values: np.ndarray, up: Upload, dtype: torch.dtype) -> torch.Tensor:
-    """A step's array with the step's other inputs (upload.py: one copy on a GPU)."""
-    return up(np.array(values, dtype=NUMPY_OF[dtype]))
 
 
 def row_of_each(offsets: np.ndarray) -> np.ndarray:
@@ -56,11 +51,11 @@ class StopBanTensors:
         eos_rows = np.flatnonzero(unpack(ban.ban_eos) & (steps > 0))
         return StopBanTensors(
             num_steps=steps,
-            rows=_up(rows, up, torch.int64),
-            ids=_up(unpack(ban.ids), up, torch.int64),
-            row_steps=_up(steps[rows], up, torch.int64),
-            eos_rows=_up(eos_rows, up, torch.int64),
-            eos_steps=_up(steps[eos_rows], up, torch.int64),
+            rows=up.cast(rows, torch.int64),
+            ids=up.cast(unpack(ban.ids), torch.int64),
+            row_steps=up.cast(steps[rows], torch.int64),
+            eos_rows=up.cast(eos_rows, torch.int64),
+            eos_steps=up.cast(steps[eos_rows], torch.int64),
         )
 
 
@@ -73,9 +68,9 @@ class BiasTensors:
     @staticmethod
     def from_message(bias: LogitBias, up: Upload) -> BiasTensors:
         return BiasTensors(
-            rows=_up(row_of_each(unpack(bias.offsets)), up, torch.int64),
-            ids=_up(unpack(bias.ids), up, torch.int64),
-            values=_up(unpack(bias.values), up, torch.float32),
+            rows=up.cast(row_of_each(unpack(bias.offsets)), torch.int64),
+            ids=up.cast(unpack(bias.ids), torch.int64),
+            values=up.cast(unpack(bias.values), torch.float32),
         )
 
 
@@ -121,18 +116,18 @@ class PenaltyTensors:
         gen = pos >= unpack(p.num_prompt_tokens)[row]
 
         def index(r: np.ndarray, i: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-            return _up(table[r], up, torch.int64), _up(i, up, torch.int64)
+            return up.cast(table[r], torch.int64), up.cast(i, torch.int64)
 
         draft = step > 0
         gen &= ~draft
 
         return PenaltyTensors(
-            rows=_up(rows, up, torch.int64),
-            table_rows=_up(table[rows], up, torch.int64),
-            presence=_up(presence[rows, None], up, torch.float32),
-            frequency=_up(frequency[rows, None], up, torch.float32),
-            repetition=_up(repetition[rows, None], up, torch.float32),
-            restart_rows=_up(table[np.flatnonzero(unpack(p.restart) & used)], up, torch.int64),
+            rows=up.cast(rows, torch.int64),
+            table_rows=up.cast(table[rows], torch.int64),
+            presence=up.cast(presence[rows, None], torch.float32),
+            frequency=up.cast(frequency[rows, None], torch.float32),
+            repetition=up.cast(repetition[rows, None], torch.float32),
+            restart_rows=up.cast(table[np.flatnonzero(unpack(p.restart) & used)], torch.int64),
             generated=index(row[gen], ids[gen]),
             prompt=index(row[~gen & ~draft], ids[~gen & ~draft]),
             drafts=index(row[draft], ids[draft]) if draft.any() else None,

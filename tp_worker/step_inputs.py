@@ -15,14 +15,14 @@ from tokenmill.protocol.arrays import Array, unpack
 from tokenmill.protocol.step import ForwardBatch
 from tokenmill.tp_worker.penalties import LogitAdjustments, row_of_each
 from tokenmill.tp_worker.sampling import SamplingTensors
-from tokenmill.tp_worker.upload import NUMPY_OF, Upload, empty
+from tokenmill.tp_worker.upload import Upload, empty
 
 
 def _tensor(array: Array, up: Upload, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """One copy out of the message's bytes (which are read-only), already in `dtype`."""
-    if 0 in array.shape:
+    if 0 in array.shape:  # NOTE: a decode step has ~10 empty inputs: not even unpacked
         return empty(array.shape, dtype, up.device)
-    return up(unpack(array).astype(NUMPY_OF[dtype]))
+    return up.cast(unpack(array), dtype)
 
 
 @dataclass(frozen=True)

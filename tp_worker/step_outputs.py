@@ -146,7 +146,7 @@ class StepOutputs:
 
     def sampled_ids(self) -> np.ndarray:
         """[N, B] int64 the ids of every iteration so far, on the host."""
-        return np.stack([_host(s.next_ids) for s in self.sampled])
+        return np.stack(to_host([s.next_ids for s in self.sampled]))
 
     def to_result(self, step_id: int, num_accepted: np.ndarray | None = None) -> StepResult:
         steps, rows = len(self.sampled), len(self.sampled[0].next_ids)
@@ -217,11 +217,6 @@ def _absent(steps: int, rows: int) -> _Absent:
 
 
 SAMPLED_FIELDS = ("next_ids", "logprobs", "top_ids", "top_logprobs", "token_ids_logprobs")
-
-
-def _host(t: torch.Tensor) -> np.ndarray:
-    """A tensor's values in host memory (no copy of a CPU tensor)."""
-    return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
 
 
 def to_host(tensors: list[torch.Tensor]) -> list[np.ndarray]:

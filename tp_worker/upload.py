@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 # NOTE: the dtypes a step's arrays come in, both ways
-NUMPY_OF = {
+NUMPY_OF: dict[torch.dtype, np.dtype] = {
     torch.int64: np.dtype(np.int64),
     torch.int32: np.dtype(np.int32),
     torch.float32: np.dtype(np.float32),
@@ -56,6 +56,11 @@ class Upload:
         self._host[at:end] = data.reshape(-1).view(np.uint8)
         self._used = -(-end // ALIGN) * ALIGN
         return self._on_device[at:end].view(TORCH_OF[data.dtype]).view(data.shape)
+
+    def cast(self, values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        """A copy of `values` (a message's read-only bytes too) in `dtype`, handed out as
+        __call__ hands out an array."""
+        return self(np.asarray(values).astype(NUMPY_OF[dtype]))
 
     def flush(self) -> None:
         """Queues the copy of every array handed out since the last flush."""

@@ -30,12 +30,12 @@ constexpr TileConfig tiles_of_rows(int rows) {
 }
 
 struct TileConfigs {
-  TileConfig by_rows[17];
+  TileConfig by_rows[16];  // [rows - 1]
 };
 
 constexpr TileConfigs all_tile_configs() {
   TileConfigs configs{};
-  for (int rows = 1; rows <= 16; ++rows) configs.by_rows[rows] = tiles_of_rows(rows);
+  for (int rows = 1; rows <= 16; ++rows) configs.by_rows[rows - 1] = tiles_of_rows(rows);
   return configs;
 }
 
@@ -50,7 +50,7 @@ constexpr TileConfigs all_tile_configs() {
 // the stores of a configuration built on the stack may be dropped (seen: ldtilecfg faulting).
 inline void configure_tiles(int rows = 16) {
   alignas(64) static constexpr TileConfigs configs = all_tile_configs();
-  _tile_loadconfig(&configs.by_rows[rows]);
+  _tile_loadconfig(&configs.by_rows[rows - 1]);
 }
 
 }  // namespace tokenmill
