@@ -13,7 +13,8 @@ step's products at 1, 32 and 64 rows with weights of their own, streamed from me
 kernels where the machine has tiles, else on the AVX-512 ones) and a decode step's small ones
 (RMSNorm of 32 and 64 rows, RoPE with the KV write of 32 and 64 tokens), and random sampling of
 32 rows (flat and peaked logits), their greedy argmax and their log-softmax statistics with the
-top 5. `--dtype float32` runs the linear cases in float32 (the AVX-512 kernels).
+top 5. `--dtype float32` runs the linear cases in float32 (the AVX-512 kernels), and
+TOKENMILL_CPU_AMX=0 the bfloat16 ones on the AVX-512 kernels where the machine has tiles.
 
 --busy N starts N stand-ins for the server's other processes (frontend, detokenizer,
 controller, the client) for the run: each wakes every few milliseconds and burns 0.5 ms of CPU
@@ -41,7 +42,7 @@ from cpu_kernels import DIM, HEADS, HIDDEN, KV_HEADS, LAYER, LAYERS, attention_c
 
 import tokenmill.tp_worker.attention_cpu as attention_cpu
 from tokenmill.tp_worker import cpu_kernels
-from tokenmill.tp_worker.cpu_ops import DTYPE_CODES, gate_up_panels, pack
+from tokenmill.tp_worker.cpu_ops import DTYPE_CODES, amx_enabled, gate_up_panels, pack
 from tokenmill.tp_worker.rope import Rotary
 
 CSRC = Path(cpu_kernels.__file__).parent / "csrc"
@@ -130,11 +131,16 @@ def per_build(
     return [lambda lib=lib, out=out: call(lib, out) for lib, out in zip(libs, outs, strict=True)]
 
 
+# The product that runs next (its packed weights, n, k), for the builds that stream its first
+# panels in under this one's last (tm_linear_then, tm_linear_amx_then).
+Then = tuple[torch.Tensor, int, int]
+
+
 def linear_call(
-    amx: bool, x: torch.Tensor, w: torch.Tensor, n: int, glu: bool
+    amx: bool, x: torch.Tensor, w: torch.Tensor, n: int, glu: bool, then: Then | None = None
 ) -> Callable[[ctypes.CDLL, torch.Tensor], torch.Tensor]:
     """One product through the AMX kernel (where the machine has tiles and x is bfloat16) or
-    the AVX-512 one, in x's dtype."""
+    the AVX-512 one, in x's dtype; told of the product after it where the build takes that."""
 
     def call(lib: ctypes.CDLL, out: torch.Tensor) -> torch.Tensor:
         rows, k = x.shape
@@ -143,7 +149,14 @@ def linear_call(
         args = (x.data_ptr(), rows, k, k, w.data_ptr(), n, None, out.data_ptr(), out.shape[1])
         code = DTYPE_CODES[x.dtype]
         args += (code, code, None, int(glu))
-        assert (lib.tm_linear_amx if amx else lib.tm_linear)(*args) == 0
+        name = "tm_linear_amx" if amx else "tm_linear"
+        if then is not None and hasattr(lib, name + "_then"):
+            fn = getattr(lib, name + "_then")
+            fn.argtypes = [*getattr(lib, name).argtypes, ctypes.c_void_p, *[ctypes.c_int64] * 2]
+            args += (then[0].data_ptr(), then[1], then[2])
+        else:
+            fn = getattr(lib, name)
+        assert fn(*args) == 0
         return out
 
     return call
@@ -173,14 +186,16 @@ def streamed_runs(
     libs: list[ctypes.CDLL], amx: bool, rows: int, dtype: torch.dtype
 ) -> list[Callable[[], torch.Tensor]]:
     """Every projection of the medium checkpoint's 12 layers at `rows` rows, each weight its
-    own (~150 MB: they stream from memory, as in a decode step); the last layer's down
-    projection is the output."""
+    own (~150 MB: they stream from memory, as in a decode step), each told of the next as
+    layer_stack.cpp tells them; the last layer's down projection is the output."""
     gen = torch.Generator().manual_seed(rows)
+    shapes = LAYER * LAYERS
+    weights = [pack((torch.randn(n, k, generator=gen) * k**-0.5).to(dtype)) for k, n in shapes]
     calls = []
-    for k, n in LAYER * LAYERS:
-        weight = (torch.randn(n, k, generator=gen) * k**-0.5).to(dtype)
+    for i, (k, n) in enumerate(shapes):
         x = torch.randn(rows, k, generator=gen).to(dtype)
-        calls.append((linear_call(amx, x, pack(weight), n, False), n))
+        then = (weights[i + 1], shapes[i + 1][1], shapes[i + 1][0]) if i + 1 < len(shapes) else None
+        calls.append((linear_call(amx, x, weights[i], n, False, then), n))
 
     def call(lib: ctypes.CDLL, outs: list[torch.Tensor]) -> torch.Tensor:
         for (fn, _), out in zip(calls, outs, strict=True):
@@ -367,7 +382,7 @@ def run(args: argparse.Namespace) -> int:
         base = build(sources_at(args.against, Path(tmp) / "base"), Path(tmp) / "base.so")
         ours = build(CSRC, Path(tmp) / "ours.so")
         libs = [base, ours]
-        amx = bool(base.tm_amx_ready())
+        amx = amx_enabled(base)  # NOTE: TOKENMILL_CPU_AMX=0: the AVX-512 kernels here too
         cases = {}
         if args.only in (None, "attention"):
             cases.update(attention_runs(libs))

@@ -14,6 +14,16 @@ int tm_linear(const void* x, int64_t m, int64_t k, int64_t lda, const void* pack
 int tm_linear_amx(const void* x, int64_t m, int64_t k, int64_t lda, const void* packed,
                   int64_t n, const float* bias, void* out, int64_t ldc, int dtype, int out_dtype,
                   const void* residual, int glu);
+// The two above with the product that runs next on the same threads (panel_queue.h's
+// NextProduct: its packed weights, n and k; then_packed null for none).
+int tm_linear_then(const void* x, int64_t m, int64_t k, int64_t lda, const void* packed,
+                   int64_t n, const float* bias, void* out, int64_t ldc, int dtype, int out_dtype,
+                   const void* residual, int glu, const void* then_packed, int64_t then_n,
+                   int64_t then_k);
+int tm_linear_amx_then(const void* x, int64_t m, int64_t k, int64_t lda, const void* packed,
+                       int64_t n, const float* bias, void* out, int64_t ldc, int dtype,
+                       int out_dtype, const void* residual, int glu, const void* then_packed,
+                       int64_t then_n, int64_t then_k);
 int tm_rope_store(const void* qkv, const void* cos, const void* sin, const int64_t* slots,
                   void* q_out, void* k_cache, void* v_cache, int64_t tokens, int64_t heads,
                   int64_t kv_heads, int64_t dim, int64_t head_stride, int64_t slot_stride,

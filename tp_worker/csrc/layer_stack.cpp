@@ -63,10 +63,11 @@ inline int64_t row_stride(int64_t rows, int64_t stride, int64_t width) {
   return rows > 1 ? stride : width;
 }
 
+// `next_qkv`: the next layer's q/k/v weights, or 0 after the last layer of the call.
 int run_layer(const int64_t* w, const Shape& s, const Plan& p, const Scratch& b, float* x,
               int64_t tokens, const void* cos, const void* sin, const int64_t* slots, float eps,
-              float scale) {
-  auto* linear = s.linear_amx ? tm_linear_amx : tm_linear;
+              float scale, int64_t next_qkv) {
+  auto* linear = s.linear_amx ? tm_linear_amx_then : tm_linear_then;
   auto* attention = s.attention_amx ? tm_paged_attention_amx : tm_paged_attention;
   const int dtype = static_cast<int>(s.dtype), f32 = 0;
   const int64_t qkv_n = (s.heads + 2 * s.kv_heads) * s.head_dim, q_width = s.heads * s.head_dim;
@@ -75,7 +76,7 @@ int run_layer(const int64_t* w, const Shape& s, const Plan& p, const Scratch& b,
                            b.normed_stride, eps, dtype, f32);
   status |= linear(b.normed, tokens, s.hidden, normed_lda, at<void>(w[QKV]), qkv_n,
                    static_cast<const float*>(at<float>(w[QKV_BIAS])), b.qkv, qkv_n, dtype, dtype,
-                   nullptr, 0);
+                   nullptr, 0, at<void>(w[O]), s.hidden, q_width);
   status |= tm_rope_store(b.qkv, cos, sin, slots, b.q, mutable_at(w[K_CACHE]),
                           mutable_at(w[V_CACHE]), tokens, s.heads, s.kv_heads, s.head_dim,
                           s.head_stride, s.slot_stride, dtype);
@@ -94,14 +95,16 @@ int run_layer(const int64_t* w, const Shape& s, const Plan& p, const Scratch& b,
     attended_lda = row_stride(tokens, b.attended_stride, q_width);
   }
   status |= linear(attended, tokens, q_width, attended_lda, at<void>(w[O]), s.hidden, nullptr, x,
-                   s.hidden, dtype, f32, x, 0);
+                   s.hidden, dtype, f32, x, 0, at<void>(w[GATE_UP]), 2 * s.inter, s.hidden);
   status |= tm_rms_norm(x, at<void>(w[POST_NORM]), b.normed, tokens, s.hidden, b.normed_stride,
                         eps, dtype, f32);
   status |= linear(b.normed, tokens, s.hidden, normed_lda, at<void>(w[GATE_UP]), 2 * s.inter,
-                   nullptr, b.activated, b.activated_stride, dtype, dtype, nullptr, 1);
+                   nullptr, b.activated, b.activated_stride, dtype, dtype, nullptr, 1,
+                   at<void>(w[DOWN]), s.hidden, s.inter);
   status |= linear(b.activated, tokens, s.inter,
                    row_stride(tokens, b.activated_stride, s.inter), at<void>(w[DOWN]), s.hidden,
-                   nullptr, x, s.hidden, dtype, f32, x, 0);
+                   nullptr, x, s.hidden, dtype, f32, x, 0, at<void>(next_qkv),
+                   (s.heads + 2 * s.kv_heads) * s.head_dim, s.hidden);
   return status;
 }
 
@@ -127,8 +130,9 @@ int tm_layer_stack(const int64_t* weights, int64_t num_layers, const int64_t* sh
                   mutable_at(scratch[3]), mutable_at(scratch[4]), mutable_at(scratch[5]),
                   scratch[6], mutable_at(scratch[7]), scratch[8]};
   for (int64_t layer = 0; layer < num_layers; ++layer) {
-    const int status =
-        run_layer(weights + layer * FIELDS, s, p, b, x, tokens, cos, sin, slots, eps, scale);
+    const int64_t next_qkv = layer + 1 < num_layers ? weights[(layer + 1) * FIELDS + QKV] : 0;
+    const int status = run_layer(weights + layer * FIELDS, s, p, b, x, tokens, cos, sin, slots,
+                                 eps, scale, next_qkv);
     if (status != 0) return status;
   }
   return 0;

@@ -56,15 +56,18 @@ using tokenmill::store;
 // The two cache lines `elements` on from `panel`, asked for into L1. A microkernel's loop
 // keeps too few of its own loads in flight to stream weights from memory (a 12-row block's
 // loop body is ~40 instructions), so a decode step's products waited on memory between short
-// bursts of arithmetic: asking AHEAD steps on (near the end, the next panel's first lines:
-// panels lie one after the other) streams them under it. Changes no result.
+// bursts of arithmetic: asking AHEAD steps on streams them under it. Near the end of a panel
+// of `end` elements the stream goes on `after` bytes past its end: 0, the next panel (panels
+// lie one after the other), or a thread's next panel elsewhere (the first of its share of the
+// product that follows: panel_queue.h's NextProduct). Changes no result.
 // NOTE: the address is an integer's: past the last panel it points at nothing, and a
 // prefetch of it never faults.
 #if defined(__AVX512F__)
 template <typename T>
-inline void ask_ahead(const T* panel, int64_t elements) {
-  const auto* ahead = reinterpret_cast<const char*>(
-      reinterpret_cast<uintptr_t>(panel) + static_cast<uintptr_t>(elements) * sizeof(T));
+inline void ask_ahead(const T* panel, int64_t elements, int64_t end, intptr_t after) {
+  uintptr_t at = reinterpret_cast<uintptr_t>(panel) + static_cast<uintptr_t>(elements) * sizeof(T);
+  if (elements >= end) at += static_cast<uintptr_t>(after);
+  const auto* ahead = reinterpret_cast<const char*>(at);
   _mm_prefetch(ahead, _MM_HINT_T0);
   _mm_prefetch(ahead + 64, _MM_HINT_T0);
 }
@@ -76,13 +79,13 @@ inline void ask_ahead(const T* panel, int64_t elements) {
 // c[R][2] += A[R rows, k0 .. k0 + COUNT) . panel (COUNT < 0: k0 .. k_len).
 template <int R, bool STREAM, int64_t COUNT>
 inline void block_f32(const float* a, int64_t lda, const float* panel, int64_t k0, int64_t k_len,
-                      __m512 (&c)[R][2]) {
+                      intptr_t after, __m512 (&c)[R][2]) {
   // NOTE: a whole block counts to a constant: with its bound in a register of its own, gcc
   // (out of general registers with 12 rows' pointers) kept it on the stack, 5% slower.
   const int64_t count = COUNT < 0 ? k_len - k0 : COUNT;
   for (int64_t i = 0; i < count; ++i) {
     const int64_t k = k0 + i;
-    if (STREAM) ask_ahead(panel, (k + AHEAD) * NR);
+    if (STREAM) ask_ahead(panel, (k + AHEAD) * NR, k_len * NR, after);
     const __m512 b0 = _mm512_loadu_ps(panel + k * NR);
     const __m512 b1 = _mm512_loadu_ps(panel + k * NR + 16);
     for (int r = 0; r < R; ++r) {
@@ -94,14 +97,15 @@ inline void block_f32(const float* a, int64_t lda, const float* panel, int64_t k
 }
 
 template <int R, bool STREAM>
-void kernel_f32(const float* a, int64_t lda, const float* panel, int64_t k_len, float* acc) {
+void kernel_f32(const float* a, int64_t lda, const float* panel, int64_t k_len, float* acc,
+                intptr_t after) {
   for (int64_t k0 = 0; k0 < k_len; k0 += KB) {
     __m512 c[R][2];
     for (int r = 0; r < R; ++r) c[r][0] = c[r][1] = _mm512_setzero_ps();
     if (k0 + KB <= k_len)
-      block_f32<R, STREAM, KB>(a, lda, panel, k0, k_len, c);
+      block_f32<R, STREAM, KB>(a, lda, panel, k0, k_len, after, c);
     else
-      block_f32<R, STREAM, -1>(a, lda, panel, k0, k_len, c);
+      block_f32<R, STREAM, -1>(a, lda, panel, k0, k_len, after, c);
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < 2; ++h) {
         float* out = acc + r * NR + 16 * h;
@@ -140,7 +144,8 @@ inline void tile_f32(const float* a, int64_t lda, const float* panel, int64_t k0
 }
 
 template <int R, bool>
-void kernel_f32(const float* a, int64_t lda, const float* panel, int64_t k_len, float* acc) {
+void kernel_f32(const float* a, int64_t lda, const float* panel, int64_t k_len, float* acc,
+                intptr_t) {
   constexpr int TOP = R > 6 ? 6 : R;
   for (int64_t k0 = 0; k0 < k_len; k0 += KB) {
     const int64_t k1 = std::min(k_len, k0 + KB);
@@ -153,7 +158,8 @@ void kernel_f32(const float* a, int64_t lda, const float* panel, int64_t k_len, 
 }
 #else
 template <int R, bool>
-void kernel_f32(const float* a, int64_t lda, const float* panel, int64_t k_len, float* acc) {
+void kernel_f32(const float* a, int64_t lda, const float* panel, int64_t k_len, float* acc,
+                intptr_t) {
   float block[R * NR];
   for (int64_t k0 = 0; k0 < k_len; k0 += KB) {
     std::fill(block, block + R * NR, 0.0f);
@@ -182,14 +188,15 @@ inline void pair_step(__m512 (&c)[R][2], const uint16_t* panel_pair, Word word) 
 
 template <int R, bool STREAM>
 void kernel_bf16(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t k_len,
-                 float* acc) {
+                 float* acc, intptr_t after) {
   __m512 c[R][2];
+  const int64_t end = (k_len + 31) / 32 * 32 * NR;  // the panel's elements (K padded)
   for (int r = 0; r < R; ++r) c[r][0] = c[r][1] = _mm512_setzero_ps();
   // NOTE: an odd k's last pair comes after the loop, not as a branch inside it: with the
   // branch and the prefetch in one loop, gcc kept the accumulators on the stack (3x slower).
   const int64_t full_pairs = k_len / 2;
   for (int64_t kp = 0; kp < full_pairs; ++kp) {
-    if (STREAM) ask_ahead(panel, (kp + AHEAD) * 2 * NR);
+    if (STREAM) ask_ahead(panel, (kp + AHEAD) * 2 * NR, end, after);
     pair_step<R>(c, panel + kp * 2 * NR, [&](int r) {
       uint32_t word;
       std::memcpy(&word, a + r * lda + 2 * kp, 4);
@@ -208,7 +215,7 @@ void kernel_bf16(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t 
 // VDPBF16PS, lane by lane (bf16.h's dot_pair).
 template <int R, bool>
 void kernel_bf16(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t k_len,
-                 float* acc) {
+                 float* acc, intptr_t) {
   std::fill(acc, acc + R * NR, 0.0f);
   const int64_t pairs = (k_len + 1) / 2;
   for (int64_t kp = 0; kp < pairs; ++kp)
@@ -224,7 +231,7 @@ void kernel_bf16(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t 
 #endif
 
 template <typename T>
-using Kernel = void (*)(const T*, int64_t, const T*, int64_t, float*);
+using Kernel = void (*)(const T*, int64_t, const T*, int64_t, float*, intptr_t);
 
 template <int R, bool STREAM>
 struct F32 {
@@ -245,7 +252,8 @@ Kernel<T> kernel_of(int rows) {
   return table[rows];
 }
 
-// `stream`: the microkernel that asks for its panel ahead of its loads (see ask_ahead).
+// `stream`: the microkernel that asks for its panel ahead of its loads (see ask_ahead; `after`
+// where its stream goes past its end).
 template <typename T, template <int, bool> class K>
 Kernel<T> kernel_for(int rows, bool stream) {
   return stream ? kernel_of<T, K, true>(rows) : kernel_of<T, K, false>(rows);
@@ -272,7 +280,8 @@ struct Product {
   const Out* residual;
   bool glu;
 
-  void panel(int64_t p, int64_t first, int64_t last) const {
+  // `after`: ask_ahead's, for the first block (the one that streams the panel in).
+  void panel(int64_t p, int64_t first, int64_t last, intptr_t after) const {
     alignas(64) float acc[MR * NR];
     const int64_t col0 = p * NR, cols = std::min<int64_t>(NR, n - col0);
     const float* b = bias ? bias + col0 : nullptr;
@@ -280,7 +289,7 @@ struct Product {
       const int rows = static_cast<int>(std::min<int64_t>(MR, last - m0));
       // NOTE: the first block of a pass brings the panel in; the others find it in L2.
       kernel_for<T, K>(rows, m0 == first)(x + m0 * lda, lda, packed + p * panel_elems, k_len,
-                                          acc);
+                                          acc, after);
       for (int r = 0; r < rows; ++r) {
         const int64_t row = m0 + r;
         if (glu) {
@@ -296,7 +305,8 @@ struct Product {
 
 template <typename T, typename Out, template <int, bool> class K>
 void linear(const T* x, int64_t m, int64_t k_len, int64_t lda, const T* packed, int64_t n,
-            const float* bias, Out* out, int64_t ldc, const Out* residual, bool glu) {
+            const float* bias, Out* out, int64_t ldc, const Out* residual, bool glu,
+            const tokenmill::NextProduct& then) {
   const int64_t num_panels = (n + NR - 1) / NR;
   const int64_t panel_elems = (std::is_same<T, float>::value ? k_len : (k_len + 31) / 32 * 32) * NR;
   const Product<T, Out, K> product{x, k_len, lda, packed, panel_elems, n,
@@ -310,8 +320,12 @@ void linear(const T* x, int64_t m, int64_t k_len, int64_t lda, const T* packed, 
     const int thread = omp_get_thread_num();
     for (int64_t pass = 0; pass < num_passes; ++pass) {
       const int64_t first = pass * pass_rows, last = std::min(m, first + pass_rows);
-      for (int64_t p = queue.next(pass, thread); p >= 0; p = queue.next(pass, thread))
-        product.panel(p, first, last);
+      for (int64_t p = queue.next(pass, thread); p >= 0; p = queue.next(pass, thread)) {
+        // NOTE: a stolen panel's stream runs on into the next in memory, as it always did.
+        const T* next = queue.successor(pass, thread, p, packed, panel_elems, then);
+        const auto end = reinterpret_cast<intptr_t>(packed + (p + 1) * panel_elems);
+        product.panel(p, first, last, next ? reinterpret_cast<intptr_t>(next) - end : 0);
+      }
     }
   }
 }
@@ -328,22 +342,31 @@ extern "C" {
 int tm_linear(const void* x, int64_t m, int64_t k, int64_t lda, const void* packed, int64_t n,
               const float* bias, void* out, int64_t ldc, int dtype, int out_dtype,
               const void* residual, int glu) {
+  return tm_linear_then(x, m, k, lda, packed, n, bias, out, ldc, dtype, out_dtype, residual, glu,
+                        nullptr, 0, 0);
+}
+
+int tm_linear_then(const void* x, int64_t m, int64_t k, int64_t lda, const void* packed,
+                   int64_t n, const float* bias, void* out, int64_t ldc, int dtype, int out_dtype,
+                   const void* residual, int glu, const void* then_packed, int64_t then_n,
+                   int64_t then_k) {
   if (glu && (n % NR != 0 || residual != nullptr)) return -1;
+  const tokenmill::NextProduct then{then_packed, then_n, then_k};
   if (dtype == 0 && out_dtype == 0) {
     linear<float, float, F32>(static_cast<const float*>(x), m, k, lda,
                               static_cast<const float*>(packed), n, bias,
                               static_cast<float*>(out), ldc, static_cast<const float*>(residual),
-                              glu != 0);
+                              glu != 0, then);
   } else if (dtype == 1 && out_dtype == 1) {
     linear<uint16_t, uint16_t, BF16>(static_cast<const uint16_t*>(x), m, k, lda,
                                      static_cast<const uint16_t*>(packed), n, bias,
                                      static_cast<uint16_t*>(out), ldc,
-                                     static_cast<const uint16_t*>(residual), glu != 0);
+                                     static_cast<const uint16_t*>(residual), glu != 0, then);
   } else if (dtype == 1 && out_dtype == 0) {
     linear<uint16_t, float, BF16>(static_cast<const uint16_t*>(x), m, k, lda,
                                   static_cast<const uint16_t*>(packed), n, bias,
                                   static_cast<float*>(out), ldc,
-                                  static_cast<const float*>(residual), glu != 0);
+                                  static_cast<const float*>(residual), glu != 0, then);
   } else {
     return -1;
   }

@@ -181,7 +181,7 @@ class Rows {
 template <typename Out>
 void linear_amx(const uint16_t* x, int64_t m, int64_t k, int64_t lda, const uint16_t* packed,
                 int64_t n, const float* bias, Out* out, int64_t ldc, const Out* residual,
-                bool glu) {
+                bool glu, const tokenmill::NextProduct& then) {
   const int64_t k_pad = (k + TILE_K - 1) / TILE_K * TILE_K;
   const int64_t num_panels = (n + NR - 1) / NR, panel_elems = k_pad * NR;
   const Rows rows(x, m, k, lda, k_pad);
@@ -208,10 +208,12 @@ void linear_amx(const uint16_t* x, int64_t m, int64_t k, int64_t lda, const uint
         const uint16_t* panel = packed + p * panel_elems;
         for (int64_t r0 = c0; r0 < c1; r0 += BLOCK_M) {
           const int count = static_cast<int>(std::min<int64_t>(BLOCK_M, m - r0));
-          // NOTE: while the panel's last block of rows runs from cache, the next panel
-          // streams in from memory (a decode step reads every weight once).
-          const uint16_t* next =
-              r0 + BLOCK_M >= c1 && p + 1 < num_panels ? panel + panel_elems : nullptr;
+          // NOTE: while the panel's last block of rows runs from cache, the panel this
+          // thread takes next streams in from memory (a decode step reads every weight
+          // once), after its share's last the first of the product that follows.
+          const uint16_t* next = r0 + BLOCK_M >= c1
+                                     ? queue.successor(c, thread, p, packed, panel_elems, then)
+                                     : nullptr;
           if (glu) {
             prefetch_rows(out + r0 * ldc + p * NR / 2, count, ldc, NR / 2);
           } else {
@@ -256,17 +258,26 @@ int tm_amx_ready() {
 int tm_linear_amx(const void* x, int64_t m, int64_t k, int64_t lda, const void* packed,
                   int64_t n, const float* bias, void* out, int64_t ldc, int dtype, int out_dtype,
                   const void* residual, int glu) {
+  return tm_linear_amx_then(x, m, k, lda, packed, n, bias, out, ldc, dtype, out_dtype, residual,
+                            glu, nullptr, 0, 0);
+}
+
+int tm_linear_amx_then(const void* x, int64_t m, int64_t k, int64_t lda, const void* packed,
+                       int64_t n, const float* bias, void* out, int64_t ldc, int dtype,
+                       int out_dtype, const void* residual, int glu, const void* then_packed,
+                       int64_t then_n, int64_t then_k) {
 #if defined(TOKENMILL_AMX)
   if (dtype != 1 || !tm_amx_ready()) return -1;
+  const tokenmill::NextProduct then{then_packed, then_n, then_k};
   if (glu && (n % NR != 0 || residual != nullptr)) return -1;
   const auto* xs = static_cast<const uint16_t*>(x);
   const auto* w = static_cast<const uint16_t*>(packed);
   if (out_dtype == 1) {
     linear_amx(xs, m, k, lda, w, n, bias, static_cast<uint16_t*>(out), ldc,
-               static_cast<const uint16_t*>(residual), glu != 0);
+               static_cast<const uint16_t*>(residual), glu != 0, then);
   } else if (out_dtype == 0) {
     linear_amx(xs, m, k, lda, w, n, bias, static_cast<float*>(out), ldc,
-               static_cast<const float*>(residual), glu != 0);
+               static_cast<const float*>(residual), glu != 0, then);
   } else {
     return -1;
   }
@@ -274,6 +285,7 @@ int tm_linear_amx(const void* x, int64_t m, int64_t k, int64_t lda, const void* 
 #else
   (void)x, (void)m, (void)k, (void)lda, (void)packed, (void)n, (void)bias, (void)out;
   (void)ldc, (void)dtype, (void)out_dtype, (void)residual, (void)glu;
+  (void)then_packed, (void)then_n, (void)then_k;
   return -1;
 #endif
 }

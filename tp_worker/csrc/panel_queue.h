@@ -1,4 +1,5 @@
-// Which thread computes which weight panel of a product (linear.cpp).
+// Which thread computes which weight panel of a product (linear.cpp, linear_amx.cpp), and
+// which panel it streams in while it computes one.
 //
 // Each thread owns the contiguous share of the panels that schedule(static) would give it and
 // takes it front to back, so that its weights stream from memory in order; a thread whose
@@ -14,15 +15,38 @@
 
 #include <atomic>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace tokenmill {
+
+// The product that runs next on the same threads (layer_stack.cpp chains a layer's four), so
+// that a thread streams in its first panel of it under its last panel of this one: at one
+// decode row a thread's share of a product is a few panels, and the first of each came from
+// memory with nothing asked ahead. A null `packed`: none known.
+struct NextProduct {
+  const void* packed;
+  int64_t n, k;
+
+  // Thread t's first panel of it (the front of the share PanelQueue gives t), or null: T is
+  // the weights' element, laid out as linear.cpp packs them (panels of 32 features, bfloat16
+  // K padded to a multiple of 32).
+  template <typename T>
+  const T* first_panel(int t, int threads) const {
+    if (packed == nullptr || t >= threads) return nullptr;
+    constexpr int64_t NR = 32;
+    const int64_t panels = (n + NR - 1) / NR;
+    const int64_t depth = std::is_same<T, float>::value ? k : (k + 31) / 32 * 32;
+    return static_cast<const T*>(packed) + panels * t / threads * depth * NR;
+  }
+};
 
 class PanelQueue {
  public:
   // `passes` independent rounds over `panels` panels, each split into `threads` shares.
   PanelQueue(int64_t passes, int threads, int64_t panels)
-      : threads_(threads), shares_(static_cast<size_t>(passes * threads)) {
+      : threads_(threads), passes_(passes), panels_(panels),
+        shares_(static_cast<size_t>(passes * threads)) {
     for (int64_t pass = 0; pass < passes; ++pass)
       for (int t = 0; t < threads; ++t) {
         const uint64_t first = panels * t / threads, end = panels * (t + 1) / threads;
@@ -44,6 +68,21 @@ class PanelQueue {
       if (stolen >= 0) return stolen;
     }
     return -1;
+  }
+
+  // Where thread t's weights stream on after panel p of `pass`, to be asked for under p: the
+  // panel it most likely takes next (the next of its own share, its first of the next pass,
+  // after its last its first of `then`), or null after a panel taken from another's share.
+  // T: the packed weights' element, `panel_elems` a panel's.
+  template <typename T>
+  const T* successor(int64_t pass, int t, int64_t p, const T* packed, int64_t panel_elems,
+                     const NextProduct& then) const {
+    if (t >= threads_) return nullptr;
+    const int64_t first = panels_ * t / threads_, end = panels_ * (t + 1) / threads_;
+    if (p < first || p >= end) return nullptr;
+    if (p + 1 < end) return packed + (p + 1) * panel_elems;
+    if (pass + 1 < passes_) return packed + first * panel_elems;
+    return then.first_panel<T>(t, threads_);
   }
 
  private:
@@ -69,6 +108,7 @@ class PanelQueue {
   }
 
   int threads_;
+  int64_t passes_, panels_;
   std::vector<Share> shares_;
 };
 
