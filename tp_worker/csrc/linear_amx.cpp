@@ -94,13 +94,36 @@ class PendingRows {
   const Out* res_ = nullptr;
 };
 
+// The cache lines of the weights a thread multiplies next that a block of rows asks for, a
+// few at each of its steps: each block of a panel asks for its share of the next panel, so
+// that the next panel streams in from memory while every block multiplies, not only the last
+// (a 64-row decode step's second block of 32 rows ran with memory idle, and the next panel's
+// first block then waited on its loads).
+struct Ahead {
+  const char* first = nullptr;
+  int64_t lines = 0, per_step = 0;
+
+  // Block `b` of `blocks` over a panel of `steps` steps, `next` the panel asked for (or null).
+  Ahead(const uint16_t* next, int64_t panel_bytes, int64_t b, int64_t blocks, int64_t steps) {
+    if (next == nullptr) return;
+    const int64_t total = panel_bytes / 64, l0 = total * b / blocks, l1 = total * (b + 1) / blocks;
+    first = reinterpret_cast<const char*>(next) + l0 * 64;
+    lines = l1 - l0;
+    per_step = (lines + steps - 1) / steps;
+  }
+
+  void at_step(int64_t step) const {
+    const int64_t l1 = std::min(lines, (step + 1) * per_step);
+    for (int64_t l = step * per_step; l < l1; ++l) _mm_prefetch(first + l * 64, _MM_HINT_T1);
+  }
+};
+
 // Tiles 0-3 accumulate, 4-5 hold x, 6-7 weights.
 // acc [16 * RB][NR] = a [16 * RB rows, k_pad] . panel, one row tile (RB = 1) or two, while
-// `pending` (the block before, if any) is written out. With `next` (the panel this thread
-// multiplies next), its bytes are pulled into L2 meanwhile.
+// `pending` (the block before, if any) is written out and `ahead`'s lines are pulled into L2.
 template <int RB, typename Out>
 void block(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t k_pad, float* acc,
-           const uint16_t* next, PendingRows<Out>& pending) {
+           const Ahead& ahead, PendingRows<Out>& pending) {
   _tile_zero(0);
   _tile_zero(1);
   if (RB == 2) {
@@ -111,9 +134,7 @@ void block(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t k_pad,
   for (int64_t step = 0; step < steps; ++step) {
     const int64_t k0 = step * TILE_K;
     const uint16_t* b = panel + k0 * NR;
-    if (next != nullptr)
-      for (int line = 0; line < TILE_K * NR * 2; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(next + k0 * NR) + line, _MM_HINT_T1);
+    ahead.at_step(step);
     _tile_loadd(6, b, NR * 4);
     _tile_loadd(7, b + 32, NR * 4);
     _tile_loadd(4, a + k0, lda * 2);
@@ -206,14 +227,14 @@ void linear_amx(const uint16_t* x, int64_t m, int64_t k, int64_t lda, const uint
       for (int64_t p = queue.next(c, thread); p >= 0; p = queue.next(c, thread)) {
         const int64_t col0 = p * NR, cols = std::min<int64_t>(NR, n - col0);
         const uint16_t* panel = packed + p * panel_elems;
+        // NOTE: the panel this thread takes next streams in from memory while this one's
+        // blocks multiply (a decode step reads every weight once); after its share's last,
+        // the first of the product that follows.
+        const uint16_t* next = queue.successor(c, thread, p, packed, panel_elems, then);
+        const int64_t blocks = (c1 - c0 + BLOCK_M - 1) / BLOCK_M;
         for (int64_t r0 = c0; r0 < c1; r0 += BLOCK_M) {
           const int count = static_cast<int>(std::min<int64_t>(BLOCK_M, m - r0));
-          // NOTE: while the panel's last block of rows runs from cache, the panel this
-          // thread takes next streams in from memory (a decode step reads every weight
-          // once), after its share's last the first of the product that follows.
-          const uint16_t* next = r0 + BLOCK_M >= c1
-                                     ? queue.successor(c, thread, p, packed, panel_elems, then)
-                                     : nullptr;
+          const Ahead ahead(next, panel_elems * 2, (r0 - c0) / BLOCK_M, blocks, k_pad / TILE_K);
           if (glu) {
             prefetch_rows(out + r0 * ldc + p * NR / 2, count, ldc, NR / 2);
           } else {
@@ -222,9 +243,9 @@ void linear_amx(const uint16_t* x, int64_t m, int64_t k, int64_t lda, const uint
           }
           float* sums = acc[which];
           if (count > 16) {
-            block<2>(rows.at(r0), rows.stride(r0), panel, k_pad, sums, next, pending);
+            block<2>(rows.at(r0), rows.stride(r0), panel, k_pad, sums, ahead, pending);
           } else {
-            block<1>(rows.at(r0), rows.stride(r0), panel, k_pad, sums, next, pending);
+            block<1>(rows.at(r0), rows.stride(r0), panel, k_pad, sums, ahead, pending);
           }
           pending.set(sums, count, r0, p, cols, bias);
           which ^= 1;
