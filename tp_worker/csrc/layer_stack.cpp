@@ -9,7 +9,9 @@
 // conversion, torch's allocations and views) than RMSNorm, RoPE and attention take to run.
 //
 // The residual stream x is updated in place: a residual epilogue reads each element before
-// it writes the same element (epilogue.h), on the thread that owns its panel.
+// it writes the same element (epilogue.h), on the thread that owns its panel. Each product is
+// told which product runs next (tm_linear_then), so that each thread streams in its first
+// panel of that one under its last panel of this one (panel_queue.h's NextProduct).
 
 #include <cstdint>
 #include <cstring>

@@ -289,8 +289,8 @@ int tm_linear_amx_then(const void* x, int64_t m, int64_t k, int64_t lda, const v
                        int64_t then_n, int64_t then_k) {
 #if defined(TOKENMILL_AMX)
   if (dtype != 1 || !tm_amx_ready()) return -1;
-  const tokenmill::NextProduct then{then_packed, then_n, then_k};
   if (glu && (n % NR != 0 || residual != nullptr)) return -1;
+  const tokenmill::NextProduct then{then_packed, then_n, then_k};
   const auto* xs = static_cast<const uint16_t*>(x);
   const auto* w = static_cast<const uint16_t*>(packed);
   if (out_dtype == 1) {
