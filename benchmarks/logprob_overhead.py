@@ -3,7 +3,10 @@
 DESIGN.md promises that generation logprobs cost (almost) nothing: the target is a ratio of at
 least 0.95 for top_logprobs 5 against logprobs off. The three variants run the same workload
 (random 256 in / 64 out, ignore_eos, concurrency 16) interleaved, round after round, through
-the `tokenmill bench` client in this process, against one server started here.
+the `tokenmill bench` client in this process, against one server started here. Each variant's
+CPU time per output token, process by process (the frontend, controller, detokenizer, worker
+and this client, from /proc), says where a logprob ask's cost goes: on a machine whose cores
+the model's threads fill, any process's extra CPU comes out of the model's.
 
     python benchmarks/logprob_overhead.py [--preset small|medium | --model DIR] [--rounds 3]
 """
@@ -20,7 +23,7 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
-from serving import add_model_args, resolve_model, start_server, stop_server
+from serving import add_model_args, cpu_seconds, resolve_model, start_server, stop_server
 
 from tokenmill.cli.bench.client import BenchOptions, fetch_model_id, run_requests
 from tokenmill.cli.bench.datasets import random_requests
@@ -85,7 +88,13 @@ async def run_variant(
     return compute_metrics(results, duration)
 
 
-async def run_rounds(base_url: str, args: argparse.Namespace) -> dict[str, list[BenchMetrics]]:
+# A run's CPU milliseconds per output token, by process (cpu_seconds' roles).
+CpuPerToken = dict[str, float]
+
+
+async def run_rounds(
+    base_url: str, args: argparse.Namespace, server_pid: int
+) -> tuple[dict[str, list[BenchMetrics]], dict[str, list[CpuPerToken]]]:
     model = await fetch_model_id(base_url)
     check_logprobs(base_url, model)
     print("warm-up ...", flush=True)
@@ -93,9 +102,14 @@ async def run_rounds(base_url: str, args: argparse.Namespace) -> dict[str, list[
     for k in VARIANTS.values():
         await run_variant(base_url, model, args, k, args.max_concurrency, next(seeds))
     runs: dict[str, list[BenchMetrics]] = {name: [] for name in VARIANTS}
+    cpu: dict[str, list[CpuPerToken]] = {name: [] for name in VARIANTS}
     for round_no in range(1, args.rounds + 1):
         for name, k in VARIANTS.items():
+            before = cpu_seconds(server_pid)
             m = await run_variant(base_url, model, args, k, args.num_prompts, next(seeds))
+            after = cpu_seconds(server_pid)
+            tokens = max(m.total_output_tokens, 1)
+            cpu[name].append({r: (after[r] - before.get(r, 0.0)) * 1e3 / tokens for r in after})
             runs[name].append(m)
             print(
                 f"round {round_no} {name:>6}: {m.output_throughput:7.1f} tok/s, "
@@ -103,7 +117,7 @@ async def run_rounds(base_url: str, args: argparse.Namespace) -> dict[str, list[
                 f"{m.duration_s:5.1f} s, failed {m.failed}",
                 flush=True,
             )
-    return runs
+    return runs, cpu
 
 
 def report(runs: dict[str, list[BenchMetrics]]) -> float:
@@ -130,6 +144,16 @@ def report(runs: dict[str, list[BenchMetrics]]) -> float:
     return ratio5
 
 
+def report_cpu(cpu: dict[str, list[CpuPerToken]]) -> None:
+    """Each process's CPU ms per output token, the median over the rounds, per variant."""
+    roles = sorted({role for runs in cpu.values() for run in runs for role in run})
+    print("\nCPU ms per output token (median over the rounds):")
+    print(f"{'logprobs':<10}" + "".join(f"{role:>13}" for role in roles))
+    for name, runs in cpu.items():
+        cells = [float(np.median([run.get(role, 0.0) for run in runs])) for role in roles]
+        print(f"{name:<10}" + "".join(f"{cell:>13.3f}" for cell in cells))
+
+
 def main() -> int:
     args = parse_args()
     model = resolve_model(args)
@@ -138,10 +162,11 @@ def main() -> int:
     print("load average (1, 5, 15 min): {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
     proc, base_url = start_server(model, server_args(args), log_path)
     try:
-        runs = asyncio.run(run_rounds(base_url, args))
+        runs, cpu = asyncio.run(run_rounds(base_url, args, proc.pid))
     finally:
         code = stop_server(proc)
     report(runs)
+    report_cpu(cpu)
     if args.json is not None:
         data = {name: [m.to_dict() for m in ms] for name, ms in runs.items()}
         args.json.write_text(json.dumps(data, indent=2) + "\n")

@@ -1,5 +1,5 @@
-"""Shared by the benchmarks: start and stop one `tokenmill serve`, read its /metrics, count a
-layer's multiply-adds.
+"""Shared by the benchmarks: start and stop one `tokenmill serve`, read its /metrics and its
+processes' CPU time, count a layer's multiply-adds.
 
 Benchmarks are scripts (python benchmarks/NAME.py); this module sits next to them.
 """
@@ -7,6 +7,7 @@ Benchmarks are scripts (python benchmarks/NAME.py); this module sits next to the
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import urllib.request
 from pathlib import Path
@@ -58,6 +59,31 @@ def read_metrics(base_url: str) -> dict[str, float]:
             name, _, value = line.rpartition(" ")
             values[name] = float(value)
     return values
+
+
+def cpu_seconds(root: int) -> dict[str, float]:
+    """User + system CPU seconds of `root` (`tokenmill serve`: "frontend") and each process
+    under it, by role (the `tokenmill.<folder>` it runs: "controller", "detokenizer",
+    "tp_worker", ...; ranks of one role summed; "other" for the rest), read from Linux's
+    /proc; this process's own as "client" (where /proc cannot be read, that alone)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    totals: dict[str, float] = {"client": sum(os.times()[:2])}
+    pending = [root]
+    while pending:
+        pid = pending.pop()
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        except OSError:
+            continue  # NOTE: a process that exited between the reads
+        # NOTE: fields after the command's closing parenthesis; utime and stime are 14 and 15.
+        fields = stat.rpartition(")")[2].split()
+        module = next((a.decode() for a in argv if a.startswith(b"tokenmill.")), "")
+        role = "frontend" if pid == root else module.split(".")[1] if module else "other"
+        totals[role] = totals.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        pending.extend(int(child) for child in children)
+    return totals
 
 
 def layer_multiply_adds(c: ModelConfig) -> tuple[int, int, int]:
