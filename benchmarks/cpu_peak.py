@@ -1,11 +1,12 @@
-"""This CPU's arithmetic peak for the two instructions the kernels' inner loops run.
+"""This CPU's arithmetic peak for the instructions the kernels' inner loops run.
 
 VDPBF16PS (bfloat16 pairs into float32: the linear layers and attention's q.k) and
 VFMADD231PS (float32: attention's p.V, where the accuracy promise keeps the softmax weights
-in float32), 12 independent chains a thread, on 1 thread and on every thread torch uses,
-best of --rounds. The ceiling against which docs/performance.md's "% of peak" figures are read: a
-kernel at this rate does nothing but its arithmetic. Compiles benchmarks/cpu_peak.cpp with
-the kernels' compiler and -march=native (needs AVX-512).
+in float32), 12 independent chains a thread, and TDPBF16PS (the AMX kernels' tile products,
+where the CPU has AMX) on four accumulator tiles, on 1 thread and on every thread torch
+uses, best of --rounds. The ceiling against which docs/performance.md's "% of peak" figures
+are read: a kernel at this rate does nothing but its arithmetic. Compiles
+benchmarks/cpu_peak.cpp with the kernels' compiler and -march=native (needs AVX-512).
 
     python benchmarks/cpu_peak.py [--rounds 5]
 """
@@ -24,7 +25,13 @@ from tokenmill.tp_worker.cpu_kernels import _compiler
 
 SOURCE = Path(__file__).with_name("cpu_peak.cpp")
 ITERS = 20_000_000
-KINDS = {"VDPBF16PS (bfloat16)": (0, 64), "VFMADD231PS (float32)": (1, 32)}
+# name: (kind, flops an instruction, rounds of 12 instructions: a tile product takes ~64x
+# a vector one's time)
+KINDS = {
+    "VDPBF16PS (bfloat16)": (0, 64, ITERS),
+    "VFMADD231PS (float32)": (1, 32, ITERS),
+    "TDPBF16PS (AMX tiles)": (2, 16384, ITERS // 64),
+}
 
 
 def load(workdir: Path) -> ctypes.CDLL:
@@ -44,9 +51,9 @@ def load(workdir: Path) -> ctypes.CDLL:
 def rates(lib: ctypes.CDLL, threads: int, rounds: int) -> dict[str, float | None]:
     """GFLOP/s of each instruction on `threads` threads, best of `rounds` (None: not built)."""
     out: dict[str, float | None] = {}
-    for name, (kind, flops) in KINDS.items():
-        times = [lib.tm_peak_seconds(kind, threads, ITERS) for _ in range(rounds)]
-        out[name] = None if min(times) < 0 else threads * ITERS * 12 * flops / min(times) / 1e9
+    for name, (kind, flops, iters) in KINDS.items():
+        times = [lib.tm_peak_seconds(kind, threads, iters) for _ in range(rounds)]
+        out[name] = None if min(times) < 0 else threads * iters * 12 * flops / min(times) / 1e9
     return out
 
 

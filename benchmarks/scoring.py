@@ -19,8 +19,9 @@ should run on the machine meanwhile.
 
 Last, with the servers stopped, the request's arithmetic at this machine's peak rates
 (cpu_peak.py: the products and q.k at the VDPBF16PS rate, p.V at the float32 one, as
-tokenmill's bfloat16 kernels run them): the items/s no kernel could beat here, and the share
-of it each server reached.
+tokenmill's AVX-512 bfloat16 kernels run them; on AMX tiles all three at the TDPBF16PS rate,
+p.V twice, as attention_amx.cpp's two-part weights do): the items/s no kernel could beat
+here, and the share of it each server reached.
 """
 
 from __future__ import annotations
@@ -202,22 +203,23 @@ def request_arithmetic(config: ModelConfig, args: argparse.Namespace) -> tuple[f
 
 def print_bound(model: Path, args: argparse.Namespace, **servers: float) -> None:
     """The request's arithmetic at this machine's peak rates (cpu_peak.py), and how close
-    each server's items/s come to it: tokenmill's kernels run the products and q.k in
-    bfloat16 pairs (VDPBF16PS) and p.V in float32 multiply-adds; float32 runs all three so."""
-    if args.dtype == "bfloat16" and amx_enabled():
-        print("no arithmetic bound here: the bfloat16 kernels run on AMX tiles, which "
-              "cpu_peak.py does not measure", flush=True)  # fmt: skip
-        return
+    each server's items/s come to it: tokenmill's AVX-512 kernels run the products and q.k in
+    bfloat16 pairs (VDPBF16PS) and p.V in float32 multiply-adds, float32 all three so; on AMX
+    tiles all three are tile products, p.V twice (its weights' two bfloat16 parts)."""
     try:
         peaks = cpu_peak.measure(rounds=3)
     except SystemExit as why:  # cpu_peak.cpp needs AVX-512
         print(f"no arithmetic bound here: {str(why).splitlines()[0]}", flush=True)
         return
     bf16, f32 = peaks["VDPBF16PS (bfloat16)"], peaks["VFMADD231PS (float32)"]
+    tiles = peaks["TDPBF16PS (AMX tiles)"]
     assert f32 is not None
-    pairs = bf16 if args.dtype == "bfloat16" and bf16 is not None else f32
     products, qk = request_arithmetic(load_model_config(model), args)
-    seconds = (products + qk) / (pairs * 1e9) + qk / (f32 * 1e9)
+    if args.dtype == "bfloat16" and amx_enabled() and tiles is not None:
+        pairs, seconds = tiles, (products + 3 * qk) / (tiles * 1e9)
+    else:
+        pairs = bf16 if args.dtype == "bfloat16" and bf16 is not None else f32
+        seconds = (products + qk) / (pairs * 1e9) + qk / (f32 * 1e9)
     bound = args.items / seconds
     shares = ", ".join(f"{name} {rate / bound:.0%}" for name, rate in servers.items())
     print(f"arithmetic bound: {products / 1e12:.3f} TFLOP of products and {qk / 1e9:.1f} GFLOP "
