@@ -111,6 +111,12 @@ def test_the_control_routes_need_the_key(rl_server) -> None:
 def _in_flight(server: ServerProcess, bodies: list[dict]) -> tuple[list, list[threading.Thread]]:
     """The bodies sent at once, each in a thread; returns once the engine runs them all."""
     results: list = [None] * len(bodies)
+    # NOTE: the gauge is the engine's periodic report (every 0.25-0.35 s): first see the
+    # test before's requests reported gone, or a stale report counts them as these.
+    deadline = time.monotonic() + 30
+    while server.metrics().get("tokenmill_num_requests_running", 0) > 0:
+        assert time.monotonic() < deadline, "requests of an earlier test still run"
+        time.sleep(0.02)
 
     def send(i: int) -> None:
         results[i] = server.post("/generate", bodies[i], timeout=120)
