@@ -1,12 +1,14 @@
-// A decode token's one-row products streamed from memory, three ways (benchmarks/
-// product_stream.py): as the layer stack calls them (every layer's q/k/v, o, gate/up and
-// down, then the lm_head, each told the next), the same bytes as one product per kind (the
-// layers' weights of a kind side by side), and a plain two-thread read of 1 GiB (the floor's
-// rate). The first against the second is what each product's start and end cost: its
+// A decode token's one-row products streamed from memory (benchmarks/product_stream.py): as
+// the layer stack calls them (every layer's q/k/v, o, gate/up and down, then the lm_head,
+// each told the next) with the weights on 4 KiB pages, the same on 2 MiB pages (as
+// huge_pages.py lays the server's), the same bytes as one product per kind (the layers'
+// weights of a kind side by side, 4 KiB pages), and a plain two-thread read of 1 GiB (the
+// floor's rate). The first against the third is what each product's start and end cost: its
 // parallel region, the first panels asked for late, the last panel's wait for the other
-// thread. Calls the kernels' own library (its path on the command line). Not part of the
-// server.
+// thread; against the second, what the pages cost. Calls the kernels' own library (its path
+// on the command line). Not part of the server.
 #include <dlfcn.h>
+#include <sys/mman.h>
 #include <immintrin.h>
 #include <omp.h>
 
@@ -33,10 +35,22 @@ double now() {
       .count();
 }
 
-// Packed weights of a [n, k] bfloat16 matrix (panels of 32, k padded to 32), ones-ish values.
-uint16_t* weights(int64_t k, int64_t n) {
+// Packed weights of a [n, k] bfloat16 matrix (panels of 32, k padded to 32), ones-ish values;
+// `huge`: in a mapping of its own that asks for 2 MiB pages, from a 2 MiB boundary.
+uint16_t* weights(int64_t k, int64_t n, bool huge = false) {
   const int64_t elems = (k + 31) / 32 * 32 * ((n + 31) / 32 * 32);
-  auto* w = static_cast<uint16_t*>(std::aligned_alloc(64, elems * 2));
+  constexpr int64_t PAGE = 2 << 20;
+  uint16_t* w = nullptr;
+  if (huge) {
+    const int64_t bytes = (elems * 2 + PAGE - 1) / PAGE * PAGE;
+    void* m = mmap(nullptr, bytes + PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                   -1, 0);
+    const uintptr_t at = (reinterpret_cast<uintptr_t>(m) + PAGE - 1) / PAGE * PAGE;
+    madvise(reinterpret_cast<void*>(at), bytes, MADV_HUGEPAGE);
+    w = reinterpret_cast<uint16_t*>(at);
+  } else {
+    w = static_cast<uint16_t*>(std::aligned_alloc(64, elems * 2));
+  }
   for (int64_t i = 0; i < elems; ++i) w[i] = static_cast<uint16_t>(0x3c00 + i % 255);
   return w;
 }
@@ -64,15 +78,18 @@ int main(int argc, char** argv) {
   // NOTE: {k, n, glu, bfloat16 out}: q/k/v, o (into the float32 residual), gate/up, down.
   const int64_t kinds[4][4] = {
       {hidden, q + 2 * kv, 0, 1}, {q, hidden, 0, 0}, {hidden, 2 * inter, 1, 1}, {inter, hidden, 0, 0}};
-  std::vector<Product> stack, stacked;
+  std::vector<Product> stack, huge, stacked;
   double bytes = 0;
   for (int64_t l = 0; l < layers; ++l)
     for (const auto& s : kinds) {
-      stack.push_back({s[0], s[1], static_cast<int>(s[2]), static_cast<int>(s[3]),
-                       weights(s[0], s[1])});
+      for (bool on_huge : {false, true})
+        (on_huge ? huge : stack)
+            .push_back({s[0], s[1], static_cast<int>(s[2]), static_cast<int>(s[3]),
+                        weights(s[0], s[1], on_huge)});
       bytes += 2.0 * s[0] * s[1];
     }
   stack.push_back({hidden, vocab, 0, 0, weights(hidden, vocab)});
+  huge.push_back({hidden, vocab, 0, 0, weights(hidden, vocab, true)});
   bytes += 2.0 * hidden * vocab;
   for (const auto& s : kinds)
     stacked.push_back({s[0], s[1] * layers, static_cast<int>(s[2]), static_cast<int>(s[3]),
@@ -114,30 +131,38 @@ int main(int argc, char** argv) {
     return total > 0 ? floats * 4.0 / seconds : 0.0;
   };
   run(stack);
+  run(huge);
   run(stacked);
   std::printf("%.1f MB of weights a token, %zu products as the layer stack calls them\n",
               bytes / 1e6, stack.size());
-  std::vector<double> ratios;
+  std::vector<double> ratios, pages;
   for (int64_t r = 0; r < rounds; ++r) {
     const double rate = std::max(read_rate(), read_rate());
-    std::vector<double> a, b;
+    std::vector<double> a, h, b;
     for (int i = 0; i < 15; ++i) {
       double t = now();
       run(stack);
       a.push_back(now() - t);
       t = now();
+      run(huge);
+      h.push_back(now() - t);
+      t = now();
       run(stacked);
       b.push_back(now() - t);
     }
     const double floor_ms = bytes / rate * 1e3, ma = median(a) * 1e3, mb = median(b) * 1e3;
+    const double mh = median(h) * 1e3;
     ratios.push_back(ma / mb);
+    pages.push_back(ma / mh);
     std::printf(
-        "round %lld: read %.1f GB/s, floor %.2f ms | as called %.2f ms (%.2fx) | one product a "
-        "kind %.2f ms (%.2fx) | ratio %.3f\n",
-        static_cast<long long>(r + 1), rate / 1e9, floor_ms, ma, ma / floor_ms, mb,
-        mb / floor_ms, ma / mb);
+        "round %lld: read %.1f GB/s, floor %.2f ms | as called %.2f ms (%.2fx), on 2 MiB pages "
+        "%.2f ms (%.2fx) | one product a kind %.2f ms (%.2fx)\n",
+        static_cast<long long>(r + 1), rate / 1e9, floor_ms, ma, ma / floor_ms, mh,
+        mh / floor_ms, mb, mb / floor_ms);
   }
-  std::printf("as called / one product a kind: median %.3f over %lld rounds\n", median(ratios),
-              static_cast<long long>(rounds));
+  std::printf(
+      "medians over %lld rounds: as called / one product a kind %.3f; 4 KiB / 2 MiB pages "
+      "%.3f\n",
+      static_cast<long long>(rounds), median(ratios), median(pages));
   return 0;
 }

@@ -1,12 +1,13 @@
-"""What each one-row product's start and end cost a decode token, against the memory floor.
+"""What each one-row product's start and end, and its pages, cost a decode token.
 
 A C++ driver (product_stream.cpp, built here against the kernels' own library) streams a
-token's one-row products from memory three ways, alternated round by round: as the layer
-stack calls them (each layer's q/k/v, o, gate/up and down, then the lm_head, each told the
-next), the same bytes as one product a kind (each kind's layers side by side), and a
-two-thread read of 1 GiB (the floor's rate). The first over the second is what a product's
-parallel region, its first panels and its last panel's wait add; over the floor, the rest.
-No attention, norms or serving: one_user.py has those.
+token's one-row products from memory, alternated round by round: as the layer stack calls
+them (each layer's q/k/v, o, gate/up and down, then the lm_head, each told the next) with
+the weights on 4 KiB pages and on 2 MiB pages (as tp_worker/huge_pages.py lays the
+server's), the same bytes as one product a kind (each kind's layers side by side), and a
+two-thread read of 1 GiB (the floor's rate). As called over one product a kind is what a
+product's parallel region, its first panels and its last panel's wait add; 4 KiB over 2 MiB
+pages, what the TLB misses add. No attention, norms or serving: one_user.py has those.
 
     python benchmarks/product_stream.py [--model DIR | --preset medium] [--rounds 8]
 """

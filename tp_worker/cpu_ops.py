@@ -17,6 +17,7 @@ import os
 
 import torch
 
+from tokenmill.tp_worker import huge_pages
 from tokenmill.tp_worker.cpu_kernels import library
 
 PANEL = 32  # NR in csrc/linear.cpp: output features per packed panel
@@ -85,11 +86,14 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     if weight.dtype == torch.float32:
         padded = weight.new_zeros(n_pad, k)
         padded[:n] = weight
-        return padded.view(n_pad // PANEL, PANEL, k).permute(0, 2, 1).contiguous()
-    k_pad = -(-k // AMX_TILE_K) * AMX_TILE_K
-    padded = weight.new_zeros(n_pad, k_pad)
-    padded[:n, :k] = weight
-    return padded.view(n_pad // PANEL, PANEL, k_pad // 2, 2).permute(0, 2, 1, 3).contiguous()
+        panels = padded.view(n_pad // PANEL, PANEL, k).permute(0, 2, 1)
+    else:
+        k_pad = -(-k // AMX_TILE_K) * AMX_TILE_K
+        padded = weight.new_zeros(n_pad, k_pad)
+        padded[:n, :k] = weight
+        panels = padded.view(n_pad // PANEL, PANEL, k_pad // 2, 2).permute(0, 2, 1, 3)
+    # NOTE: on 2 MiB pages (huge_pages.py): a decode step streams every weight once.
+    return huge_pages.empty(tuple(panels.shape), panels.dtype).copy_(panels)
 
 
 def amx_enabled(lib: ctypes.CDLL | None = None) -> bool:
