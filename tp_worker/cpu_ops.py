@@ -92,6 +92,8 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
         padded = weight.new_zeros(n_pad, k_pad)
         padded[:n, :k] = weight
         panels = padded.view(n_pad // PANEL, PANEL, k_pad // 2, 2).permute(0, 2, 1, 3)
+    if weight.device.type != "cpu":
+        return panels.contiguous()
     # NOTE: on 2 MiB pages (huge_pages.py): a decode step streams every weight once.
     return huge_pages.empty(tuple(panels.shape), panels.dtype).copy_(panels)
 
