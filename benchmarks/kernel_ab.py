@@ -152,7 +152,6 @@ def linear_call(
         name = "tm_linear_amx" if amx else "tm_linear"
         if then is not None and hasattr(lib, name + "_then"):
             fn = getattr(lib, name + "_then")
-            fn.argtypes = [*getattr(lib, name).argtypes, ctypes.c_void_p, *[ctypes.c_int64] * 2]
             args += (then[0].data_ptr(), then[1], then[2])
         else:
             fn = getattr(lib, name)

@@ -4,7 +4,7 @@ detokenizer at niceness 0 and at 10, a fresh server per run, alternated over rou
 The workload is the side-by-side decode-heavy one (64 prompts of 64 random token ids, 256
 tokens out, ignore_eos, all at once, streamed through /v1/completions by tokenmill's own
 load generator in this process), with --logprobs top logprobs. Each run also prints the CPU
-seconds every tokenmill process and this client spent, from /proc: what the serving
+seconds every tokenmill process and this client spent (serving.cpu_seconds): what the serving
 processes take from the cores the model's threads want.
 
     python benchmarks/serving_nice.py [--preset medium | --model DIR] [--rounds 3]
@@ -16,14 +16,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import re
-import resource
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from serving import add_model_args, resolve_model, start_server, stop_server
+from serving import add_model_args, cpu_seconds, resolve_model, start_server, stop_server
 
 from tokenmill.cli.bench.client import BenchOptions, fetch_model_id, run_requests
 from tokenmill.cli.bench.datasets import random_requests
@@ -39,25 +37,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--nice", type=int, default=10, help="the setting against 0 (default 10)")
     p.add_argument("--dtype", default="bfloat16", help="the server's --dtype (bfloat16)")
     return p.parse_args()
-
-
-def cpu_seconds() -> dict[str, float]:
-    """CPU seconds (user + system) of every tokenmill process, by its module."""
-    tick = os.sysconf("SC_CLK_TCK")
-    found: dict[str, float] = {}
-    for entry in Path("/proc").iterdir():
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        module = re.search(r"-m (tokenmill\.[\w.]+)", cmdline)
-        if entry.name.isdigit() and module is not None:
-            name = module.group(1).replace("tokenmill.cli.main", "frontend")
-            found[name] = found.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    found["client"] = usage.ru_utime + usage.ru_stime
-    return found
 
 
 async def workload(base_url: str, logprobs: int, seed: int) -> None:
@@ -79,12 +58,12 @@ def one_run(model: Path, args: argparse.Namespace, nice: int, seed: int) -> floa
     proc, base_url = start_server(model, server_args, log)
     try:
         asyncio.run(workload(base_url, args.logprobs, seed))  # warm-up
-        before, started = cpu_seconds(), time.perf_counter()
+        before, started = cpu_seconds(proc.pid), time.perf_counter()
         asyncio.run(workload(base_url, args.logprobs, seed + 1))
-        wall, after = time.perf_counter() - started, cpu_seconds()
+        wall, after = time.perf_counter() - started, cpu_seconds(proc.pid)
     finally:
         stop_server(proc)
-    spent = ", ".join(f"{k.split('.')[-1]} {after[k] - before.get(k, 0.0):.1f}" for k in after)
+    spent = ", ".join(f"{k} {after[k] - before.get(k, 0.0):.1f}" for k in after)
     rate = PROMPTS * OUTPUT_LEN / wall
     print(f"  --serving-nice {nice:<3} {rate:7.1f} out tok/s   cpu s: {spent}", flush=True)
     return rate

@@ -80,7 +80,7 @@ def supports(dtype: torch.dtype) -> bool:
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """weight [N, K] -> panels [N/32, K, 32] (float32) or [N/32, K/2, 32, 2] (bfloat16),
     zero-padded to whole panels and, in bfloat16, to a multiple of 32 in k (an AMX tile's
-    depth: both bfloat16 kernels take the same panels)."""
+    depth: both bfloat16 kernels take the same panels), in CPU memory."""
     n, k = weight.shape
     n_pad = -(-n // PANEL) * PANEL
     if weight.dtype == torch.float32:
@@ -92,8 +92,6 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
         padded = weight.new_zeros(n_pad, k_pad)
         padded[:n, :k] = weight
         panels = padded.view(n_pad // PANEL, PANEL, k_pad // 2, 2).permute(0, 2, 1, 3)
-    if weight.device.type != "cpu":
-        return panels.contiguous()
     # NOTE: on 2 MiB pages (huge_pages.py): a decode step streams every weight once.
     return huge_pages.empty(tuple(panels.shape), panels.dtype).copy_(panels)
 

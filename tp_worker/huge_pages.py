@@ -16,6 +16,7 @@ dropping a model's packed weights gives their memory back to the system at once.
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import os
 import weakref
@@ -42,10 +43,7 @@ class HugePages:
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised contiguous CPU tensor."""
-        count = 1
-        for size in shape:
-            count *= size
-        nbytes = count * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         mapping = self._mapping() if self._mapping is not None else None
         if mapping is None or self._next + nbytes > len(mapping):
             mapping = self._map(nbytes)

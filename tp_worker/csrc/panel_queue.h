@@ -33,7 +33,7 @@ struct NextProduct {
   // K padded to a multiple of 32).
   template <typename T>
   const T* first_panel(int t, int threads) const {
-    if (packed == nullptr || t >= threads) return nullptr;
+    if (packed == nullptr) return nullptr;
     constexpr int64_t NR = 32;
     const int64_t panels = (n + NR - 1) / NR;
     const int64_t depth = std::is_same<T, float>::value ? k : (k + 31) / 32 * 32;
