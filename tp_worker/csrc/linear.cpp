@@ -53,7 +53,11 @@ constexpr int64_t AHEAD = 32;  // k steps (float32) or pairs of k (bfloat16) ahe
 
 using tokenmill::store;
 
-// The two cache lines `elements` on from `panel`, asked for into L1. A microkernel's loop
+// Where a microkernel asks for its panel ahead of its loads (ask_ahead): not at all (a block
+// that finds the panel in L2), into L1 or into L2.
+enum Ask { NO_ASK, INTO_L1, INTO_L2 };
+
+// The two cache lines `elements` on from `panel`, asked for into ASK's level. A microkernel's loop
 // keeps too few of its own loads in flight to stream weights from memory (a 12-row block's
 // loop body is ~40 instructions), so a decode step's products waited on memory between short
 // bursts of arithmetic: asking AHEAD steps on streams them under it. Near the end of a panel
@@ -63,13 +67,14 @@ using tokenmill::store;
 // NOTE: the address is an integer's: past the last panel it points at nothing, and a
 // prefetch of it never faults.
 #if defined(__AVX512F__)
-template <typename T>
+template <Ask ASK, typename T>
 inline void ask_ahead(const T* panel, int64_t elements, int64_t end, intptr_t after) {
   uintptr_t at = reinterpret_cast<uintptr_t>(panel) + static_cast<uintptr_t>(elements) * sizeof(T);
   if (elements >= end) at += static_cast<uintptr_t>(after);
   const auto* ahead = reinterpret_cast<const char*>(at);
-  _mm_prefetch(ahead, _MM_HINT_T0);
-  _mm_prefetch(ahead + 64, _MM_HINT_T0);
+  constexpr auto hint = ASK == INTO_L2 ? _MM_HINT_T1 : _MM_HINT_T0;
+  _mm_prefetch(ahead, hint);
+  _mm_prefetch(ahead + 64, hint);
 }
 #endif
 
@@ -77,7 +82,7 @@ inline void ask_ahead(const T* panel, int64_t elements, int64_t end, intptr_t af
 
 #if defined(__AVX512F__)
 // c[R][2] += A[R rows, k0 .. k0 + COUNT) . panel (COUNT < 0: k0 .. k_len).
-template <int R, bool STREAM, int64_t COUNT>
+template <int R, Ask ASK, int64_t COUNT>
 inline void block_f32(const float* a, int64_t lda, const float* panel, int64_t k0, int64_t k_len,
                       intptr_t after, __m512 (&c)[R][2]) {
   // NOTE: a whole block counts to a constant: with its bound in a register of its own, gcc
@@ -85,7 +90,7 @@ inline void block_f32(const float* a, int64_t lda, const float* panel, int64_t k
   const int64_t count = COUNT < 0 ? k_len - k0 : COUNT;
   for (int64_t i = 0; i < count; ++i) {
     const int64_t k = k0 + i;
-    if (STREAM) ask_ahead(panel, (k + AHEAD) * NR, k_len * NR, after);
+    if (ASK != NO_ASK) ask_ahead<ASK>(panel, (k + AHEAD) * NR, k_len * NR, after);
     const __m512 b0 = _mm512_loadu_ps(panel + k * NR);
     const __m512 b1 = _mm512_loadu_ps(panel + k * NR + 16);
     for (int r = 0; r < R; ++r) {
@@ -96,16 +101,16 @@ inline void block_f32(const float* a, int64_t lda, const float* panel, int64_t k
   }
 }
 
-template <int R, bool STREAM>
+template <int R, Ask ASK>
 void kernel_f32(const float* a, int64_t lda, const float* panel, int64_t k_len, float* acc,
                 intptr_t after) {
   for (int64_t k0 = 0; k0 < k_len; k0 += KB) {
     __m512 c[R][2];
     for (int r = 0; r < R; ++r) c[r][0] = c[r][1] = _mm512_setzero_ps();
     if (k0 + KB <= k_len)
-      block_f32<R, STREAM, KB>(a, lda, panel, k0, k_len, after, c);
+      block_f32<R, ASK, KB>(a, lda, panel, k0, k_len, after, c);
     else
-      block_f32<R, STREAM, -1>(a, lda, panel, k0, k_len, after, c);
+      block_f32<R, ASK, -1>(a, lda, panel, k0, k_len, after, c);
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < 2; ++h) {
         float* out = acc + r * NR + 16 * h;
@@ -143,7 +148,7 @@ inline void tile_f32(const float* a, int64_t lda, const float* panel, int64_t k0
   }
 }
 
-template <int R, bool>
+template <int R, Ask>
 void kernel_f32(const float* a, int64_t lda, const float* panel, int64_t k_len, float* acc,
                 intptr_t) {
   constexpr int TOP = R > 6 ? 6 : R;
@@ -157,7 +162,7 @@ void kernel_f32(const float* a, int64_t lda, const float* panel, int64_t k_len, 
   }
 }
 #else
-template <int R, bool>
+template <int R, Ask>
 void kernel_f32(const float* a, int64_t lda, const float* panel, int64_t k_len, float* acc,
                 intptr_t) {
   float block[R * NR];
@@ -186,7 +191,7 @@ inline void pair_step(__m512 (&c)[R][2], const uint16_t* panel_pair, Word word) 
   }
 }
 
-template <int R, bool STREAM>
+template <int R, Ask ASK>
 void kernel_bf16(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t k_len,
                  float* acc, intptr_t after) {
   __m512 c[R][2];
@@ -196,7 +201,7 @@ void kernel_bf16(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t 
   // branch and the prefetch in one loop, gcc kept the accumulators on the stack (3x slower).
   const int64_t full_pairs = k_len / 2;
   for (int64_t kp = 0; kp < full_pairs; ++kp) {
-    if (STREAM) ask_ahead(panel, (kp + AHEAD) * 2 * NR, end, after);
+    if (ASK != NO_ASK) ask_ahead<ASK>(panel, (kp + AHEAD) * 2 * NR, end, after);
     pair_step<R>(c, panel + kp * 2 * NR, [&](int r) {
       uint32_t word;
       std::memcpy(&word, a + r * lda + 2 * kp, 4);
@@ -213,7 +218,7 @@ void kernel_bf16(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t 
 }
 #else
 // VDPBF16PS, lane by lane (bf16.h's dot_pair).
-template <int R, bool>
+template <int R, Ask>
 void kernel_bf16(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t k_len,
                  float* acc, intptr_t) {
   std::fill(acc, acc + R * NR, 0.0f);
@@ -233,30 +238,49 @@ void kernel_bf16(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t 
 template <typename T>
 using Kernel = void (*)(const T*, int64_t, const T*, int64_t, float*, intptr_t);
 
-template <int R, bool STREAM>
+template <int R, Ask ASK>
 struct F32 {
-  static constexpr Kernel<float> fn = kernel_f32<R, STREAM>;
+  static constexpr Kernel<float> fn = kernel_f32<R, ASK>;
 };
-template <int R, bool STREAM>
+template <int R, Ask ASK>
 struct BF16 {
-  static constexpr Kernel<uint16_t> fn = kernel_bf16<R, STREAM>;
+  static constexpr Kernel<uint16_t> fn = kernel_bf16<R, ASK>;
 };
 
-template <typename T, template <int, bool> class K, bool STREAM>
+template <typename T, template <int, Ask> class K, Ask ASK>
 Kernel<T> kernel_of(int rows) {
   static const Kernel<T> table[MR + 1] = {
-      nullptr,           K<1, STREAM>::fn,  K<2, STREAM>::fn,  K<3, STREAM>::fn,
-      K<4, STREAM>::fn,  K<5, STREAM>::fn,  K<6, STREAM>::fn,  K<7, STREAM>::fn,
-      K<8, STREAM>::fn,  K<9, STREAM>::fn,  K<10, STREAM>::fn, K<11, STREAM>::fn,
-      K<12, STREAM>::fn};
+      nullptr,        K<1, ASK>::fn,  K<2, ASK>::fn,  K<3, ASK>::fn,  K<4, ASK>::fn,
+      K<5, ASK>::fn,  K<6, ASK>::fn,  K<7, ASK>::fn,  K<8, ASK>::fn,  K<9, ASK>::fn,
+      K<10, ASK>::fn, K<11, ASK>::fn, K<12, ASK>::fn};
   return table[rows];
+}
+
+// Where a block that streams its panel asks for it. Intel: into L2. With the lines asked into
+// L1, a one-row bfloat16 product on a Xeon's AVX-512 kernels read ~0.85-0.9 of what plain
+// vector loads read from memory (the L1 fill buffers that the asks hold are what a load's own
+// misses need); into L2, 1.04-1.12x faster (kernel_ab.py, TOKENMILL_CPU_AMX=0), float32 the
+// same. AMD: into L1, as AHEAD was measured on a Zen 4 (Zen 4 takes T1 into L2 too, but is
+// reported to drop some of them; not measured here).
+Ask streaming_ask() {
+#if defined(__x86_64__) || defined(__i386__)
+  static const Ask ask = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel") ? INTO_L2 : INTO_L1;
+  }();
+  return ask;
+#else
+  return INTO_L1;
+#endif
 }
 
 // `stream`: the microkernel that asks for its panel ahead of its loads (see ask_ahead; `after`
 // where its stream goes past its end).
-template <typename T, template <int, bool> class K>
+template <typename T, template <int, Ask> class K>
 Kernel<T> kernel_for(int rows, bool stream) {
-  return stream ? kernel_of<T, K, true>(rows) : kernel_of<T, K, false>(rows);
+  if (!stream) return kernel_of<T, K, NO_ASK>(rows);
+  return streaming_ask() == INTO_L2 ? kernel_of<T, K, INTO_L2>(rows)
+                                    : kernel_of<T, K, INTO_L1>(rows);
 }
 
 // Rows of x a pass over every panel takes: about 512 KiB of x, so that it stays in each core's
@@ -268,7 +292,7 @@ inline int64_t rows_per_pass(int64_t k_len, int64_t elem_bytes) {
 }
 
 // One product's operands; `panel` runs one panel over rows [first, last) of x.
-template <typename T, typename Out, template <int, bool> class K>
+template <typename T, typename Out, template <int, Ask> class K>
 struct Product {
   const T* x;
   int64_t k_len, lda;
@@ -303,7 +327,7 @@ struct Product {
   }
 };
 
-template <typename T, typename Out, template <int, bool> class K>
+template <typename T, typename Out, template <int, Ask> class K>
 void linear(const T* x, int64_t m, int64_t k_len, int64_t lda, const T* packed, int64_t n,
             const float* bias, Out* out, int64_t ldc, const Out* residual, bool glu,
             const tokenmill::NextProduct& then) {
