@@ -2,7 +2,9 @@
 not pick by itself: the kernels an AVX2-only CPU gets (torch's own vectorised ops, MKL,
 oneDNN), torch's unvectorised ops with oneDNN's AVX-512 kernels of a CPU without
 avx512_bf16, and one thread instead of two. A guarantee that rests on one CPU's kernel
-choice fails here, on any developer's machine."""
+choice fails here, on any developer's machine. And once with every fresh allocation filled
+with 0x7f bytes (huge floats, bfloat16s near the largest): the attention kernels' scratch is
+never zeroed, so no result may depend on what it held."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ SETTINGS = {
     },
     "unvectorised-no-bf16": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
     "one-thread": {"OMP_NUM_THREADS": "1"},
+    "scratch-filled": {"MALLOC_PERTURB_": "128"},  # NOTE: glibc fills with 128 ^ 0xff
 }
 
 

@@ -48,6 +48,7 @@ constexpr int KEY_BLOCK = 8;  // keys scored together: independent accumulator c
 using tokenmill::bf16_to_float;
 using tokenmill::Item;
 using tokenmill::plan;
+using tokenmill::ScratchVector;
 using tokenmill::Shape;
 #if defined(__AVX512F__)
 using tokenmill::prefetch_rows;
@@ -335,10 +336,10 @@ inline ScoreKeys score_keys_for(int64_t heads) {
 #endif
 
 struct Scratch {
-  std::vector<float> q_t, scores, acc, keys;  // float32: q_t [dim][LANES] queries, transposed
-  std::vector<uint32_t> q_pairs, key_pairs;  // bfloat16: [dim / 2][LANES], [dim / 2][16]
-  std::vector<uint16_t> key_rows;  // bfloat16: a block's keys side by side, [16][dim]
-  std::vector<uint16_t> masks;  // [num_keys] lanes that see each key
+  ScratchVector<float> q_t, scores, acc, keys;  // float32: q_t [dim][LANES] queries, transposed
+  ScratchVector<uint32_t> q_pairs, key_pairs;  // bfloat16: [dim / 2][LANES], [dim / 2][16]
+  ScratchVector<uint16_t> key_rows;  // bfloat16: a block's keys side by side, [16][dim]
+  ScratchVector<uint16_t> masks;  // [num_keys] lanes that see each key
 };
 
 #if defined(__AVX512F__)

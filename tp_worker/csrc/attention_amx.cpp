@@ -40,6 +40,7 @@
 namespace {
 
 using tokenmill::Item;
+using tokenmill::ScratchVector;
 using tokenmill::Shape;
 
 constexpr int LANES = tokenmill::ITEM_LANES;
@@ -59,11 +60,11 @@ struct Group {
 };
 
 struct Scratch {
-  std::vector<uint16_t> q;           // [tiles][LANES][dim] queries
-  std::vector<uint16_t> e_hi, e_lo;  // [tiles][LANES][padded] weights as two bfloat16 parts
-  std::vector<uint32_t> kt;  // [dim / 2][KEYS] key pairs, transposed (a B tile per 32 d)
-  std::vector<float> scores;  // [tiles][LANES][padded]
-  std::vector<float> acc;     // [tiles][LANES][PASS_D] weighted values, between key blocks
+  ScratchVector<uint16_t> q;           // [tiles][LANES][dim] queries
+  ScratchVector<uint16_t> e_hi, e_lo;  // [tiles][LANES][padded] weights as two bfloat16 parts
+  ScratchVector<uint32_t> kt;  // [dim / 2][KEYS] key pairs, transposed (a B tile per 32 d)
+  ScratchVector<float> scores;  // [tiles][LANES][padded]
+  ScratchVector<float> acc;     // [tiles][LANES][PASS_D] weighted values, between key blocks
   alignas(64) uint16_t vt[KEY_PAIRS / 2][PASS_D * 2];  // values of 16 key pairs, interleaved
   int tile_rows = 16;  // rows of tiles 0-5 as the thread's tiles are configured now
 };
@@ -264,8 +265,8 @@ Span span(const Shape& s, const int32_t* table, const Item* its, int64_t tiles) 
 }
 
 // Queries of each tile into w.q; the scratch sized for the group. NOTE: a tile's rows past
-// its item's lanes hold what the scratch last held (finite numbers): tile rows never mix, and
-// those rows' results are never read.
+// its item's lanes hold whatever the scratch last held (never zeroed: any bits, even NaN):
+// tile rows never mix, and those rows' results are never read.
 void load_queries(const uint16_t* q, const Shape& s, const Item* its, int64_t tiles,
                   int64_t padded, Scratch& w) {
   const int64_t dim = s.head_dim;

@@ -5,6 +5,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
+#include <new>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -15,6 +18,32 @@ namespace tokenmill {
 
 // (query token, query head) pairs per work item: one vector lane, or one tile row, each.
 constexpr int ITEM_LANES = 16;
+
+// A kernel's scratch: a vector whose new elements are left as the memory holds them, not
+// zeroed. The kernels write what they read (a thread's items already find the item before's
+// leftovers there), and zeroing was most of what a long context cost beyond its keys and
+// values: 16 lanes of scores and weights, ~0.9 MiB a thread at 7,000 keys, for every layer.
+template <typename T>
+struct Uninitialized : std::allocator<T> {
+  template <typename U>
+  struct rebind {
+    using other = Uninitialized<U>;
+  };
+  Uninitialized() = default;
+  template <typename U>
+  Uninitialized(const Uninitialized<U>&) noexcept {}
+  template <typename U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+
+template <typename T>
+using ScratchVector = std::vector<T, Uninitialized<T>>;
 
 struct Shape {
   int64_t num_heads, num_kv_heads, head_dim, table_stride, window;
