@@ -6,7 +6,8 @@ On a shared host whose speed swings 2x within minutes, two runs of a benchmark c
 two builds called in turn within one run compare the code. Cases: bfloat16 attention at the
 medium checkpoint's shapes (64 scoring items of 32 tokens after one shared 1,024-token query, 64
 decode rows at a context of 300, 8 prompts of 256; each also with each row's slots
-in runs, as a fresh server's slot pool hands them out, the others scattered) and bfloat16 linear
+in runs, as a fresh server's slot pool hands them out, the others scattered; one decode row
+at a context of 7,000, one user's long conversation) and bfloat16 linear
 layers (a prefill's gate/up and down products, each gate/up also with its fused silu(gate) x up
 epilogue, a scoring step's 8,192-row down product, a 64-row decode product, and a whole decode
 step's products at 1, 32 and 64 rows with weights of their own, streamed from memory; on the AMX
@@ -65,6 +66,7 @@ ATTENTION_CASES = {
     "attention, 64 decode rows x 300, slots in runs": (64, 300, 1, False, True),
     "attention, 8 x 256 prompt": (8, 0, 256, False, False),
     "attention, 8 x 256 prompt, slots in runs": (8, 0, 256, False, True),
+    "attention, 1 decode row x 7000, slots in runs": (1, 7000, 1, False, True),
 }
 
 
