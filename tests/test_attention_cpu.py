@@ -164,6 +164,36 @@ def test_heads_of_128_match_float64_and_are_the_same_in_a_chunk_and_alone(cpu_ke
         torch.testing.assert_close(out[i].double(), expected, atol=1e-2, rtol=2**-8)
 
 
+@pytest.mark.parametrize("kv_heads", [1, 3])
+def test_a_long_decode_row_has_its_bits_alone_in_a_batch_and_in_a_chunk(
+    kv_heads: int, cpu_kernel: str
+) -> None:
+    """A decode row at a long context, of a model whose KV heads do not divide among two
+    threads (SmolLM2 has three; a kernel that shared a head's work among the threads would
+    run here): alone, among other decode rows and as the last token of a prompt chunk, the
+    same bits, slots scattered or in runs, and close to float64."""
+    heads, dim, lens = 3 * kv_heads, 64, [1001, 700, 1100, 257]
+    table = _table(lens, width=1100)
+    gen = torch.Generator().manual_seed(5)
+    k, v = (torch.randn(kv_heads, table.numel(), dim, generator=gen).bfloat16() for _ in "kv")
+    q = torch.randn(len(lens), heads, dim, generator=gen).bfloat16()
+    positions = [n - 1 for n in lens]
+    batch = _run(q, (k, v), table, list(range(len(lens))), positions, split=True)
+    for r in range(len(lens)):
+        alone = _run(q[r : r + 1], (k, v), table, [r], positions[r : r + 1])
+        assert torch.equal(alone[0], batch[r]), f"row {r}"
+    chunk_q = torch.cat([torch.randn(9, heads, dim, generator=gen).bfloat16(), q[:1]])
+    chunk = _run(chunk_q, (k, v), table, [0] * 10, list(range(lens[0] - 10, lens[0])))
+    assert torch.equal(chunk[-1], batch[0])
+    in_runs, runs = _in_runs(table, (k, v))
+    assert torch.equal(_run(q[:1], in_runs, runs, [0], positions[:1])[0], batch[0])
+    keys = k[:, table[0].long()].double().repeat_interleave(3, 0)  # [heads, 1100, dim]
+    values = v[:, table[0].long()].double().repeat_interleave(3, 0)
+    weights = (torch.einsum("hd,hld->hl", q[0].double(), keys[:, : lens[0]]) / 8).softmax(-1)
+    expected = torch.einsum("hl,hld->hd", weights, values[:, : lens[0]])
+    torch.testing.assert_close(batch[0].view(heads, dim).double(), expected, atol=1e-2, rtol=2**-8)
+
+
 @pytest.mark.parametrize("window", [0, 37])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_token_is_bitwise_the_same_in_any_company(
