@@ -119,12 +119,18 @@ def rows_case(
 
 
 def attention_case(
-    rows: int, context: int, new: int, shared: bool = False, runs: bool = False
+    rows: int,
+    context: int,
+    new: int,
+    shared: bool = False,
+    runs: bool = False,
+    kv_heads: int = KV_HEADS,
 ) -> Callable[[], object]:
     """`rows` rows of `new` tokens after `context` cached ones: each row's own slots, or
     (`shared`) the same context slots for every row, as scoring items after one query. The
     slots are scattered at random, or (`runs`) in runs as the controller's pool hands them
-    out to a fresh server: each row's positions on consecutive slots."""
+    out to a fresh server: each row's positions on consecutive slots. `kv_heads`, each with
+    the medium checkpoint's three query heads (SmolLM2 has 3 of them)."""
     gen = torch.Generator().manual_seed(1)
 
     def order(n: int) -> torch.Tensor:
@@ -138,8 +144,8 @@ def attention_case(
     else:
         slots = rows * (context + new)
         table = order(slots).view(rows, context + new).int()
-    k, v = (torch.randn(KV_HEADS, slots, DIM, generator=gen).bfloat16() for _ in range(2))
-    q = torch.randn(rows * new, HEADS, DIM, generator=gen).bfloat16()
+    k, v = (torch.randn(kv_heads, slots, DIM, generator=gen).bfloat16() for _ in range(2))
+    q = torch.randn(rows * new, HEADS // KV_HEADS * kv_heads, DIM, generator=gen).bfloat16()
     batch = torch.arange(rows)
     plan = PagedAttention(
         table,

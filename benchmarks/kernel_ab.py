@@ -4,18 +4,19 @@ percentile and median) over the rounds, and whether the two give the same bits.
 
 On a shared host whose speed swings 2x within minutes, two runs of a benchmark compare noise;
 two builds called in turn within one run compare the code. Cases: bfloat16 attention at the
-medium checkpoint's shapes (64 scoring items of 32 tokens after one shared 1,024-token query, 64
-decode rows at a context of 300, 8 prompts of 256; each also with each row's slots
-in runs, as a fresh server's slot pool hands them out, the others scattered; one decode row
-at a context of 7,000, one user's long conversation) and bfloat16 linear
+medium checkpoint's shapes (64 scoring items of 32 tokens after one shared 1,024-token query,
+64 decode rows at a context of 300, 8 prompts of 256; each also with each row's slots in runs,
+as a fresh server's slot pool hands them out, the others scattered; one decode row at a context
+of 7,000, one user's long conversation, also with SmolLM2's 3 KV heads) and bfloat16 linear
 layers (a prefill's gate/up and down products, each gate/up also with its fused silu(gate) x up
 epilogue, a scoring step's 8,192-row down product, a 64-row decode product, and a whole decode
-step's products at 1, 32 and 64 rows with weights of their own, streamed from memory; on the AMX
-kernels where the machine has tiles, else on the AVX-512 ones) and a decode step's small ones
-(RMSNorm of 32 and 64 rows, RoPE with the KV write of 32 and 64 tokens), and random sampling of
-32 rows (flat and peaked logits), their greedy argmax and their log-softmax statistics with the
-top 5. `--dtype float32` runs the linear cases in float32 (the AVX-512 kernels), and
-TOKENMILL_CPU_AMX=0 the bfloat16 ones on the AVX-512 kernels where the machine has tiles.
+step's products at 1, 32 and 64 rows with weights of their own, streamed from memory; on the
+AMX kernels where the machine has tiles, else on the AVX-512 ones) and a decode step's small
+ones (RMSNorm of 32 and 64 rows, RoPE with the KV write of 32 and 64 tokens), and random
+sampling of 32 rows (flat and peaked logits), their greedy argmax and their log-softmax
+statistics with the top 5. `--dtype float32` runs the linear cases in float32 (the AVX-512
+kernels), and TOKENMILL_CPU_AMX=0 the bfloat16 ones on the AVX-512 kernels where the machine
+has tiles.
 
 --busy N starts N stand-ins for the server's other processes (frontend, detokenizer,
 controller, the client) for the run: each wakes every few milliseconds and burns 0.5 ms of CPU
@@ -67,6 +68,7 @@ ATTENTION_CASES = {
     "attention, 8 x 256 prompt": (8, 0, 256, False, False),
     "attention, 8 x 256 prompt, slots in runs": (8, 0, 256, False, True),
     "attention, 1 decode row x 7000, slots in runs": (1, 7000, 1, False, True),
+    "attention, the same, 3 KV heads (SmolLM2's)": (1, 7000, 1, False, True, 3),
 }
 
 
@@ -110,8 +112,8 @@ def timed(fn: Callable[[], torch.Tensor], times: list[float]) -> torch.Tensor:
 def attention_runs(libs: list[ctypes.CDLL]) -> dict[str, list[Callable[[], torch.Tensor]]]:
     """Each case's call, once per build: the plan calls whichever library it is handed."""
     runs = {}
-    for name, (rows, context, new, shared, in_runs) in ATTENTION_CASES.items():
-        fn = attention_case(rows, context, new, shared, in_runs)
+    for name, (rows, context, new, shared, in_runs, *kv_heads) in ATTENTION_CASES.items():
+        fn = attention_case(rows, context, new, shared, in_runs, *kv_heads)
 
         def with_lib(lib: ctypes.CDLL, fn: Callable[[], object] = fn) -> torch.Tensor:
             attention_cpu.library = lambda: lib  # type: ignore[assignment]

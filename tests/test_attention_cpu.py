@@ -169,11 +169,12 @@ def test_a_long_decode_row_has_its_bits_alone_in_a_batch_and_in_a_chunk(
     kv_heads: int, cpu_kernel: str
 ) -> None:
     """A decode row at a long context, of a model whose KV heads do not divide among two
-    threads (SmolLM2 has three; a kernel that shared a head's work among the threads would
-    run here): alone, among other decode rows and as the last token of a prompt chunk, the
-    same bits, slots scattered or in runs, and close to float64."""
-    heads, dim, lens = 3 * kv_heads, 64, [1001, 700, 1100, 257]
-    table = _table(lens, width=1100)
+    threads (SmolLM2 has three): past 3,072 keys the AMX kernel shares the heads left over
+    among the threads (attention_amx.cpp's attend_shared). Alone, among other decode rows
+    (whole heads to each thread) and as the last token of a prompt chunk, the same bits,
+    slots scattered or in runs, and close to float64."""
+    heads, dim, lens = 3 * kv_heads, 64, [3100, 700, 3099, 257]
+    table = _table(lens, width=3100)
     gen = torch.Generator().manual_seed(5)
     k, v = (torch.randn(kv_heads, table.numel(), dim, generator=gen).bfloat16() for _ in "kv")
     q = torch.randn(len(lens), heads, dim, generator=gen).bfloat16()
@@ -187,7 +188,7 @@ def test_a_long_decode_row_has_its_bits_alone_in_a_batch_and_in_a_chunk(
     assert torch.equal(chunk[-1], batch[0])
     in_runs, runs = _in_runs(table, (k, v))
     assert torch.equal(_run(q[:1], in_runs, runs, [0], positions[:1])[0], batch[0])
-    keys = k[:, table[0].long()].double().repeat_interleave(3, 0)  # [heads, 1100, dim]
+    keys = k[:, table[0].long()].double().repeat_interleave(3, 0)  # [heads, 3100, dim]
     values = v[:, table[0].long()].double().repeat_interleave(3, 0)
     weights = (torch.einsum("hd,hld->hl", q[0].double(), keys[:, : lens[0]]) / 8).softmax(-1)
     expected = torch.einsum("hl,hld->hd", weights, values[:, : lens[0]])

@@ -30,6 +30,8 @@
 #include <limits>
 #include <vector>
 
+#include <omp.h>
+
 #include "amx.h"
 #include "attention_common.h"
 #include "bf16.h"
@@ -164,9 +166,10 @@ float lane_weights(const float* scores, uint16_t* hi, uint16_t* lo, Visible v, i
 }
 
 // Values of keys j0..j0+31, columns d0..d0+63, as B tiles: vt[p][2 d + i] = v_{j0+2p+i}[d0+d]
-// (zeros past the last key: their weights are zero, and a product must not be NaN).
+// (zeros past the last key: their weights are zero, and a product must not be NaN); or only
+// the halves [first_half, end_half) of the columns, 32 each.
 void interleave_values(const uint16_t* values, const Span& sp, int64_t j0, int64_t stride,
-                       int64_t d0, Scratch& w) {
+                       int64_t d0, Scratch& w, int first_half = 0, int end_half = 2) {
   static const __m512i lo_idx = [] {
     alignas(64) uint16_t idx[32];
     for (int t = 0; t < 16; ++t) idx[2 * t] = t, idx[2 * t + 1] = 32 + t;
@@ -174,7 +177,7 @@ void interleave_values(const uint16_t* values, const Span& sp, int64_t j0, int64
   }();
   const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
   for (int p = 0; p < KEY_PAIRS / 2; ++p) {
-    for (int half = 0; half < 2; ++half) {
+    for (int half = first_half; half < end_half; ++half) {
       __m512i row[2];
       for (int i = 0; i < 2; ++i) {
         const int64_t j = j0 + 2 * p + i;
@@ -228,6 +231,20 @@ void add_block(const uint16_t* hi, const uint16_t* lo, int64_t stride, const Scr
   _tile_loadd(6, w.vt[0] + 96, PASS_D * 4);
   _tile_dpbf16ps(3, 4, 6);
   _tile_dpbf16ps(3, 5, 6);
+}
+
+// add_block for one half of the columns (32 of them, the vt tiles 2 half and 2 half + 1) into
+// tiles 0 and 1: each column tile takes the same two products as in add_block.
+void add_half(const uint16_t* hi, const uint16_t* lo, int64_t stride, const Scratch& w,
+              int half) {
+  _tile_loadd(4, hi, stride * 2);
+  _tile_loadd(5, lo, stride * 2);
+  _tile_loadd(6, w.vt[0] + 64 * half, PASS_D * 4);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(0, 5, 6);
+  _tile_loadd(6, w.vt[0] + 64 * half + 32, PASS_D * 4);
+  _tile_dpbf16ps(1, 4, 6);
+  _tile_dpbf16ps(1, 5, 6);
 }
 
 // acc[t][l][d] = sum over j of e[t][l][j] v_j[d0 + d], d < 64, for each tile t, 32 keys at a
@@ -340,6 +357,129 @@ std::vector<Group> group_items(const std::vector<Item>& items) {
   return groups;
 }
 
+
+// Keys each group must reach before the threads share the groups left over (attend_shared):
+// under them the barriers cost more than a thread left idle.
+constexpr int64_t SHARED_KEYS = 3072;
+
+// Whether the groups are better taken as attend_shared takes them than handed out whole: a
+// decode step of a row or two (each group one token's query heads of a KV head) whose
+// groups do not divide among the threads, at a context long enough. One row of a model with
+// 3 KV heads otherwise leaves one of two threads idle for a third of the attention.
+bool shared_groups(const std::vector<Group>& groups, const std::vector<Item>& items,
+                   const Shape& s, int threads) {
+  const int64_t n = static_cast<int64_t>(groups.size());
+  if (threads < 2 || n % threads == 0 || n > 2 * threads) return false;
+  for (const Group& g : groups) {
+    const Item& it = items[g.first];
+    if (g.count != 1 || it.num_tokens != 1) return false;
+    if (it.first_pos + 1 - tokenmill::first_seen(s, it.first_pos) < SHARED_KEYS) return false;
+  }
+  return true;
+}
+
+// One block of 16 keys of a one-tile group scored, as score_keys scores it, into row j0 of
+// scores (rows `stride` floats apart).
+void score_block(const uint16_t* keys, const uint16_t* values, const Span& sp, int64_t j0,
+                 const uint16_t* q, int64_t slot_stride, int64_t dim, float* scores,
+                 int64_t stride, Scratch& w) {
+  const int64_t left = std::max<int64_t>(0, sp.num_keys - j0);
+  const int nk = static_cast<int>(std::min<int64_t>(KEYS, left));
+  tokenmill::prefetch_rows(keys, sp.slots + j0 + KEYS,
+                           std::clamp<int64_t>(left - KEYS, 0, KEYS), slot_stride, dim);
+  tokenmill::prefetch_rows(values, sp.slots + j0, nk, slot_stride, dim);
+  tokenmill::transpose_key_pairs(keys, sp.slots + j0, nk, slot_stride, dim, w.kt.data());
+  _tile_zero(0);
+  for (int64_t c = 0; c < dim; c += 32) {
+    _tile_loadd(4, q + c, dim * 2);
+    _tile_loadd(6, w.kt.data() + c / 2 * KEYS, KEYS * 4);
+    _tile_dpbf16ps(0, 4, 6);
+  }
+  _tile_stored(0, scores + j0, stride * 4);
+}
+
+// The groups (one item of one token each: shared_groups) as whole groups, as many to each
+// thread as there are for all, then the rest with their work shared among the threads in
+// three rounds: their blocks of keys scored, each lane's weights (lane_weights), then each
+// half of their columns weighed (add_half, the blocks in ascending order). Every sum runs as
+// in attend_group, so the bits are its own.
+void attend_shared(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                   const int32_t* table, uint16_t* out, const Shape& s, const Item* all,
+                   int64_t num_groups, int threads) {
+  const int64_t whole = num_groups / threads * threads, rest = num_groups - whole;
+  const Item* its = all + whole;  // the groups shared
+  const int64_t dim = s.head_dim, halves = dim / PASS_D * 2;
+  std::vector<Span> spans;
+  std::vector<int64_t> first_block{0};  // the shared groups' blocks of KEYS keys, one list
+  int64_t most = 0;
+  int live = 1;
+  for (int64_t g = 0; g < rest; ++g) {
+    spans.push_back(span(s, table, its + g, 1));
+    first_block.push_back(first_block.back() + spans[g].padded / KEYS);
+    most = std::max(most, spans[g].padded);
+    live = std::max(live, static_cast<int>(its[g].num_heads));
+  }
+  // NOTE: [group][lane][most]: one row a lane, as attend_group's scratch has them.
+  ScratchVector<float> scores(rest * live * most);
+  ScratchVector<uint16_t> e_hi(scores.size()), e_lo(scores.size());
+  std::vector<float> den(rest * live);
+#pragma omp parallel num_threads(threads)
+  {
+    tokenmill::configure_tiles();
+    Scratch w;
+#pragma omp for schedule(static) nowait
+    for (int64_t g = 0; g < whole; ++g)
+      attend_group(q, k_cache, v_cache, table, out, s, all + g, 1, w);
+    tokenmill::configure_tiles(live);
+    w.kt.resize(dim / 2 * KEYS);
+    w.acc.resize(LANES * PASS_D);
+    w.q.resize(rest * LANES * dim);
+    for (int64_t g = 0; g < rest; ++g)
+      for (int64_t l = 0; l < its[g].num_heads; ++l)
+        std::memcpy(w.q.data() + (g * LANES + l) * dim, q + head_row(s, its[g], l) * dim,
+                    dim * 2);
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < first_block.back(); ++b) {
+      const int64_t g = std::upper_bound(first_block.begin(), first_block.end(), b) -
+                        first_block.begin() - 1;
+      const int64_t head = its[g].kv_head * s.head_stride;
+      score_block(k_cache + head, v_cache + head, spans[g], (b - first_block[g]) * KEYS,
+                  w.q.data() + g * LANES * dim, s.slot_stride, dim,
+                  scores.data() + g * live * most, most, w);
+    }
+#pragma omp for schedule(static)
+    for (int64_t gl = 0; gl < rest * live; ++gl) {
+      const int64_t g = gl / live, l = gl % live, at = gl * most;
+      if (l < its[g].num_heads)
+        den[gl] = lane_weights(scores.data() + at, e_hi.data() + at, e_lo.data() + at,
+                               visible(s, its[g], spans[g].first_key, l), spans[g].padded,
+                               s.scale);
+    }
+#pragma omp for schedule(static)
+    for (int64_t gh = 0; gh < rest * halves; ++gh) {
+      const int64_t g = gh / halves, d0 = gh % halves / 2 * PASS_D;
+      const int half = static_cast<int>(gh % 2);
+      const uint16_t* values = v_cache + its[g].kv_head * s.head_stride;
+      _tile_zero(0);
+      _tile_zero(1);
+      for (int64_t j0 = 0; j0 < spans[g].padded; j0 += KEY_PAIRS) {
+        interleave_values(values, spans[g], j0, s.slot_stride, d0, w, half, half + 1);
+        const int64_t e = g * live * most + j0;
+        add_half(e_hi.data() + e, e_lo.data() + e, most, w, half);
+      }
+      _tile_stored(0, w.acc.data() + 32 * half, PASS_D * 4);
+      _tile_stored(1, w.acc.data() + 32 * half + 16, PASS_D * 4);
+      for (int64_t l = 0; l < its[g].num_heads; ++l) {
+        const float inv = 1.0f / den[g * live + l];
+        const float* acc = w.acc.data() + l * PASS_D + 32 * half;
+        uint16_t* o = out + head_row(s, its[g], l) * dim + d0 + 32 * half;
+        for (int64_t d = 0; d < 32; ++d) tokenmill::store(o + d, acc[d] * inv);
+      }
+    }
+    _tile_release();
+  }
+}
+
 }  // namespace
 #endif
 
@@ -363,6 +503,13 @@ int tm_paged_attention_amx(const void* q, const void* k_cache, const void* v_cac
       tokenmill::plan(rows, token_starts, num_tokens, first_pos, num_rows, s);
   const std::vector<Group> groups = group_items(items);
   const int64_t num_groups = static_cast<int64_t>(groups.size());
+  const int threads = omp_get_max_threads();
+  if (shared_groups(groups, items, s, threads)) {
+    attend_shared(static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(k_cache),
+                  static_cast<const uint16_t*>(v_cache), table, static_cast<uint16_t*>(out), s,
+                  items.data(), num_groups, threads);
+    return 0;
+  }
 #pragma omp parallel
   {
     tokenmill::configure_tiles();
