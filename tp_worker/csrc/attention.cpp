@@ -31,6 +31,8 @@
 #include <type_traits>
 #include <vector>
 
+#include <omp.h>
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -522,27 +524,27 @@ void finish_item(Weights e, const T* v_cache, T* out, const Shape& s, const Item
 }
 
 #if defined(__AVX512F__)
-// One query token sees every key from lo to its position, so no lane masks: scores, then
-// numerators e, per lane in a row of `padded` keys ([lane][keys]), and the denominators summed
-// over ascending keys; the same values as the general path. False where it does not apply.
+// Keys [j0, j0 + 16) of one query token scored for its `lanes` lanes into rows `stride` apart
+// ([lane][keys]): the next block's keys and this block's values asked for meanwhile.
 template <typename T>
-bool one_token_numerators(const T* keys, const T* values, const int32_t* slots,
-                          int64_t num_keys, int64_t stride, int64_t dim, float scale,
-                          int64_t lanes, Scratch& w, int64_t padded, float* den) {
-  if (lanes > 8 || !sixteen_fits(keys, dim)) return false;
-  w.scores.resize(std::max<size_t>(w.scores.size(), lanes * padded));
-  float* scores = w.scores.data();
-  for (int64_t j0 = 0; j0 < num_keys; j0 += 16) {
-    const int nk = static_cast<int>(std::min<int64_t>(16, num_keys - j0));
-    // NOTE: a decode step waits on memory (a row's keys lie in runs, not in one piece): the
-    // next block's keys and this block's values are asked for while this block is scored.
-    prefetch_rows(keys, slots + j0 + 16, std::min<int64_t>(16, num_keys - j0 - 16), stride,
-                  dim);
-    prefetch_rows(values, slots + j0, nk, stride, dim);
-    score_sixteen(keys, slots + j0, nk, stride, dim, scale, lanes, w, scores + j0, 1, padded);
-  }
-  for (int64_t l = 0; l < lanes; ++l) {
-    float* sc = scores + l * padded;
+void score_one_token_block(const T* keys, const T* values, const int32_t* slots,
+                           int64_t num_keys, int64_t j0, int64_t stride, int64_t dim,
+                           float scale, int64_t lanes, Scratch& w, float* scores,
+                           int64_t row_stride) {
+  const int nk = static_cast<int>(std::min<int64_t>(16, num_keys - j0));
+  // NOTE: a decode step waits on memory (a row's keys lie in runs, not in one piece): the
+  // next block's keys and this block's values are asked for while this block is scored.
+  prefetch_rows(keys, slots + j0 + 16, std::min<int64_t>(16, num_keys - j0 - 16), stride, dim);
+  prefetch_rows(values, slots + j0, nk, stride, dim);
+  score_sixteen(keys, slots + j0, nk, stride, dim, scale, lanes, w, scores + j0, 1, row_stride);
+}
+
+// Lanes [l0, l1) of rows `stride` apart: scores into numerators e_j = 2^(s_j - max), and
+// den[l] their sum over ascending keys.
+inline void one_token_weights(float* scores, int64_t stride, int64_t l0, int64_t l1,
+                              int64_t num_keys, float* den) {
+  for (int64_t l = l0; l < l1; ++l) {
+    float* sc = scores + l * stride;
     __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     for (int64_t j0 = 0; j0 < num_keys; j0 += 16) {
       const int64_t nk = std::min<int64_t>(16, num_keys - j0);
@@ -557,8 +559,23 @@ bool one_token_numerators(const T* keys, const T* values, const int32_t* slots,
   // that their additions overlap instead of waiting on one another.
   float sums[8] = {};
   for (int64_t j = 0; j < num_keys; ++j)
-    for (int64_t l = 0; l < lanes; ++l) sums[l] = sums[l] + scores[l * padded + j];
-  for (int64_t l = 0; l < lanes; ++l) den[l] = sums[l];
+    for (int64_t l = l0; l < l1; ++l) sums[l - l0] = sums[l - l0] + scores[l * stride + j];
+  for (int64_t l = l0; l < l1; ++l) den[l] = sums[l - l0];
+}
+
+// One query token sees every key from lo to its position, so no lane masks: scores, then
+// numerators e, per lane in a row of `padded` keys ([lane][keys]), and the denominators summed
+// over ascending keys; the same values as the general path. False where it does not apply.
+template <typename T>
+bool one_token_numerators(const T* keys, const T* values, const int32_t* slots,
+                          int64_t num_keys, int64_t stride, int64_t dim, float scale,
+                          int64_t lanes, Scratch& w, int64_t padded, float* den) {
+  if (lanes > 8 || !sixteen_fits(keys, dim)) return false;
+  w.scores.resize(std::max<size_t>(w.scores.size(), lanes * padded));
+  for (int64_t j0 = 0; j0 < num_keys; j0 += 16)
+    score_one_token_block(keys, values, slots, num_keys, j0, stride, dim, scale, lanes, w,
+                          w.scores.data(), padded);
+  one_token_weights(w.scores.data(), padded, 0, lanes, num_keys, den);
   return true;
 }
 #endif
@@ -626,10 +643,125 @@ void attend_item(const T* q, const T* k_cache, const T* v_cache, const int32_t* 
   finish_item(Weights{w.scores.data(), LANES, 1}, v_cache, out, s, it, num_keys, slots, den, w);
 }
 
+#if defined(__AVX512F__)
+// Keys each item must reach before the threads share the items left over (attend_shared):
+// under them the barriers cost more than a thread left idle.
+constexpr int64_t SHARED_KEYS = 3072;
+
+// weighted_values_small over half a head's columns (the same chains, each as the whole head's
+// kernel runs it), or null where weighted_values_for takes another kernel.
+template <typename T>
+WeightedValues<T> half_weighted_values_for(int64_t lanes, int64_t dim) {
+  if (dim == 64 && lanes <= 6) {
+    static const WeightedValues<T> half[6] = {
+        weighted_values_small<1, 2, T>, weighted_values_small<2, 2, T>,
+        weighted_values_small<3, 2, T>, weighted_values_small<4, 2, T>,
+        weighted_values_small<5, 2, T>, weighted_values_small<6, 2, T>};
+    return half[lanes - 1];
+  }
+  if (dim == 128 && lanes <= 3) {
+    static const WeightedValues<T> half[3] = {weighted_values_small<1, 4, T>,
+                                              weighted_values_small<2, 4, T>,
+                                              weighted_values_small<3, 4, T>};
+    return half[lanes - 1];
+  }
+  return nullptr;
+}
+
+// Whether the items are better taken as attend_shared takes them than handed out whole: a
+// decode step of a row or two (each item one token's query heads of a KV head) whose items
+// do not divide among the threads, at a context long enough. One row of a model with 3 KV
+// heads otherwise leaves one of two threads idle for a third of the attention.
+template <typename T>
+bool shares_items(const std::vector<Item>& items, const Shape& s, int threads) {
+  const int64_t n = static_cast<int64_t>(items.size());
+  if (threads < 2 || n % threads == 0 || n > 2 * threads) return false;
+  for (const Item& it : items) {
+    if (it.num_tokens != 1 || !half_weighted_values_for<T>(it.num_heads, s.head_dim)) return false;
+    if (it.first_pos + 1 - tokenmill::first_seen(s, it.first_pos) < SHARED_KEYS) return false;
+  }
+  return sixteen_fits(static_cast<const T*>(nullptr), s.head_dim);
+}
+
+// The items (one token each: shares_items) as whole items, as many to each thread as there
+// are for all, then the rest with their work shared among the threads in three rounds: their
+// blocks of keys scored, their lanes' numerators and denominators (a thread's share of each
+// item's lanes), then each half of their columns weighed. Every sum runs as in attend_item's
+// one-token path, so the bits are its own.
+template <typename T>
+void attend_shared(const T* q, const T* k_cache, const T* v_cache, const int32_t* table,
+                   T* out, const Shape& s, const std::vector<Item>& items, int threads) {
+  const int64_t n = static_cast<int64_t>(items.size()), whole = n / threads * threads;
+  const int64_t rest = n - whole, dim = s.head_dim, stride = s.slot_stride;
+  const Item* its = items.data() + whole;  // the items shared
+  const float scale2 = s.scale * tokenmill::LOG2E;
+  std::vector<int64_t> num_keys, first_block{0};  // the shared items' blocks of 16 keys
+  std::vector<const int32_t*> slots;
+  int64_t most = 0, lanes = 0;
+  for (int64_t i = 0; i < rest; ++i) {
+    const int64_t lo = tokenmill::first_seen(s, its[i].first_pos);
+    num_keys.push_back(its[i].first_pos - lo + 1);
+    slots.push_back(table + its[i].row * s.table_stride + lo);
+    first_block.push_back(first_block.back() + (num_keys[i] + 15) / 16);
+    most = std::max(most, (num_keys[i] + 15) / 16 * 16);
+    lanes = std::max(lanes, its[i].num_heads);
+  }
+  ScratchVector<float> scores(rest * lanes * most);  // [item][lane][most]
+  std::vector<float> den(rest * lanes);
+#pragma omp parallel num_threads(threads)
+  {
+    Scratch w;
+    const int t = omp_get_thread_num();
+#pragma omp for schedule(static) nowait
+    for (int64_t i = 0; i < whole; ++i) attend_item<T>(q, k_cache, v_cache, table, out, s, items[i], w);
+    int64_t queries_of = -1;  // the item whose queries w holds
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < first_block.back(); ++b) {
+      const int64_t i = std::upper_bound(first_block.begin(), first_block.end(), b) -
+                        first_block.begin() - 1;
+      if (i != queries_of) transpose_queries(q, s, its[i], w), queries_of = i;
+      const int64_t head = its[i].kv_head * s.head_stride;
+      score_one_token_block(k_cache + head, v_cache + head, slots[i], num_keys[i],
+                            (b - first_block[i]) * 16, stride, dim, scale2, its[i].num_heads,
+                            w, scores.data() + i * lanes * most, most);
+    }
+    for (int64_t i = 0; i < rest; ++i) {
+      const int64_t h = its[i].num_heads;
+      one_token_weights(scores.data() + i * lanes * most, most, h * t / threads,
+                        h * (t + 1) / threads, num_keys[i], den.data() + i * lanes);
+    }
+#pragma omp barrier
+    w.acc.resize(lanes * dim);
+#pragma omp for schedule(static)
+    for (int64_t ih = 0; ih < rest * 2; ++ih) {
+      const int64_t i = ih / 2, c0 = ih % 2 * dim / 2, h = its[i].num_heads;
+      const T* values = v_cache + its[i].kv_head * s.head_stride + c0;
+      half_weighted_values_for<T>(h, dim)(Weights{scores.data() + i * lanes * most, 1, most},
+                                          values, slots[i], num_keys[i], stride, dim,
+                                          w.acc.data() + c0);
+      for (int64_t l = 0; l < h; ++l) {
+        const float inv = 1.0f / den[i * lanes + l];
+        T* o = out + (its[i].token0 * s.num_heads + its[i].head0 + l) * dim + c0;
+        for (int64_t d = 0; d < dim / 2; ++d) store(o + d, w.acc[l * dim + c0 + d] * inv);
+      }
+    }
+  }
+}
+#endif
+
 template <typename T>
 void attend_all(const void* q, const void* k_cache, const void* v_cache, const int32_t* table,
                 void* out, const Shape& s, const std::vector<Item>& items) {
   const int64_t num_items = static_cast<int64_t>(items.size());
+#if defined(__AVX512F__)
+  const int threads = omp_get_max_threads();
+  if (shares_items<T>(items, s, threads)) {
+    attend_shared(static_cast<const T*>(q), static_cast<const T*>(k_cache),
+                  static_cast<const T*>(v_cache), table, static_cast<T*>(out), s, items,
+                  threads);
+    return;
+  }
+#endif
 #pragma omp parallel
   {
     Scratch scratch;
