@@ -100,28 +100,41 @@ int64_t tile_padded(const Item& it, const Span& sp) {
   return round_up(it.first_pos + it.num_tokens - sp.first_key, KEY_PAIRS);
 }
 
+// Keys j0..j0+15 of the span transposed into w.kt (zeros past the last), the next block's
+// keys and this block's values asked into the L2 cache meanwhile (for weighted_values).
+void fetch_key_block(const uint16_t* keys, const uint16_t* values, const Span& sp, int64_t j0,
+                     int64_t stride, int64_t dim, Scratch& w) {
+  const int64_t left = std::max<int64_t>(0, sp.num_keys - j0);
+  const int nk = static_cast<int>(std::min<int64_t>(KEYS, left));
+  tokenmill::prefetch_rows(keys, sp.slots + j0 + KEYS,
+                           std::clamp<int64_t>(left - KEYS, 0, KEYS), stride, dim);
+  tokenmill::prefetch_rows(values, sp.slots + j0, nk, stride, dim);
+  tokenmill::transpose_key_pairs(keys, sp.slots + j0, nk, stride, dim, w.kt.data());
+}
+
+// One tile of queries q (rows dim apart) against the 16 keys in w.kt: their scores into
+// `scores`, rows `row_stride` floats apart.
+void score_tile(const uint16_t* q, int64_t dim, const Scratch& w, float* scores,
+                int64_t row_stride) {
+  _tile_zero(0);
+  for (int64_t c = 0; c < dim; c += 32) {
+    _tile_loadd(4, q + c, dim * 2);
+    _tile_loadd(6, w.kt.data() + c / 2 * KEYS, KEYS * 4);
+    _tile_dpbf16ps(0, 4, 6);
+  }
+  _tile_stored(0, scores, row_stride * 4);
+}
+
 // scores[t][l][j] = q_l . k_j (unscaled) for each tile t of the group, 16 keys at a time:
-// each block of keys is transposed once for all the tiles that see into it (and the same
-// block of values asked into the L2 cache for weighted_values).
+// each block of keys is transposed once for all the tiles that see into it.
 void score_keys(const uint16_t* keys, const uint16_t* values, const Span& sp, const Item* its,
                 int64_t tiles, int64_t stride, int64_t dim, Scratch& w) {
   for (int64_t j0 = 0; j0 < sp.padded; j0 += KEYS) {
-    const int64_t left = std::max<int64_t>(0, sp.num_keys - j0);
-    const int nk = static_cast<int>(std::min<int64_t>(KEYS, left));
-    tokenmill::prefetch_rows(keys, sp.slots + j0 + KEYS,
-                             std::clamp<int64_t>(left - KEYS, 0, KEYS), stride, dim);
-    tokenmill::prefetch_rows(values, sp.slots + j0, nk, stride, dim);
-    tokenmill::transpose_key_pairs(keys, sp.slots + j0, nk, stride, dim, w.kt.data());
+    fetch_key_block(keys, values, sp, j0, stride, dim, w);
     for (int64_t t = 0; t < tiles; ++t) {
       if (j0 >= tile_padded(its[t], sp)) continue;
-      const uint16_t* q = w.q.data() + t * LANES * dim;
-      _tile_zero(0);
-      for (int64_t c = 0; c < dim; c += 32) {
-        _tile_loadd(4, q + c, dim * 2);
-        _tile_loadd(6, w.kt.data() + c / 2 * KEYS, KEYS * 4);
-        _tile_dpbf16ps(0, 4, 6);
-      }
-      _tile_stored(0, w.scores.data() + t * LANES * sp.padded + j0, sp.padded * 4);
+      score_tile(w.q.data() + t * LANES * dim, dim, w,
+                 w.scores.data() + t * LANES * sp.padded + j0, sp.padded);
     }
   }
 }
@@ -378,26 +391,6 @@ bool shared_groups(const std::vector<Group>& groups, const std::vector<Item>& it
   return true;
 }
 
-// One block of 16 keys of a one-tile group scored, as score_keys scores it, into row j0 of
-// scores (rows `stride` floats apart).
-void score_block(const uint16_t* keys, const uint16_t* values, const Span& sp, int64_t j0,
-                 const uint16_t* q, int64_t slot_stride, int64_t dim, float* scores,
-                 int64_t stride, Scratch& w) {
-  const int64_t left = std::max<int64_t>(0, sp.num_keys - j0);
-  const int nk = static_cast<int>(std::min<int64_t>(KEYS, left));
-  tokenmill::prefetch_rows(keys, sp.slots + j0 + KEYS,
-                           std::clamp<int64_t>(left - KEYS, 0, KEYS), slot_stride, dim);
-  tokenmill::prefetch_rows(values, sp.slots + j0, nk, slot_stride, dim);
-  tokenmill::transpose_key_pairs(keys, sp.slots + j0, nk, slot_stride, dim, w.kt.data());
-  _tile_zero(0);
-  for (int64_t c = 0; c < dim; c += 32) {
-    _tile_loadd(4, q + c, dim * 2);
-    _tile_loadd(6, w.kt.data() + c / 2 * KEYS, KEYS * 4);
-    _tile_dpbf16ps(0, 4, 6);
-  }
-  _tile_stored(0, scores + j0, stride * 4);
-}
-
 // The groups (one item of one token each: shared_groups) as whole groups, as many to each
 // thread as there are for all, then the rest with their work shared among the threads in
 // three rounds: their blocks of keys scored, each lane's weights (lane_weights), then each
@@ -443,9 +436,10 @@ void attend_shared(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
       const int64_t g = std::upper_bound(first_block.begin(), first_block.end(), b) -
                         first_block.begin() - 1;
       const int64_t head = its[g].kv_head * s.head_stride;
-      score_block(k_cache + head, v_cache + head, spans[g], (b - first_block[g]) * KEYS,
-                  w.q.data() + g * LANES * dim, s.slot_stride, dim,
-                  scores.data() + g * live * most, most, w);
+      const int64_t j0 = (b - first_block[g]) * KEYS;
+      fetch_key_block(k_cache + head, v_cache + head, spans[g], j0, s.slot_stride, dim, w);
+      score_tile(w.q.data() + g * LANES * dim, dim, w, scores.data() + g * live * most + j0,
+                 most);
     }
 #pragma omp for schedule(static)
     for (int64_t gl = 0; gl < rest * live; ++gl) {
