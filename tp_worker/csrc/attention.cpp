@@ -713,7 +713,8 @@ void attend_shared(const T* q, const T* k_cache, const T* v_cache, const int32_t
     Scratch w;
     const int t = omp_get_thread_num();
 #pragma omp for schedule(static) nowait
-    for (int64_t i = 0; i < whole; ++i) attend_item<T>(q, k_cache, v_cache, table, out, s, items[i], w);
+    for (int64_t i = 0; i < whole; ++i)
+      attend_item<T>(q, k_cache, v_cache, table, out, s, items[i], w);
     int64_t queries_of = -1;  // the item whose queries w holds
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < first_block.back(); ++b) {
