@@ -29,6 +29,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <omp.h>
@@ -224,22 +225,33 @@ template <typename T>
 using WeightedValues = void (*)(Weights, const T*, const int32_t*, int64_t, int64_t, int64_t,
                                 float*);
 
+#if defined(__AVX512F__)
+// weighted_values_small<NL, DC> for NL = lanes, among the lane counts L + 1 given.
+template <int DC, typename T, int... L>
+WeightedValues<T> small_of(int64_t lanes, std::integer_sequence<int, L...>) {
+  static const WeightedValues<T> table[] = {weighted_values_small<L + 1, DC, T>...};
+  return lanes <= static_cast<int64_t>(sizeof...(L)) ? table[lanes - 1] : nullptr;
+}
+
+// weighted_values_small over `columns` of a head of `dim` (all of them, or the first or
+// second half: the caller offsets values and out), or null: few enough lanes that each lane
+// and 16 columns keep an accumulator in a register.
+template <typename T>
+WeightedValues<T> small_values_for(int64_t lanes, int64_t dim, int64_t columns) {
+  if (dim == 64)
+    return columns == 64 ? small_of<4, T>(lanes, std::make_integer_sequence<int, 6>())
+                         : small_of<2, T>(lanes, std::make_integer_sequence<int, 6>());
+  if (dim == 128)
+    return columns == 128 ? small_of<8, T>(lanes, std::make_integer_sequence<int, 3>())
+                          : small_of<4, T>(lanes, std::make_integer_sequence<int, 3>());
+  return nullptr;
+}
+#endif
+
 template <typename T>
 WeightedValues<T> weighted_values_for(int64_t lanes, int64_t dim) {
 #if defined(__AVX512F__)
-  if (dim == 64 && lanes <= 6) {
-    static const WeightedValues<T> small[6] = {
-        weighted_values_small<1, 4, T>, weighted_values_small<2, 4, T>,
-        weighted_values_small<3, 4, T>, weighted_values_small<4, 4, T>,
-        weighted_values_small<5, 4, T>, weighted_values_small<6, 4, T>};
-    return small[lanes - 1];
-  }
-  if (dim == 128 && lanes <= 3) {
-    static const WeightedValues<T> small[3] = {weighted_values_small<1, 8, T>,
-                                               weighted_values_small<2, 8, T>,
-                                               weighted_values_small<3, 8, T>};
-    return small[lanes - 1];
-  }
+  if (const WeightedValues<T> small = small_values_for<T>(lanes, dim, dim)) return small;
 #endif
   static const WeightedValues<T> table[LANES] = {
       weighted_values<1, T>,  weighted_values<2, T>,  weighted_values<3, T>,
@@ -644,50 +656,12 @@ void attend_item(const T* q, const T* k_cache, const T* v_cache, const int32_t* 
 }
 
 #if defined(__AVX512F__)
-// Keys each item must reach before the threads share the items left over (attend_shared):
-// under them the barriers cost more than a thread left idle.
-constexpr int64_t SHARED_KEYS = 3072;
-
-// weighted_values_small over half a head's columns (the same chains, each as the whole head's
-// kernel runs it), or null where weighted_values_for takes another kernel.
-template <typename T>
-WeightedValues<T> half_weighted_values_for(int64_t lanes, int64_t dim) {
-  if (dim == 64 && lanes <= 6) {
-    static const WeightedValues<T> half[6] = {
-        weighted_values_small<1, 2, T>, weighted_values_small<2, 2, T>,
-        weighted_values_small<3, 2, T>, weighted_values_small<4, 2, T>,
-        weighted_values_small<5, 2, T>, weighted_values_small<6, 2, T>};
-    return half[lanes - 1];
-  }
-  if (dim == 128 && lanes <= 3) {
-    static const WeightedValues<T> half[3] = {weighted_values_small<1, 4, T>,
-                                              weighted_values_small<2, 4, T>,
-                                              weighted_values_small<3, 4, T>};
-    return half[lanes - 1];
-  }
-  return nullptr;
-}
-
-// Whether the items are better taken as attend_shared takes them than handed out whole: a
-// decode step of a row or two (each item one token's query heads of a KV head) whose items
-// do not divide among the threads, at a context long enough. One row of a model with 3 KV
-// heads otherwise leaves one of two threads idle for a third of the attention.
-template <typename T>
-bool shares_items(const std::vector<Item>& items, const Shape& s, int threads) {
-  const int64_t n = static_cast<int64_t>(items.size());
-  if (threads < 2 || n % threads == 0 || n > 2 * threads) return false;
-  for (const Item& it : items) {
-    if (it.num_tokens != 1 || !half_weighted_values_for<T>(it.num_heads, s.head_dim)) return false;
-    if (it.first_pos + 1 - tokenmill::first_seen(s, it.first_pos) < SHARED_KEYS) return false;
-  }
-  return sixteen_fits(static_cast<const T*>(nullptr), s.head_dim);
-}
-
-// The items (one token each: shares_items) as whole items, as many to each thread as there
-// are for all, then the rest with their work shared among the threads in three rounds: their
-// blocks of keys scored, their lanes' numerators and denominators (a thread's share of each
-// item's lanes), then each half of their columns weighed. Every sum runs as in attend_item's
-// one-token path, so the bits are its own.
+// The items (one token each: tokenmill::shares_items) as whole items, as many to each thread
+// as there are for all, then the rest with their work shared among the threads in three
+// rounds: their blocks of keys scored, their lanes' numerators and denominators (a thread's
+// share of each item's lanes), then each half of their columns weighed (small_values_for's
+// kernel over half the columns: the same chains, each as the whole head's kernel runs it).
+// Every sum runs as in attend_item's one-token path, so the bits are its own.
 template <typename T>
 void attend_shared(const T* q, const T* k_cache, const T* v_cache, const int32_t* table,
                    T* out, const Shape& s, const std::vector<Item>& items, int threads) {
@@ -737,9 +711,9 @@ void attend_shared(const T* q, const T* k_cache, const T* v_cache, const int32_t
     for (int64_t ih = 0; ih < rest * 2; ++ih) {
       const int64_t i = ih / 2, c0 = ih % 2 * dim / 2, h = its[i].num_heads;
       const T* values = v_cache + its[i].kv_head * s.head_stride + c0;
-      half_weighted_values_for<T>(h, dim)(Weights{scores.data() + i * lanes * most, 1, most},
-                                          values, slots[i], num_keys[i], stride, dim,
-                                          w.acc.data() + c0);
+      small_values_for<T>(h, dim, dim / 2)(Weights{scores.data() + i * lanes * most, 1, most},
+                                           values, slots[i], num_keys[i], stride, dim,
+                                           w.acc.data() + c0);
       for (int64_t l = 0; l < h; ++l) {
         const float inv = 1.0f / den[i * lanes + l];
         T* o = out + (its[i].token0 * s.num_heads + its[i].head0 + l) * dim + c0;
@@ -756,7 +730,10 @@ void attend_all(const void* q, const void* k_cache, const void* v_cache, const i
   const int64_t num_items = static_cast<int64_t>(items.size());
 #if defined(__AVX512F__)
   const int threads = omp_get_max_threads();
-  if (shares_items<T>(items, s, threads)) {
+  if (tokenmill::shares_items(items, s, threads) &&
+      std::all_of(items.begin(), items.end(), [&](const Item& it) {
+        return small_values_for<T>(it.num_heads, s.head_dim, s.head_dim / 2) != nullptr;
+      })) {
     attend_shared(static_cast<const T*>(q), static_cast<const T*>(k_cache),
                   static_cast<const T*>(v_cache), table, static_cast<T*>(out), s, items,
                   threads);

@@ -371,35 +371,15 @@ std::vector<Group> group_items(const std::vector<Item>& items) {
 }
 
 
-// Keys each group must reach before the threads share the groups left over (attend_shared):
-// under them the barriers cost more than a thread left idle.
-constexpr int64_t SHARED_KEYS = 3072;
-
-// Whether the groups are better taken as attend_shared takes them than handed out whole: a
-// decode step of a row or two (each group one token's query heads of a KV head) whose
-// groups do not divide among the threads, at a context long enough. One row of a model with
-// 3 KV heads otherwise leaves one of two threads idle for a third of the attention.
-bool shared_groups(const std::vector<Group>& groups, const std::vector<Item>& items,
-                   const Shape& s, int threads) {
-  const int64_t n = static_cast<int64_t>(groups.size());
-  if (threads < 2 || n % threads == 0 || n > 2 * threads) return false;
-  for (const Group& g : groups) {
-    const Item& it = items[g.first];
-    if (g.count != 1 || it.num_tokens != 1) return false;
-    if (it.first_pos + 1 - tokenmill::first_seen(s, it.first_pos) < SHARED_KEYS) return false;
-  }
-  return true;
-}
-
-// The groups (one item of one token each: shared_groups) as whole groups, as many to each
-// thread as there are for all, then the rest with their work shared among the threads in
-// three rounds: their blocks of keys scored, each lane's weights (lane_weights), then each
+// The items (one token each: tokenmill::shares_items), each a group of its own, as whole
+// groups, as many to each thread as there are for all, then the rest with their work shared
+// among the threads in three rounds: their blocks of keys scored, each lane's weights (lane_weights), then each
 // half of their columns weighed (add_half, the blocks in ascending order). Every sum runs as
 // in attend_group, so the bits are its own.
 void attend_shared(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
                    const int32_t* table, uint16_t* out, const Shape& s, const Item* all,
-                   int64_t num_groups, int threads) {
-  const int64_t whole = num_groups / threads * threads, rest = num_groups - whole;
+                   int64_t num_items, int threads) {
+  const int64_t whole = num_items / threads * threads, rest = num_items - whole;
   const Item* its = all + whole;  // the groups shared
   const int64_t dim = s.head_dim, halves = dim / PASS_D * 2;
   std::vector<Span> spans;
@@ -495,15 +475,15 @@ int tm_paged_attention_amx(const void* q, const void* k_cache, const void* v_cac
                 head_stride, slot_stride, scale};
   const std::vector<Item> items =
       tokenmill::plan(rows, token_starts, num_tokens, first_pos, num_rows, s);
-  const std::vector<Group> groups = group_items(items);
-  const int64_t num_groups = static_cast<int64_t>(groups.size());
   const int threads = omp_get_max_threads();
-  if (shared_groups(groups, items, s, threads)) {
+  if (tokenmill::shares_items(items, s, threads)) {
     attend_shared(static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(k_cache),
                   static_cast<const uint16_t*>(v_cache), table, static_cast<uint16_t*>(out), s,
-                  items.data(), num_groups, threads);
+                  items.data(), static_cast<int64_t>(items.size()), threads);
     return 0;
   }
+  const std::vector<Group> groups = group_items(items);
+  const int64_t num_groups = static_cast<int64_t>(groups.size());
 #pragma omp parallel
   {
     tokenmill::configure_tiles();

@@ -62,6 +62,27 @@ inline int64_t first_seen(const Shape& s, int64_t pos) {
   return s.window > 0 ? std::max<int64_t>(0, pos - s.window + 1) : 0;
 }
 
+// Keys each item of a decode step must reach before the threads share the items left over
+// when they do not divide among them (attention.cpp's and attention_amx.cpp's attend_shared):
+// under them the rounds' barriers cost more than a thread left idle (measured: 0.96x at
+// 2,048 keys, 1.08x at 3,000 on SmolLM2's three KV heads).
+constexpr int64_t SHARED_KEYS = 3072;
+
+// Whether a step's items leave threads idle that attend_shared would put to work: a decode
+// step of a row or two (each item one token's query heads of a KV head) whose items do not
+// divide among the threads, every one past SHARED_KEYS keys. One row of a model with 3 KV
+// heads on two threads otherwise leaves one idle for a third of the attention. (One-token
+// items are each a group of their own in attention_amx.cpp: no two share a row, KV head and
+// first query head.)
+inline bool shares_items(const std::vector<Item>& items, const Shape& s, int threads) {
+  const int64_t n = static_cast<int64_t>(items.size());
+  if (threads < 2 || n % threads == 0 || n > 2 * threads) return false;
+  for (const Item& it : items)
+    if (it.num_tokens != 1 || it.first_pos + 1 - first_seen(s, it.first_pos) < SHARED_KEYS)
+      return false;
+  return true;
+}
+
 // Splits every row's tokens into items: each KV head's query heads in chunks of at most
 // ITEM_LANES, and as many consecutive tokens as fit the lanes with them. Items of one row,
 // KV head and set of query heads come one after the other, tokens ascending (the AMX kernel
