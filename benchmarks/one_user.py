@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import shlex
 import statistics
 import subprocess
@@ -35,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from serving import demo_model, read_metrics, start_server, stop_server
+from serving import demo_model, read_metrics, split_env, start_server, stop_server
 
 from tokenmill.cli.bench.client import BenchOptions, fetch_model_id, run_requests
 from tokenmill.cli.bench.datasets import random_requests
@@ -120,21 +119,10 @@ def start(
     name: str, model: Path, args: argparse.Namespace, env: dict[str, str], extra: str
 ) -> Server:
     log = Path(tempfile.mkdtemp(prefix="tokenmill-one-user-")) / "server.log"
-    flags = ["--dtype", args.dtype, "--step-timing", *shlex.split(args.server_args)]
-    words = shlex.split(extra)
-    # NOTE: leading NAME=VALUE words are the server's environment (--compare "GOMP_SPINCOUNT=0")
-    while words and "=" in words[0] and words[0].split("=")[0].isupper():
-        name_, _, value = words.pop(0).partition("=")
-        env = {**env, name_: value}
-    flags += words
-    saved = dict(os.environ)
-    os.environ.update(env)
-    try:
-        print(f"serving {model} as {name} (log: {log}) ...", flush=True)
-        proc, base_url = start_server(model, flags, log)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    more_env, words = split_env(shlex.split(extra))
+    flags = ["--dtype", args.dtype, "--step-timing", *shlex.split(args.server_args), *words]
+    print(f"serving {model} as {name} (log: {log}) ...", flush=True)
+    proc, base_url = start_server(model, flags, log, env={**env, **more_env})
     return Server(name, proc, base_url, [], [], [], [])
 
 

@@ -39,10 +39,27 @@ def demo_model(preset: str) -> Path:
 
 
 def start_server(
-    model: Path, server_args: list[str], log_path: Path, timeout: float = 600.0
+    model: Path,
+    server_args: list[str],
+    log_path: Path,
+    timeout: float = 600.0,
+    env: dict[str, str] | None = None,
 ) -> tuple[subprocess.Popen, str]:
-    """`tokenmill serve --model MODEL *server_args` on a free port, once /health answers."""
-    return launch(model, server_args, log_path, timeout=timeout)
+    """`tokenmill serve --model MODEL *server_args` on a free port (`env` added to this
+    process's environment), once /health answers."""
+    return launch(model, server_args, log_path, env=env, timeout=timeout)
+
+
+def split_env(words: list[str]) -> tuple[dict[str, str], list[str]]:
+    """A benchmark's server variant as written on its command line, "GOMP_SPINCOUNT=0
+    --decode-steps 4": the leading NAME=VALUE words (the server's environment) and the
+    `tokenmill serve` flags after them."""
+    env: dict[str, str] = {}
+    words = list(words)
+    while words and "=" in words[0] and words[0].split("=")[0].isupper():
+        name, _, value = words.pop(0).partition("=")
+        env[name] = value
+    return env, words
 
 
 def stop_server(proc: subprocess.Popen) -> int:

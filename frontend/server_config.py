@@ -70,7 +70,8 @@ class SchedulerArgs:
     temperature, top-k / top-p / min-p; filtered tokens get -9999.0)."""
     decode_steps: int = 1
     """Decode iterations the worker runs per round trip when every running request decodes
-    (multi-step decoding: fewer round trips, the same tokens and logprobs)."""
+    (multi-step decoding: fewer round trips, the same tokens and logprobs; a stream gets its
+    tokens N at a time)."""
     speculative_config: str = ""
     """Speculative decoding, as vLLM takes it: JSON such as '{"method": "ngram",
     "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}' (n-gram
