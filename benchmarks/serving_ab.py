@@ -89,7 +89,9 @@ def start(
     return start_server(model, ["--dtype", args.dtype, *words], log, env=env)
 
 
-async def run_load(base_url: str, load: Load, logprobs: int, seed: int) -> tuple[float, ...]:
+async def run_load(
+    base_url: str, load: Load, logprobs: int, seed: int
+) -> tuple[float, float, float]:
     """(out tok/s, median TPOT ms, median TTFT ms) of one run of `load`."""
     model = await fetch_model_id(base_url)
     opts = BenchOptions(base_url=base_url, model=model, logprobs=logprobs, ignore_eos=True)
