@@ -34,10 +34,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from serving import demo_model, read_metrics, split_env, start_server, stop_server
+from serving import (
+    demo_model,
+    read_metrics,
+    split_env,
+    start_server,
+    stop_server,
+    stream_random,
+)
 
-from tokenmill.cli.bench.client import BenchOptions, fetch_model_id, run_requests
-from tokenmill.cli.bench.datasets import random_requests
 from tokenmill.cli.default_model import resolve_model
 from tokenmill.tp_worker.model_config import ModelConfig, load_model_config
 
@@ -127,15 +132,9 @@ def start(
 
 
 async def one_round(server: Server, args: argparse.Namespace, seed: int) -> None:
-    model = await fetch_model_id(server.base_url)
-    opts = BenchOptions(base_url=server.base_url, model=model, ignore_eos=True)
-    requests = random_requests(
-        args.requests, args.input_len, args.output_len, as_text=False, vocab_size=1000, seed=seed
+    results, _ = await stream_random(
+        server.base_url, args.requests, args.input_len, args.output_len, users=1, seed=seed
     )
-    results, _ = await run_requests(requests, opts, "completions", max_concurrency=1)
-    failed = [r.error for r in results if not r.success]
-    if failed:
-        raise RuntimeError(f"{len(failed)} requests failed, e.g. {failed[0]}")
     tpot = [(r.latency - r.ttft) / (r.output_len - 1) * 1e3 for r in results]
     server.tpot_ms.append(statistics.median(tpot))
     server.ttft_ms.append(statistics.median(r.ttft * 1e3 for r in results))

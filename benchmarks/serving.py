@@ -12,6 +12,8 @@ import subprocess
 import urllib.request
 from pathlib import Path
 
+from tokenmill.cli.bench.client import BenchOptions, RequestResult, fetch_model_id, run_requests
+from tokenmill.cli.bench.datasets import random_requests
 from tokenmill.cli.server_subprocess import launch, stop
 from tokenmill.tp_worker.model_config import ModelConfig
 
@@ -64,6 +66,31 @@ def split_env(words: list[str]) -> tuple[dict[str, str], list[str]]:
 
 def stop_server(proc: subprocess.Popen) -> int:
     return stop(proc)
+
+
+async def stream_random(
+    base_url: str,
+    count: int,
+    input_len: int,
+    output_len: int,
+    users: int,
+    seed: int,
+    logprobs: int = 0,
+) -> tuple[list[RequestResult], float]:
+    """`count` random token-id prompts of `input_len` (vLLM's `bench serve` random workload),
+    `output_len` tokens each (ignore_eos), streamed through /v1/completions `users` at a time
+    with `logprobs` top logprobs; their results and the run's wall seconds. Raises if any
+    request failed: a figure over fewer requests than asked would compare nothing."""
+    model = await fetch_model_id(base_url)
+    opts = BenchOptions(base_url=base_url, model=model, logprobs=logprobs, ignore_eos=True)
+    requests = random_requests(
+        count, input_len, output_len, as_text=False, vocab_size=1000, seed=seed
+    )
+    results, wall = await run_requests(requests, opts, max_concurrency=users)
+    failed = [r.error for r in results if not r.success]
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed, e.g. {failed[0]}")
+    return results, wall
 
 
 def read_metrics(base_url: str) -> dict[str, float]:

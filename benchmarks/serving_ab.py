@@ -29,10 +29,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from serving import demo_model, split_env, start_server, stop_server
+from serving import demo_model, split_env, start_server, stop_server, stream_random
 
-from tokenmill.cli.bench.client import BenchOptions, fetch_model_id, run_requests
-from tokenmill.cli.bench.datasets import random_requests
 from tokenmill.cli.default_model import resolve_model
 
 
@@ -93,15 +91,9 @@ async def run_load(
     base_url: str, load: Load, logprobs: int, seed: int
 ) -> tuple[float, float, float]:
     """(out tok/s, median TPOT ms, median TTFT ms) of one run of `load`."""
-    model = await fetch_model_id(base_url)
-    opts = BenchOptions(base_url=base_url, model=model, logprobs=logprobs, ignore_eos=True)
-    requests = random_requests(
-        load.requests, load.input_len, load.output_len, as_text=False, vocab_size=1000, seed=seed
+    results, wall = await stream_random(
+        base_url, load.requests, load.input_len, load.output_len, load.users, seed, logprobs
     )
-    results, wall = await run_requests(requests, opts, max_concurrency=load.users)
-    failed = [r.error for r in results if not r.success]
-    if failed:
-        raise RuntimeError(f"{len(failed)} requests failed, e.g. {failed[0]}")
     tpot = [(r.latency - r.ttft) / (r.output_len - 1) * 1e3 for r in results]
     ttft = [r.ttft * 1e3 for r in results]
     rate = sum(r.output_len for r in results) / wall

@@ -21,10 +21,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from serving import add_model_args, cpu_seconds, resolve_model, start_server, stop_server
-
-from tokenmill.cli.bench.client import BenchOptions, fetch_model_id, run_requests
-from tokenmill.cli.bench.datasets import random_requests
+from serving import (
+    add_model_args,
+    cpu_seconds,
+    resolve_model,
+    start_server,
+    stop_server,
+    stream_random,
+)
 
 PROMPTS, INPUT_LEN, OUTPUT_LEN = 64, 64, 256
 
@@ -40,15 +44,7 @@ def parse_args() -> argparse.Namespace:
 
 
 async def workload(base_url: str, logprobs: int, seed: int) -> None:
-    model = await fetch_model_id(base_url)
-    opts = BenchOptions(base_url=base_url, model=model, logprobs=logprobs, ignore_eos=True)
-    requests = random_requests(
-        PROMPTS, INPUT_LEN, OUTPUT_LEN, as_text=False, vocab_size=1000, seed=seed
-    )
-    results, _ = await run_requests(requests, opts, "completions", max_concurrency=PROMPTS)
-    failed = [r.error for r in results if not r.success]
-    if failed:
-        raise RuntimeError(f"{len(failed)} requests failed, e.g. {failed[0]}")
+    await stream_random(base_url, PROMPTS, INPUT_LEN, OUTPUT_LEN, PROMPTS, seed, logprobs)
 
 
 def one_run(model: Path, args: argparse.Namespace, nice: int, seed: int) -> float:

@@ -34,10 +34,9 @@ from serving import (
     resolve_model,
     start_server,
     stop_server,
+    stream_random,
 )
 
-from tokenmill.cli.bench.client import BenchOptions, fetch_model_id, run_requests
-from tokenmill.cli.bench.datasets import random_requests
 from tokenmill.tp_worker.model_config import ModelConfig
 
 TARGET = 0.10
@@ -77,15 +76,9 @@ def timing(base_url: str) -> dict[str, float]:
 
 
 async def workload(base_url: str, args: argparse.Namespace, seed: int) -> None:
-    model = await fetch_model_id(base_url)
-    opts = BenchOptions(base_url=base_url, model=model, logprobs=args.logprobs, ignore_eos=True)
-    requests = random_requests(
-        args.batch, args.input_len, args.output_len, as_text=False, vocab_size=1000, seed=seed
+    await stream_random(
+        base_url, args.batch, args.input_len, args.output_len, args.batch, seed, args.logprobs
     )
-    results, _ = await run_requests(requests, opts, "completions", max_concurrency=args.batch)
-    failed = [r.error for r in results if not r.success]
-    if failed:
-        raise RuntimeError(f"{len(failed)} requests failed, e.g. {failed[0]}")
 
 
 def report_round(d: dict[str, float]) -> float:
