@@ -170,10 +170,10 @@ def test_a_long_decode_row_has_its_bits_alone_in_a_batch_and_in_a_chunk(
     dtype: torch.dtype, kv_heads: int, cpu_kernel: str
 ) -> None:
     """A decode row at a long context, of a model whose KV heads do not divide among two
-    threads (SmolLM2 has three): past 3,072 keys the AMX kernel shares the heads left over
-    among the threads (attention_amx.cpp's attend_shared). Alone, among other decode rows
-    (whole heads to each thread) and as the last token of a prompt chunk, the same bits,
-    slots scattered or in runs, and close to float64."""
+    threads (SmolLM2 has three): past 3,072 keys both kernels share the heads left over
+    among the threads (attend_shared in attention.cpp and attention_amx.cpp). Alone (shared),
+    among other decode rows (whole heads to each thread) and as the last token of a prompt
+    chunk, the same bits, slots scattered or in runs, and close to float64."""
     if cpu_kernel == "amx" and dtype == torch.float32:
         pytest.skip("the AMX kernels take bfloat16")
     heads, dim, lens = 3 * kv_heads, 64, [3100, 700, 3099, 257]

@@ -692,8 +692,7 @@ void attend_shared(const T* q, const T* k_cache, const T* v_cache, const int32_t
     int64_t queries_of = -1;  // the item whose queries w holds
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < first_block.back(); ++b) {
-      const int64_t i = std::upper_bound(first_block.begin(), first_block.end(), b) -
-                        first_block.begin() - 1;
+      const int64_t i = tokenmill::block_owner(first_block, b);
       if (i != queries_of) transpose_queries(q, s, its[i], w), queries_of = i;
       const int64_t head = its[i].kv_head * s.head_stride;
       score_one_token_block(k_cache + head, v_cache + head, slots[i], num_keys[i],

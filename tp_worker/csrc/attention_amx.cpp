@@ -370,12 +370,11 @@ std::vector<Group> group_items(const std::vector<Item>& items) {
   return groups;
 }
 
-
 // The items (one token each: tokenmill::shares_items), each a group of its own, as whole
 // groups, as many to each thread as there are for all, then the rest with their work shared
-// among the threads in three rounds: their blocks of keys scored, each lane's weights (lane_weights), then each
-// half of their columns weighed (add_half, the blocks in ascending order). Every sum runs as
-// in attend_group, so the bits are its own.
+// among the threads in three rounds: their blocks of keys scored, each lane's weights
+// (lane_weights), then each half of their columns weighed (add_half, the blocks in ascending
+// order). Every sum runs as in attend_group, so the bits are its own.
 void attend_shared(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
                    const int32_t* table, uint16_t* out, const Shape& s, const Item* all,
                    int64_t num_items, int threads) {
@@ -413,8 +412,7 @@ void attend_shared(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
                     dim * 2);
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < first_block.back(); ++b) {
-      const int64_t g = std::upper_bound(first_block.begin(), first_block.end(), b) -
-                        first_block.begin() - 1;
+      const int64_t g = tokenmill::block_owner(first_block, b);
       const int64_t head = its[g].kv_head * s.head_stride;
       const int64_t j0 = (b - first_block[g]) * KEYS;
       fetch_key_block(k_cache + head, v_cache + head, spans[g], j0, s.slot_stride, dim, w);

@@ -83,6 +83,12 @@ inline bool shares_items(const std::vector<Item>& items, const Shape& s, int thr
   return true;
 }
 
+// Which of the shared items block b of one flat list belongs to: first_block[i] is item i's
+// first block, its last entry the blocks' count (attend_shared's rounds over key blocks).
+inline int64_t block_owner(const std::vector<int64_t>& first_block, int64_t b) {
+  return std::upper_bound(first_block.begin(), first_block.end(), b) - first_block.begin() - 1;
+}
+
 // Splits every row's tokens into items: each KV head's query heads in chunks of at most
 // ITEM_LANES, and as many consecutive tokens as fit the lanes with them. Items of one row,
 // KV head and set of query heads come one after the other, tokens ascending (the AMX kernel
