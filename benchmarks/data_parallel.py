@@ -25,7 +25,14 @@ from pathlib import Path
 
 import aiohttp
 import numpy as np
-from serving import add_model_args, read_metrics, resolve_model, start_server, stop_server
+from serving import (
+    add_model_args,
+    read_metrics,
+    resolve_model,
+    settled_metrics,
+    start_server,
+    stop_server,
+)
 
 
 def parse_args() -> argparse.Namespace:
@@ -88,8 +95,7 @@ def per_replica(metrics: dict[str, float], name: str) -> dict[str, float]:
 def measure(base_url: str, prompts: list[list[int]], args: argparse.Namespace) -> dict:
     before = read_metrics(base_url)
     seconds = asyncio.run(send(base_url, prompts, args))
-    time.sleep(0.8)  # NOTE: each engine reports its counters every 0.25-0.35 s
-    after = read_metrics(base_url)
+    after = settled_metrics(base_url)
 
     def delta(name: str) -> dict[str, float]:
         b, a = per_replica(before, name), per_replica(after, name)

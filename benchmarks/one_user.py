@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from serving import (
     demo_model,
-    read_metrics,
+    settled_metrics,
     split_env,
     start_server,
     stop_server,
@@ -141,9 +141,9 @@ async def one_round(server: Server, args: argparse.Namespace, seed: int) -> None
 
 
 def measure(server: Server, args: argparse.Namespace, seed: int) -> None:
-    before = read_metrics(server.base_url)
+    before = settled_metrics(server.base_url)
     asyncio.run(one_round(server, args, seed))
-    after = read_metrics(server.base_url)
+    after = settled_metrics(server.base_url)
     d = {
         k: after[f"tokenmill_step_timing_{k}"] - before[f"tokenmill_step_timing_{k}"]
         for k in TIMING

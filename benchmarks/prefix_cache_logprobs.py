@@ -21,7 +21,14 @@ from pathlib import Path
 
 import aiohttp
 import numpy as np
-from serving import add_model_args, read_metrics, resolve_model, start_server, stop_server
+from serving import (
+    add_model_args,
+    read_metrics,
+    resolve_model,
+    settled_metrics,
+    start_server,
+    stop_server,
+)
 
 VARIANTS = ("off", "generation top 5", "prompt suffix top 5")
 
@@ -95,8 +102,7 @@ def measure(
     """(output tokens/s, prefix-cache hit rate of the prompt tokens) of one run."""
     before = read_metrics(base_url)
     throughput = asyncio.run(run(base_url, variant, args, prompts))
-    time.sleep(0.6)  # the engine reports its counters every 0.25 s
-    after = read_metrics(base_url)
+    after = settled_metrics(base_url)
     queried, hits = (
         after[k] - before[k]
         for k in (

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
+import time
 import urllib.request
 from pathlib import Path
 
@@ -103,6 +104,19 @@ def read_metrics(base_url: str) -> dict[str, float]:
             name, _, value = line.rpartition(" ")
             values[name] = float(value)
     return values
+
+
+# NOTE: the engine's figures (step timing, prefix-cache, draft and slot counters) reach
+# /metrics in its periodic report, every 0.25 s (controller/config.py's report_interval_s) and
+# a little later when it idles: a reading taken as a run ends may miss its last steps (a short
+# round of step_overhead.py read no decode steps at all).
+REPORT_SETTLE_S = 0.8
+
+
+def settled_metrics(base_url: str) -> dict[str, float]:
+    """read_metrics once the engine's report has caught up with what just ran."""
+    time.sleep(REPORT_SETTLE_S)
+    return read_metrics(base_url)
 
 
 def cpu_seconds(root: int) -> dict[str, float]:

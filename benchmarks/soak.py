@@ -21,7 +21,14 @@ from collections import Counter
 from pathlib import Path
 
 import aiohttp
-from serving import add_model_args, read_metrics, resolve_model, start_server, stop_server
+from serving import (
+    add_model_args,
+    read_metrics,
+    resolve_model,
+    settled_metrics,
+    start_server,
+    stop_server,
+)
 
 INVALID = [
     {"prompt": "x", "max_tokens": -1},
@@ -128,8 +135,7 @@ def wait_idle(url: str, timeout: float = 60.0) -> dict[str, float]:
         metrics = read_metrics(url)
         busy = metrics["tokenmill_num_requests_running"] + metrics["tokenmill_num_requests_waiting"]
         if (busy == 0 and metrics["tokenmill_kv_slots_used"] == 0) or time.monotonic() > deadline:
-            time.sleep(0.8)  # NOTE: a later report, so that this one does not predate the end
-            return read_metrics(url)
+            return settled_metrics(url)
         time.sleep(0.2)
 
 

@@ -39,7 +39,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers import start_vllm, stop_vllm  # noqa: E402
-from serving import read_metrics, start_server, stop_server  # noqa: E402
+from serving import read_metrics, settled_metrics, start_server, stop_server  # noqa: E402
 from structured_output import cpu_name  # noqa: E402
 
 from tokenmill.tp_worker.device import cpu_has_native_bf16  # noqa: E402
@@ -198,7 +198,7 @@ def rounds(servers: dict[str, tuple[str, Callable]], args: argparse.Namespace) -
 
 
 def tokenmill_drafts(url: str) -> tuple[float, float]:
-    m = read_metrics(url)
+    m = settled_metrics(url)
     return (
         m.get("tokenmill_spec_decode_num_draft_tokens_total", 0.0),
         m.get("tokenmill_spec_decode_num_accepted_tokens_total", 0.0),

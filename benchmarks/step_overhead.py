@@ -30,8 +30,8 @@ from pathlib import Path
 from serving import (
     add_model_args,
     layer_multiply_adds,
-    read_metrics,
     resolve_model,
+    settled_metrics,
     start_server,
     stop_server,
     stream_random,
@@ -71,7 +71,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def timing(base_url: str) -> dict[str, float]:
-    metrics = read_metrics(base_url)
+    metrics = settled_metrics(base_url)
     return {k: metrics[f"tokenmill_step_timing_{k}"] for k in KEYS}
 
 
