@@ -36,9 +36,9 @@ from pathlib import Path
 import torch
 from serving import (
     demo_model,
+    median_tpot_ttft_ms,
     settled_metrics,
-    split_env,
-    start_server,
+    start_variant,
     stop_server,
     stream_random,
 )
@@ -124,10 +124,9 @@ def start(
     name: str, model: Path, args: argparse.Namespace, env: dict[str, str], extra: str
 ) -> Server:
     log = Path(tempfile.mkdtemp(prefix="tokenmill-one-user-")) / "server.log"
-    more_env, words = split_env(shlex.split(extra))
-    flags = ["--dtype", args.dtype, "--step-timing", *shlex.split(args.server_args), *words]
+    flags = ["--dtype", args.dtype, "--step-timing", *shlex.split(args.server_args)]
     print(f"serving {model} as {name} (log: {log}) ...", flush=True)
-    proc, base_url = start_server(model, flags, log, env={**env, **more_env})
+    proc, base_url = start_variant(model, extra, flags, log, env)
     return Server(name, proc, base_url, [], [], [], [])
 
 
@@ -135,9 +134,9 @@ async def one_round(server: Server, args: argparse.Namespace, seed: int) -> None
     results, _ = await stream_random(
         server.base_url, args.requests, args.input_len, args.output_len, users=1, seed=seed
     )
-    tpot = [(r.latency - r.ttft) / (r.output_len - 1) * 1e3 for r in results]
-    server.tpot_ms.append(statistics.median(tpot))
-    server.ttft_ms.append(statistics.median(r.ttft * 1e3 for r in results))
+    tpot_ms, ttft_ms = median_tpot_ttft_ms(results)
+    server.tpot_ms.append(tpot_ms)
+    server.ttft_ms.append(ttft_ms)
 
 
 def measure(server: Server, args: argparse.Namespace, seed: int) -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
+import statistics
 import subprocess
 import time
 import urllib.request
@@ -15,6 +17,7 @@ from pathlib import Path
 
 from tokenmill.cli.bench.client import BenchOptions, RequestResult, fetch_model_id, run_requests
 from tokenmill.cli.bench.datasets import random_requests
+from tokenmill.cli.bench.metrics import tpot
 from tokenmill.cli.server_subprocess import launch, stop
 from tokenmill.tp_worker.model_config import ModelConfig
 
@@ -65,6 +68,20 @@ def split_env(words: list[str]) -> tuple[dict[str, str], list[str]]:
     return env, words
 
 
+def start_variant(
+    model: Path,
+    variant: str,
+    flags: list[str],
+    log_path: Path,
+    env: dict[str, str] | None = None,
+) -> tuple[subprocess.Popen, str]:
+    """start_server with `flags` and a variant as written on a benchmark's command line
+    ("GOMP_SPINCOUNT=0 --decode-steps 4"): its environment words added to `env`, its flags
+    after `flags`."""
+    more_env, words = split_env(shlex.split(variant))
+    return start_server(model, [*flags, *words], log_path, env={**(env or {}), **more_env})
+
+
 def stop_server(proc: subprocess.Popen) -> int:
     return stop(proc)
 
@@ -92,6 +109,13 @@ async def stream_random(
     if failed:
         raise RuntimeError(f"{len(failed)} requests failed, e.g. {failed[0]}")
     return results, wall
+
+
+def median_tpot_ttft_ms(results: list[RequestResult]) -> tuple[float, float]:
+    """(median TPOT, median TTFT) in ms of a run's requests (TPOT over those with two
+    tokens or more)."""
+    tpots = [t for r in results if (t := tpot(r)) is not None]
+    return statistics.median(tpots) * 1e3, statistics.median(r.ttft for r in results) * 1e3
 
 
 def read_metrics(base_url: str) -> dict[str, float]:

@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import shlex
 import statistics
 import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from serving import demo_model, split_env, start_server, stop_server, stream_random
+from serving import demo_model, median_tpot_ttft_ms, start_variant, stop_server, stream_random
 
 from tokenmill.cli.default_model import resolve_model
 
@@ -81,10 +80,9 @@ def parse_args() -> argparse.Namespace:
 def start(
     name: str, model: Path, args: argparse.Namespace, flags: str
 ) -> tuple[subprocess.Popen, str]:
-    env, words = split_env(shlex.split(flags))
     log = Path(tempfile.mkdtemp(prefix="tokenmill-serving-ab-")) / "server.log"
     print(f"{name}: {flags or '(as is)'} (log: {log})", flush=True)
-    return start_server(model, ["--dtype", args.dtype, *words], log, env=env)
+    return start_variant(model, flags, ["--dtype", args.dtype], log)
 
 
 async def run_load(
@@ -94,10 +92,8 @@ async def run_load(
     results, wall = await stream_random(
         base_url, load.requests, load.input_len, load.output_len, load.users, seed, logprobs
     )
-    tpot = [(r.latency - r.ttft) / (r.output_len - 1) * 1e3 for r in results]
-    ttft = [r.ttft * 1e3 for r in results]
     rate = sum(r.output_len for r in results) / wall
-    return rate, statistics.median(tpot), statistics.median(ttft)
+    return rate, *median_tpot_ttft_ms(results)
 
 
 def main() -> int:
