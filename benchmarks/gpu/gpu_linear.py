@@ -1,12 +1,12 @@
-"""The Triton linear kernel against cuBLAS on a lent GPU (run by benchmarks/gpu_check.sh):
+"""The Triton linear kernel against cuBLAS on a lent GPU (run by benchmarks/gpu/gpu_check.sh):
 an 8B Llama's weights in bfloat16 (qkv, o, gate_up, down, lm_head) at 1, 16, 64 and 4,096
 rows. For each: time and the rate it reads the weight at (small rows: a decode step is a
 read of the weights) or its TFLOP/s (4,096 rows: a prefill chunk), and whether row 0 has the
 same bits alone as in the batch of 64 (cuBLAS: often not; Triton: must). Tile shapes other
 than tile_config's can be tried with --configs.
 
-    python benchmarks/gpu_linear.py [--configs 64x64x64x4x3,128x128x64x8x3]
-    TRITON_INTERPRET=1 python benchmarks/gpu_linear.py --device cpu --tiny   # dry run
+    python benchmarks/gpu/gpu_linear.py [--configs 64x64x64x4x3,128x128x64x8x3]
+    TRITON_INTERPRET=1 python benchmarks/gpu/gpu_linear.py --device cpu --tiny   # dry run
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One prepared check for a lent GPU (run by benchmarks/gpu_check.sh), dry-runnable on the CPU.
+"""One prepared check for a lent GPU (run by benchmarks/gpu/gpu_check.sh), dry-runnable on the CPU.
 
 1. Attention backends agree: the tiny test checkpoint (float32, and bfloat16) through the
    Triton kernels (paged attention, linear layers, lm_head) and through the torch path (SDPA,
@@ -15,8 +15,8 @@
 
 Writes gpu_check.json and prints a table.
 
-    python benchmarks/gpu_check.py --device cuda --out $OUT          # on the GPU
-    python benchmarks/gpu_check.py --device cpu --shape tiny --backends sdpa --rows 1,4 \
+    python benchmarks/gpu/gpu_check.py --device cuda --out $OUT          # on the GPU
+    python benchmarks/gpu/gpu_check.py --device cpu --shape tiny --backends sdpa --rows 1,4 \
         --context 64 --prefill 128   # dry run
 """
 

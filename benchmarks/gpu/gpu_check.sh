@@ -2,11 +2,11 @@
 # The one prepared run for a lent GPU machine (the `run` device tool, with carry [".whl"]):
 # installs what the image lacks from the carried wheels (.whl/: msgspec, pyzmq and
 # llguidance for Python 3.12, `pip download --no-deps`; see the device README), links
-# tokenmill's folders into an importable tree, then runs benchmarks/gpu_check.py (attention
+# tokenmill's folders into an importable tree, then runs benchmarks/gpu/gpu_check.py (attention
 # backends agree; an 8B Llama shape with dummy weights: decode step against reading weights and KV
-# once, tok/s with and without top-5, prefill TFLOP/s) after benchmarks/gpu_linear.py (the
+# once, tok/s with and without top-5, prefill TFLOP/s) after benchmarks/gpu/gpu_linear.py (the
 # Triton linear kernel against cuBLAS), each stage under a time limit. Output in $OUT.
-#   run: bash benchmarks/gpu_check.sh        (timeout_s 540 leaves a rerun's worth of time)
+#   run: bash benchmarks/gpu/gpu_check.sh        (timeout_s 540 leaves a rerun's worth of time)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-check}
 mkdir -p "$OUT"
@@ -22,11 +22,11 @@ mkdir -p "$OUT"
         ln -sfn "$PWD/$d" "/tmp/tm/tokenmill/$d"
     done
     export PYTHONPATH=/tmp/tm:/tmp/site PYTHONUNBUFFERED=1
-    timeout 150 python benchmarks/gpu_linear.py --out "$OUT" \
+    timeout 150 python benchmarks/gpu/gpu_linear.py --out "$OUT" \
         --configs "${GPU_LINEAR_CONFIGS:-128x128x64x8x3,64x128x64x4x4,64x256x64x8x3}"
     echo "gpu_linear.py exit status: $?"
-    timeout 360 python benchmarks/gpu_check.py --device cuda --out "$OUT"
+    timeout 360 python benchmarks/gpu/gpu_check.py --device cuda --out "$OUT"
     echo "gpu_check.py exit status: $?"
-    timeout 180 python benchmarks/gpu_profile.py --out "$OUT"
+    timeout 180 python benchmarks/gpu/gpu_profile.py --out "$OUT"
     echo "gpu_profile.py exit status: $?"
 } 2>&1 | tee "$OUT/gpu_check.txt"

@@ -1,10 +1,10 @@
-"""Where a step's time goes on a lent GPU (run by benchmarks/gpu_check.sh after
+"""Where a step's time goes on a lent GPU (run by benchmarks/gpu/gpu_check.sh after
 gpu_check.py): torch.profiler over a 4,096-token prefill and decode steps at 64 and 1 rows x
 2,048 context of an 8B Llama shape (dummy weights, the Triton backend); the top kernels by
 device time, and the wall time against the device's busy time (the rest is the host: Python,
 launches, syncs).
 
-    python benchmarks/gpu_profile.py --out $OUT
+    python benchmarks/gpu/gpu_profile.py --out $OUT
 """
 
 from __future__ import annotations
