@@ -1,11 +1,11 @@
 """Logprobs of sampled tokens, top-k, caller-given ids, and prompt positions (tp_worker).
 
 Values are log-softmax of the float32 logits, computed only where asked: each row's max and
-logsum come from one read of its logits (csrc/log_softmax.cpp on the CPU, which fixes the
-sum's order; torch elsewhere), and logprob_j = (x_j - max) - logsum for the ids wanted. The
-top-k are the top-k logits. Prompt positions are scored chunk by chunk (lm_head -> logits ->
-gather -> top-k), so that peak extra memory is bounded by chunk_size x vocab, never by prompt
-length x vocab.
+logsum come from one read of its logits (csrc/log_softmax.cpp on the CPU and
+rowwise_triton.py on CUDA, which fix the sum's order; torch elsewhere), and
+logprob_j = (x_j - max) - logsum for the ids wanted. The top-k are the top-k logits. Prompt
+positions are scored chunk by chunk (lm_head -> logits -> gather -> top-k), so that peak
+extra memory is bounded by chunk_size x vocab, never by prompt length x vocab.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.tp_worker import rowwise_triton
 from tokenmill.tp_worker.cpu_kernels import library
 
 # NOTE: 2**24 floats (64 MiB) per [chunk, vocab] buffer; a few such buffers live at once.
@@ -45,6 +46,10 @@ class LogSoftmax:
     def of(logits: torch.Tensor, cpu_kernel: bool, top: int = 0) -> LogSoftmax:
         """cpu_kernel: through csrc/log_softmax.cpp (float32 logits in CPU memory), which
         also finds each row's `top` largest logits."""
+        if not cpu_kernel and rowwise_triton.runs_on(logits):
+            # NOTE: torch's sum splits a row by the batch's shape (rowwise_triton.py)
+            max_, logsum = rowwise_triton.log_softmax_stats(logits)
+            return LogSoftmax(logits, max_, None, logsum)
         if not cpu_kernel:
             max_ = logits.amax(dim=-1)
             # NOTE: summed in float64 (why: csrc/log_softmax.cpp's NOTE, whose totals are

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.tp_worker import rowwise_triton
 from tokenmill.tp_worker.attention import Attention
 from tokenmill.tp_worker.attention_cpu import PagedAttention
 from tokenmill.tp_worker.cpu_ops import PackedLinear, rms_norm_cpu
@@ -33,6 +34,9 @@ class RMSNorm(nn.Module):
         """x [..., hidden] (the float32 residual stream) -> the weight's dtype."""
         if self.cpu_kernel:
             return rms_norm_cpu(x, self.weight, self.eps)
+        if rowwise_triton.runs_on(x):
+            # NOTE: torch's mean splits a row by the batch's shape (rowwise_triton.py)
+            return rowwise_triton.rms_norm(x, self.weight, self.eps)
         # NOTE: in float32 throughout, rounded once to the model's dtype (csrc/rms_norm.cpp's
         # rule; transformers in bfloat16 also rounds x * r before the weight multiplies it).
         x32 = x.float()
