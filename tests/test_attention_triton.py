@@ -13,13 +13,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-pytestmark = pytest.mark.slow
+from tokenmill.tp_worker import attention_triton
+from tokenmill.tp_worker.attention_triton import SPLIT, StepPlan
 
 CHECK = Path(__file__).with_name("triton_attention_check.py")
 
 
+@pytest.mark.slow
 def test_triton_attention_under_the_interpreter(tiny_checkpoint) -> None:
     try:
         import triton  # noqa: F401
@@ -35,3 +38,23 @@ def test_triton_attention_under_the_interpreter(tiny_checkpoint) -> None:
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "model on Triton = on SDPA" in result.stdout
+
+
+def test_a_steps_plan_tiles_runs_and_bounds_its_partials(monkeypatch) -> None:
+    """The host side of a step (no Triton needed): tiles never cross a request or a gap in
+    positions, decode-only steps take short tiles, the splits follow the longest context,
+    and the launches cover every tile once within the partials' bound."""
+    rows = np.array([0, 0, 0, 0, 0, 1, 2, 2, 2], np.int32)
+    pos = np.array([5, 6, 7, 8, 9, 3 * SPLIT, 0, 1, 5], np.int32)
+    plan = StepPlan.of(rows, pos, group_p=4, bytes_per_split=100, decode_block_m=16)
+    assert plan.block_m == 64 and plan.splits == 4
+    assert plan.tiles.tolist() == [
+        [0, 1, 2, 2], [0, 5, 6, 8], [5, 3 * SPLIT, 0, 5], [5, 1, 2, 1]
+    ]  # fmt: skip
+    assert plan.launches == ((0, 9, 0, 4),)
+    decode = StepPlan.of(np.arange(3, dtype=np.int32), np.array([1, 2, 700], np.int32), 4, 100, 16)
+    assert decode.block_m == 16 and decode.splits == 700 // SPLIT + 1
+    assert decode.tiles[3].tolist() == [1, 1, 1]
+    monkeypatch.setattr(attention_triton, "PARTIAL_BYTES", 100 * 4 * 2)  # two tokens a launch
+    small = StepPlan.of(rows, pos, group_p=4, bytes_per_split=100, decode_block_m=16)
+    assert small.launches == ((0, 5, 0, 1), (5, 6, 1, 2), (6, 8, 2, 3), (8, 9, 3, 4))

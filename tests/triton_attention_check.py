@@ -9,6 +9,7 @@ import sys
 import torch
 from triton_interpreter import rowwise_interpreted_dot
 
+from tokenmill.tp_worker import attention_triton
 from tokenmill.tp_worker.attention_triton import SPLIT, plan_triton
 
 HQ, HKV, DIM, SLOTS = 4, 2, 16, 2048
@@ -90,6 +91,23 @@ def run(dtype: torch.dtype, window: int) -> None:
             ).attend(q[cut], k, v, scale)  # fmt: skip
             assert torch.equal(later, got[cut]), (dtype, window, r, "chunked")
         start += e
+    # NOTE: the free placement: partials in many launches, decode tiles of another height
+    saved = attention_triton.PARTIAL_BYTES
+    attention_triton.PARTIAL_BYTES = 1
+    try:
+        split_up = plan_triton(table, token_rows, positions, out_slots, window or None)
+        assert len(split_up.plan(2, HQ * (DIM + 2) * 4).launches) > 1
+        assert torch.equal(split_up.attend(q, k, v, scale), got), (dtype, window, "launches")
+    finally:
+        attention_triton.PARTIAL_BYTES = saved
+    decode = [r for r, (_, e) in enumerate(rows) if e == 1]
+    index = torch.tensor([sum(e for _, e in rows[:r]) for r in decode])
+    for height in (16, 64):
+        tall = plan_triton(
+            table[decode], torch.arange(len(decode)), positions[index], out_slots[index],
+            window or None, decode_block_m=height,
+        ).attend(q[index], k, v, scale)  # fmt: skip
+        assert torch.equal(tall, got[index]), (dtype, window, height)
     print(f"{dtype} window={window}: max |error| {error:.2e}, rows alone = in the batch")
 
 

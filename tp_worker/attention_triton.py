@@ -2,19 +2,26 @@
 the request->slot table (a page table of page size 1), for decode rows and prompt chunks
 after a prefix alike.
 
-Each new token's keys are cut into splits of SPLIT positions (fixed, whatever the batch) and
-each split into blocks of BLOCK_N keys at fixed boundaries (multiples of BLOCK_N). One
-program per (tile, KV head, split) runs an online softmax over its split, block by block in
-order, for a tile of BLOCK_M rows: up to BLOCK_M / GROUP_P consecutive tokens of one request
-times the GROUP query heads that share the KV head (a decode row: one token; a prompt chunk:
-many), so that each block of keys and values is read once for all of them. Scores come from
-tl.dot (q and k in the model's dtype, float32 sums; IEEE float32 for a float32 model), the
-weighted values from an IEEE float32 tl.dot; every step of a row's softmax is its own (a
-tile-mate's keys past this row's position, or before its window, are masked: exact no-ops
-on the row's state). A second kernel merges the splits of each (token, head) in split order.
-So a token's result depends on its own context and these constants only, never on the rest
-of the batch nor on how its prompt was chunked: batch-invariant by construction (the tensor
-cores compute every row of a tile alike; checked on an H200 by benchmarks/gpu_check.sh).
+Each new token's keys are cut into splits of SPLIT positions at absolute positions (fixed,
+whatever the batch) and each split into blocks of BLOCK_N keys at fixed boundaries
+(multiples of BLOCK_N). One program per (tile, KV head, split) runs an online softmax over
+its split, block by block in order, for a tile of BLOCK_M rows: up to BLOCK_M / GROUP_P
+consecutive tokens of one request times the GROUP query heads that share the KV head (a
+decode row: one token; a prompt chunk: many), so that each block of keys and values is read
+once for all of them. Scores come from tl.dot (q and k in the model's dtype, float32 sums;
+IEEE float32 for a float32 model); the weighted values too, on the tensor cores, with each
+float32 weight cut into two parts of the values' dtype (hi, and lo = the rest: 16 of its 24
+bits in bfloat16) and both products summed in float32 (IEEE float32 for a float32 model).
+Every step of a row's softmax is its own (a tile-mate's keys past this row's position, or
+before its window, are masked: exact no-ops on the row's state). A second kernel merges the
+splits of each (token, head) in split order, up to the token's own last split.
+
+What is free (chosen per step for speed, never changing a row's bits on the same hardware
+path): the tile's height (DECODE_BLOCK_M rows where every tile holds one token, BLOCK_M
+otherwise), how many splits a step launches (enough for its longest context), and how many
+tokens share one launch (groups sized so that the float32 partials stay under
+PARTIAL_BYTES at any context and chunk). So a token's result depends on its own context and
+the fixed constants only, never on the rest of the batch nor on how its prompt was chunked.
 
 Tested on the CPU under TRITON_INTERPRET=1 against float64 attention and for invariance
 (tests/test_attention_triton.py, slow). RoPE and the KV write are torch ops
@@ -38,7 +45,11 @@ except ImportError:  # NOTE: CPU installs need no Triton; only CUDA workers and 
 
 SPLIT = 256  # key positions per split
 BLOCK_N = 32  # keys per step of a split's loop
-BLOCK_M = 64  # rows (token x query head) per tile
+BLOCK_M = 64  # rows (token x query head) per tile where a tile holds several tokens
+DECODE_BLOCK_M = 16  # rows per tile where every tile holds one token (a decode-only step)
+# NOTE: a step's float32 partials (tokens x heads x splits x (DIM + 2)) past this are
+# computed in several launches: at 8,192 keys an 8B shape's 2,048-token chunk needed ~1 GB.
+PARTIAL_BYTES = 256 << 20
 
 
 def available() -> bool:
@@ -52,19 +63,16 @@ class TritonAttention(TorchProjection):
     token_rows: torch.Tensor  # [T] int32 table row of each new token
     token_pos: torch.Tensor  # [T] int32 absolute position of each new token
     sliding_window: int  # 0: none
-    # NOTE: the step's tiles by tokens a tile, made once for every layer (on the host: a
-    # sync a layer cost the first H200 run a fifth of a decode step)
-    made: dict[int, torch.Tensor] = field(default_factory=dict)
+    decode_block_m: int = DECODE_BLOCK_M
+    # NOTE: the step's plans, made once for every layer (on the host: a sync a layer cost the
+    # first H200 run a fifth of a decode step)
+    made: dict[tuple[int, int], StepPlan] = field(default_factory=dict)
 
     def attend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
     ) -> torch.Tensor:
         """q [T, Hq, D] -> [T, Hq * D] over one layer's cache [Hkv, slots, D]."""
         num_tokens, num_heads, dim = q.shape
-        num_splits = -(-self.table.shape[1] // SPLIT)
-        partial_max = q.new_empty(num_tokens, num_heads, num_splits, dtype=torch.float32)
-        partial_sum = torch.empty_like(partial_max)
-        partial_out = q.new_empty(num_tokens, num_heads, num_splits, dim, dtype=torch.float32)
         out = q.new_empty(num_tokens, num_heads, dim)
         if num_tokens == 0:
             return out.view(num_tokens, -1)
@@ -72,41 +80,89 @@ class TritonAttention(TorchProjection):
         num_kv_heads = k_cache.shape[0]
         group = num_heads // num_kv_heads
         group_p = triton.next_power_of_2(group)
-        tiles = self.tiles(BLOCK_M // group_p)
-        _tile_kernel[(tiles.shape[1], num_kv_heads, num_splits)](
-            q, k_cache, v_cache, self.table, tiles[0], tiles[1], tiles[2], tiles[3],
-            partial_max, partial_sum, partial_out,
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-            self.table.stride(0), scale, self.sliding_window,
-            GROUP=group, GROUP_P=group_p, DIM=dim, SPLIT=SPLIT, BLOCK_N=BLOCK_N,
-            BLOCK_M=BLOCK_M, IEEE=q.dtype == torch.float32,
-        )  # fmt: skip
-        _merge_kernel[(num_tokens, num_heads)](
-            partial_max, partial_sum, partial_out, out,
-            num_splits, out.stride(0), out.stride(1), DIM=dim,
-        )  # fmt: skip
+        plan = self.plan(group_p, num_heads * (dim + 2) * 4)
+        most = max(t1 - t0 for t0, t1, _, _ in plan.launches)
+        partial_max = q.new_empty(most, num_heads, plan.splits, dtype=torch.float32)
+        partial_sum = torch.empty_like(partial_max)
+        partial_out = q.new_empty(most, num_heads, plan.splits, dim, dtype=torch.float32)
+        for t0, t1, a, b in plan.launches:
+            _tile_kernel[(b - a, num_kv_heads, plan.splits)](
+                q, k_cache, v_cache, self.table, plan.tiles[0, a:b], plan.tiles[1, a:b],
+                plan.tiles[2, a:b], plan.tiles[3, a:b], partial_max, partial_sum, partial_out,
+                q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+                self.table.stride(0), scale, self.sliding_window, t0,
+                GROUP=group, GROUP_P=group_p, DIM=dim, SPLIT=SPLIT, BLOCK_N=BLOCK_N,
+                BLOCK_M=plan.block_m, IEEE=q.dtype == torch.float32,
+            )  # fmt: skip
+            _merge_kernel[(t1 - t0, num_heads)](
+                partial_max, partial_sum, partial_out, out, self.token_pos, t0,
+                plan.splits, out.stride(0), out.stride(1), SPLIT=SPLIT, DIM=dim,
+            )  # fmt: skip
         return out.view(num_tokens, -1)
 
-    def tiles(self, tokens: int) -> torch.Tensor:
-        """[4, NT] int32 tiles of up to `tokens` consecutive tokens of one request: table
-        row, first token's index in [T], its position, token count. NOTE: on the host, once
-        a step (one sync)."""
-        if tokens not in self.made:
-            self.made[tokens] = self._tiles(tokens)
-        return self.made[tokens]
+    def plan(self, group_p: int, bytes_per_split: int) -> StepPlan:
+        """The step's tiles and launches for a GQA group of group_p (padded) heads, whose
+        partials take bytes_per_split a token and split. NOTE: on the host, once a step
+        (one sync), shared by every layer."""
+        key = (group_p, bytes_per_split)
+        if key not in self.made:
+            self.made[key] = StepPlan.of(
+                self.token_rows.cpu().numpy(),
+                self.token_pos.cpu().numpy(),
+                group_p,
+                bytes_per_split,
+                self.decode_block_m,
+            ).to(self.token_rows.device)
+        return self.made[key]
 
-    def _tiles(self, tokens: int) -> torch.Tensor:
-        rows = self.token_rows.cpu().numpy()
-        pos = self.token_pos.cpu().numpy()
+
+@dataclass(frozen=True)
+class StepPlan:
+    """A step's tiles and how they are launched (the free placement)."""
+
+    tiles: torch.Tensor  # [4, NT] int32: table row, first token's index in [T], its position, count
+    block_m: int  # rows a tile
+    splits: int  # splits launched: enough for the step's longest context
+    launches: tuple[tuple[int, int, int, int], ...]  # token range [t0, t1), tile range [a, b)
+
+    @staticmethod
+    def of(
+        rows: np.ndarray, pos: np.ndarray, group_p: int, bytes_per_split: int, decode_block_m: int
+    ) -> StepPlan:
         # NOTE: a new run where the row changes or the positions stop following each other
         fresh = np.ones(len(rows), dtype=bool)
         fresh[1:] = (rows[1:] != rows[:-1]) | (pos[1:] != pos[:-1] + 1)
+        block_m = max(decode_block_m, group_p) if fresh.all() else max(BLOCK_M, group_p)
+        tokens = block_m // group_p
         run_start = np.maximum.accumulate(np.where(fresh, np.arange(len(rows)), 0))
         first = fresh | ((np.arange(len(rows)) - run_start) % tokens == 0)
         starts = np.flatnonzero(first)
         counts = np.diff(np.append(starts, len(rows)))
-        table = np.stack([rows[starts], starts, pos[starts], counts]).astype(np.int32)
-        return torch.from_numpy(table).to(self.token_rows.device)
+        tiles = np.stack([rows[starts], starts, pos[starts], counts]).astype(np.int32)
+        splits = int(pos.max()) // SPLIT + 1
+        per_launch = PARTIAL_BYTES // (bytes_per_split * splits)
+        return StepPlan(
+            torch.from_numpy(tiles), block_m, splits, _launches(starts, len(rows), per_launch)
+        )
+
+    def to(self, device: torch.device) -> StepPlan:
+        return StepPlan(self.tiles.to(device), self.block_m, self.splits, self.launches)
+
+
+def _launches(
+    starts: np.ndarray, num_tokens: int, per_launch: int
+) -> tuple[tuple[int, int, int, int], ...]:
+    """Consecutive tiles (first tokens `starts`) in groups of at most per_launch tokens, or
+    of one tile where that one holds more."""
+    ends = np.append(starts[1:], num_tokens)
+    launches = []
+    a = 0
+    while a < len(starts):
+        t0 = int(starts[a])
+        b = max(a + 1, int(np.searchsorted(ends, t0 + per_launch, side="right")))
+        launches.append((t0, int(ends[b - 1]), a, b))
+        a = b
+    return tuple(launches)
 
 
 def plan_triton(
@@ -115,15 +171,18 @@ def plan_triton(
     positions: torch.Tensor,
     out_slots: torch.Tensor,
     sliding_window: int | None,
+    decode_block_m: int = DECODE_BLOCK_M,
 ) -> TritonAttention:
     """table [R, max_len] int32; token_rows and positions [T]: each new token's table row and
-    absolute position (the step has them already: no work here)."""
+    absolute position (the step has them already: no work here). decode_block_m: the tile
+    height of a decode-only step (a free choice: gpu_accept.py checks it keeps the bits)."""
     return TritonAttention(
         out_slots=out_slots,
         table=table,
         token_rows=token_rows.int(),
         token_pos=positions.int(),
         sliding_window=sliding_window or 0,
+        decode_block_m=decode_block_m,
     )
 
 
@@ -132,7 +191,7 @@ if triton is not None:
     @triton.jit
     def _tile_kernel(
         Q, K, V, TABLE, TILE_ROW, TILE_FIRST, TILE_POS, TILE_COUNT, MAX, SUM, OUT,
-        stride_qt, stride_qh, stride_kh, stride_ks, stride_table, scale, window,
+        stride_qt, stride_qh, stride_kh, stride_ks, stride_table, scale, window, token_base,
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, DIM: tl.constexpr, SPLIT: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, IEEE: tl.constexpr,
     ):  # fmt: skip
@@ -187,29 +246,42 @@ if triton is not None:
             base = tl.where(new_best == float("-inf"), 0.0, new_best)
             weights = tl.exp(scores - base[:, None])
             rescale = tl.exp(best - base)
-            v = tl.load(V + where, mask=inside[:, None], other=0.0).to(tl.float32)
+            v = tl.load(V + where, mask=inside[:, None], other=0.0)
             total = total * rescale + tl.sum(weights, 1)
-            # NOTE: IEEE float32: three TF32 passes ("tf32x3") were slower on the H200 (the
-            # kernel 20 -> 29 ms a decode step at 64 rows, 84 -> 120 ms a 4,096-token prefill)
-            acc = acc * rescale[:, None] + tl.dot(weights, v, input_precision="ieee")
+            acc = acc * rescale[:, None]
+            if IEEE:
+                acc = tl.dot(weights, v, acc, input_precision="ieee")
+            else:
+                # NOTE: on the tensor cores: the weights as hi + lo in the values' dtype
+                # (IEEE float32 on the CUDA cores took 20 ms of an H200's 64-row decode step;
+                # three TF32 passes were slower still)
+                hi = weights.to(v.dtype)
+                lo = (weights - hi.to(tl.float32)).to(v.dtype)
+                acc = tl.dot(lo, v, tl.dot(hi, v, acc))
             best = new_best
-        at = ((first + t) * num_heads + head) * num_splits + split
+        at = ((first - token_base + t) * num_heads + head) * num_splits + split
         tl.store(MAX + at, best, mask=live)
         tl.store(SUM + at, total, mask=live)
         tl.store(OUT + at[:, None] * DIM + dims[None, :], acc, mask=live[:, None])
 
     @triton.jit
-    def _merge_kernel(MAX, SUM, PARTIAL, OUT, num_splits, stride_ot, stride_oh, DIM: tl.constexpr):
-        token = tl.program_id(0)
+    def _merge_kernel(
+        MAX, SUM, PARTIAL, OUT, POS, first, num_splits, stride_ot, stride_oh,
+        SPLIT: tl.constexpr, DIM: tl.constexpr,
+    ):  # fmt: skip
+        local = tl.program_id(0)
+        token = first + local
         head = tl.program_id(1)
-        base = (token * tl.num_programs(1) + head) * num_splits
+        base = (local * tl.num_programs(1) + head) * num_splits
         dims = tl.arange(0, DIM)
+        # NOTE: the token's own splits (its position decides them, not the step's longest)
+        mine = tl.load(POS + token) // SPLIT + 1
         best = tl.full([], float("-inf"), tl.float32)
-        for split in range(0, num_splits):
+        for split in range(0, mine):
             best = tl.maximum(best, tl.load(MAX + base + split))
         total = tl.full([], 0.0, tl.float32)
         acc = tl.zeros([DIM], dtype=tl.float32)
-        for split in range(0, num_splits):  # NOTE: in split order, every time
+        for split in range(0, mine):  # NOTE: in split order, every time
             weight = tl.exp(tl.load(MAX + base + split) - best)
             total += tl.load(SUM + base + split) * weight
             acc += tl.load(PARTIAL + (base + split) * DIM + dims) * weight
