@@ -8,27 +8,24 @@ fresh shared prefix; variants are interleaved over rounds. Targets: the same hit
 logprobs off and generation logprobs; throughput ratio >= 0.95; prompt-suffix logprobs
 >= 0.8 of off.
 
-    python benchmarks/prefix_cache_logprobs.py [--preset small|medium | --model DIR]
+    python benchmarks/serving/prefix_cache_logprobs.py [--preset small|medium | --model DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import aiohttp
 import numpy as np
-from serving import (
-    add_model_args,
-    read_metrics,
-    resolve_model,
-    settled_metrics,
-    start_server,
-    stop_server,
-)
+from server import read_metrics, settled_metrics, start_server, stop_server
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: benchmarks.*
+from benchmarks.checkpoints import add_model_args, resolve_model  # noqa: E402
 
 VARIANTS = ("off", "generation top 5", "prompt suffix top 5")
 

@@ -6,21 +6,24 @@ out, random token ids, no prefix cache), with and without top-5 logprobs, and pr
 tokens per second. The gap to `tokenmill bench` against a server on the same machine is what
 the serving processes cost; on a GPU it is the figure for the torch path with no CUDA graphs.
 
-    python benchmarks/offline_throughput.py [--preset small|medium | --model DIR]
+    python benchmarks/engine/offline_throughput.py [--preset small|medium | --model DIR]
         [--device auto|cpu|cuda] [--dtype auto|bfloat16|float32]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
-from serving import add_model_args, resolve_model
 
-from tokenmill.tp_worker.config import RunnerConfig
-from tokenmill.tp_worker.model_runner import ModelRunner
-from tokenmill.tp_worker.offline import OfflineEngine, OfflineRequest
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: benchmarks.*
+from benchmarks.checkpoints import add_model_args, resolve_model  # noqa: E402
+from tokenmill.tp_worker.config import RunnerConfig  # noqa: E402
+from tokenmill.tp_worker.model_runner import ModelRunner  # noqa: E402
+from tokenmill.tp_worker.offline import OfflineEngine, OfflineRequest  # noqa: E402
 
 WORKLOADS = ((256, 64), (64, 256))  # (input tokens, output tokens)
 PROMPTS = 64

@@ -15,7 +15,7 @@ For each model (the medium demo checkpoint and SmolLM2-135M-Instruct, float32):
    same tokens (max |difference|; target 1e-5) and against the same weights in float64;
 4. the same throughput again.
 
-    python benchmarks/rl_loop.py [--steps 3] [--models medium,smollm2]
+    python benchmarks/serving/rl_loop.py [--steps 3] [--models medium,smollm2]
 """
 
 from __future__ import annotations
@@ -24,19 +24,15 @@ import argparse
 import asyncio
 import os
 import socket
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from server import cpu_name, start_server, stop_server
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serving import start_server, stop_server  # noqa: E402
-from structured_output import cpu_name  # noqa: E402
-
-from tokenmill.cli.weight_sync import WeightSync, post  # noqa: E402
+from tokenmill.cli.weight_sync import WeightSync, post
 
 GROUP = 4  # completions per prompt
 PROMPTS = [

@@ -7,7 +7,7 @@ Printed: the requests by kind and HTTP status, the 5xx count (target 0), KV slot
 once idle (target 0), and the resident memory of every server process at the start (after
 a warm-up) and at the end.
 
-    python benchmarks/soak.py [--duration 180] [--preset small|medium | --model DIR]
+    python benchmarks/serving/soak.py [--duration 180] [--preset small|medium | --model DIR]
 """
 
 from __future__ import annotations
@@ -15,20 +15,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
 import aiohttp
-from serving import (
-    add_model_args,
-    read_metrics,
-    resolve_model,
-    settled_metrics,
-    start_server,
-    stop_server,
-)
+from server import read_metrics, settled_metrics, start_server, stop_server
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: benchmarks.*
+from benchmarks.checkpoints import add_model_args, resolve_model  # noqa: E402
 
 INVALID = [
     {"prompt": "x", "max_tokens": -1},

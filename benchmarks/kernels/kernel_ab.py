@@ -23,7 +23,7 @@ controller, the client) for the run: each wakes every few milliseconds and burns
 at niceness 10, as they do on the model's cores under load. Then the median says more than the
 minimum: how much of a stolen core each build turns into lost time.
 
-    python benchmarks/kernel_ab.py [--against HEAD] [--rounds 20]
+    python benchmarks/kernels/kernel_ab.py [--against HEAD] [--rounds 20]
         [--only attention|linear|small|sampling] [--busy N] [--dtype float32]
 """
 

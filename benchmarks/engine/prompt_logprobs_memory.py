@@ -4,7 +4,7 @@ DESIGN.md promises that prompt logprobs are scored in bounded-memory chunks, nev
 [prompt_len, vocab] float32 tensor (4008 MiB here). Each variant runs in a fresh process with
 the in-process OfflineEngine; peak memory is measured from "model loaded" to "request done".
 
-    python benchmarks/prompt_logprobs_memory.py [--model DIR] [--device cpu|cuda]
+    python benchmarks/engine/prompt_logprobs_memory.py [--model DIR] [--device cpu|cuda]
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ the wall time), median TPOT ((latency - TTFT) / (tokens - 1), as vLLM's client),
 share of drafted tokens kept. tokenmill's outputs with speculation are checked equal to its
 outputs without.
 
-    python benchmarks/speculative.py [--model DIR] [--k 4] [--draft-layers 8] [--vllm]
+    python benchmarks/serving/speculative.py [--model DIR] [--k 4] [--draft-layers 8] [--vllm]
 """
 
 from __future__ import annotations
@@ -36,12 +36,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from server import cpu_name, read_metrics, settled_metrics, start_server, stop_server
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers import start_vllm, stop_vllm  # noqa: E402
-from serving import read_metrics, settled_metrics, start_server, stop_server  # noqa: E402
-from structured_output import cpu_name  # noqa: E402
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: benchmarks.*
+from benchmarks.peers.launch import start_vllm, stop  # noqa: E402
 from tokenmill.tp_worker.device import cpu_has_native_bf16  # noqa: E402
 
 
@@ -236,12 +234,12 @@ def vllm_servers(model: Path, args: argparse.Namespace, specs: dict[str, str], l
     """vLLM one server at a time (an idle vLLM CPU keeps its OpenMP threads spinning)."""
     results = {}
     for i, (name, spec) in enumerate(specs.items()):
-        extra = f"--speculative-config '{spec}'" if spec else ""
-        proc, url = start_vllm(model, args.dtype, logs / f"vllm{i}.log", extra)
+        extra = ["--speculative-config", spec] if spec else []
+        peer = start_vllm(model, args.dtype, logs / f"vllm{i}.log", extra)
         try:
-            results.update(rounds({name: (url, vllm_drafts)}, args))
+            results.update(rounds({name: (peer.url, vllm_drafts)}, args))
         finally:
-            stop_vllm(proc)
+            stop(peer)
     return results
 
 

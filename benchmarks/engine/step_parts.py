@@ -11,7 +11,7 @@ caches), so their warm timings in isolation understate them; here they run where
 What this leaves out, the sockets between processes and the detokenizer and frontend, is
 `step_overhead.py`'s "outside the worker".
 
-    python benchmarks/step_parts.py [--preset small|medium | --model DIR] [--dtype bfloat16]
+    python benchmarks/engine/step_parts.py [--preset small|medium | --model DIR] [--dtype bfloat16]
         [--batch 32] [--logprobs 5] [--rounds 3]
 """
 
@@ -19,27 +19,30 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
-from serving import add_model_args, resolve_model
 
-import tokenmill.tp_worker.model_runner as runner_module
-from tokenmill.controller.batch_builder import BatchBuilder
-from tokenmill.controller.output_processor import OutputProcessor
-from tokenmill.controller.scheduler import Scheduler
-from tokenmill.protocol.arrays import unpack
-from tokenmill.protocol.step import ForwardBatch
-from tokenmill.tp_worker.config import RunnerConfig
-from tokenmill.tp_worker.fed_samples import LastSamples
-from tokenmill.tp_worker.host_memory import keep_freed_memory
-from tokenmill.tp_worker.model_runner import ModelRunner
-from tokenmill.tp_worker.offline import OfflineEngine, OfflineRequest
-from tokenmill.tp_worker.step_inputs import StepInputsBuilder
-from tokenmill.tp_worker.step_outputs import StepOutputs
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: benchmarks.*
+import tokenmill.tp_worker.model_runner as runner_module  # noqa: E402
+from benchmarks.checkpoints import add_model_args, resolve_model  # noqa: E402
+from tokenmill.controller.batch_builder import BatchBuilder  # noqa: E402
+from tokenmill.controller.output_processor import OutputProcessor  # noqa: E402
+from tokenmill.controller.scheduler import Scheduler  # noqa: E402
+from tokenmill.protocol.arrays import unpack  # noqa: E402
+from tokenmill.protocol.step import ForwardBatch  # noqa: E402
+from tokenmill.tp_worker.config import RunnerConfig  # noqa: E402
+from tokenmill.tp_worker.fed_samples import LastSamples  # noqa: E402
+from tokenmill.tp_worker.host_memory import keep_freed_memory  # noqa: E402
+from tokenmill.tp_worker.model_runner import ModelRunner  # noqa: E402
+from tokenmill.tp_worker.offline import OfflineEngine, OfflineRequest  # noqa: E402
+from tokenmill.tp_worker.step_inputs import StepInputsBuilder  # noqa: E402
+from tokenmill.tp_worker.step_outputs import StepOutputs  # noqa: E402
 
 # (label, owner, attribute): each part, in the order a step runs them
 PARTS = (

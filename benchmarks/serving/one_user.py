@@ -14,7 +14,7 @@ sockets, and the detokenizer's and frontend's share of the cores). --ab adds a s
 TOKENMILL_CPU_LAYER_STACK=0 (the layers through Python, a kernel call at a time), each
 --compare FLAGS a server with FLAGS added; their rounds take turns with the first server's.
 
-    python benchmarks/one_user.py [--model DIR_OR_GGUF | --preset medium] [--dtype bfloat16]
+    python benchmarks/serving/one_user.py [--model DIR_OR_GGUF | --preset medium] [--dtype bfloat16]
         [--requests 8] [--input-len 256] [--output-len 64] [--rounds 3] [--ab]
         [--server-args "--decode-steps 4"] [--compare="GOMP_SPINCOUNT=300000"]
 
@@ -28,23 +28,19 @@ import asyncio
 import shlex
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from serving import (
-    demo_model,
-    median_tpot_ttft_ms,
-    settled_metrics,
-    start_variant,
-    stop_server,
-    stream_random,
-)
+from server import median_tpot_ttft_ms, settled_metrics, start_variant, stop_server, stream_random
 
-from tokenmill.cli.default_model import resolve_model
-from tokenmill.tp_worker.model_config import ModelConfig, load_model_config
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: benchmarks.*
+from benchmarks.checkpoints import demo_model  # noqa: E402
+from tokenmill.cli.default_model import resolve_model  # noqa: E402
+from tokenmill.tp_worker.model_config import ModelConfig, load_model_config  # noqa: E402
 
 TIMING = (
     "decode_steps",

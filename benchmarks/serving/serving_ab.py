@@ -10,7 +10,7 @@ meaningful while a shared host's speed drifts); the medians of those ratios are 
 This is how a flag's default is decided: `--overlap-schedule`, `--decode-steps 4`, an
 environment variable.
 
-    python benchmarks/serving_ab.py --b="--overlap-schedule" [--a=FLAGS] [--rounds 3]
+    python benchmarks/serving/serving_ab.py --b="--overlap-schedule" [--a=FLAGS] [--rounds 3]
         [--model DIR_OR_GGUF | --preset medium] [--dtype bfloat16] [--logprobs 0]
         [--loads 1,4,64]
 
@@ -24,13 +24,16 @@ import argparse
 import asyncio
 import statistics
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from serving import demo_model, median_tpot_ttft_ms, start_variant, stop_server, stream_random
+from server import median_tpot_ttft_ms, start_variant, stop_server, stream_random
 
-from tokenmill.cli.default_model import resolve_model
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: benchmarks.*
+from benchmarks.checkpoints import demo_model  # noqa: E402
+from tokenmill.cli.default_model import resolve_model  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ before (4 KiB apart: a block's rows in one L1 set). Attention:
 tokens after one shared 1,024-token query.
 GFLOP/s count 2 x multiply-adds; GB/s count the weights' bytes.
 
-    python benchmarks/cpu_kernels.py [--rounds 7]
+    python benchmarks/kernels/cpu_kernels.py [--rounds 7]
 """
 
 from __future__ import annotations

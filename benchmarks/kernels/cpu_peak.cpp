@@ -1,4 +1,4 @@
-// The arithmetic peak this CPU gives the kernels' inner instructions (benchmarks/
+// The arithmetic peak this CPU gives the kernels' inner instructions (benchmarks/kernels/
 // cpu_peak.py): VDPBF16PS (the bfloat16 products: linear layers, attention's q.k) and
 // VFMADD231PS (float32 multiply-adds: attention's p.V), each in 12 independent chains per
 // thread, and where the CPU has AMX, TDPBF16PS (the AMX kernels' products) on four

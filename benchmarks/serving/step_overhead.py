@@ -14,7 +14,7 @@ plus attention's, counting the work done: the last layer computes past its keys 
 only each prompt's last token) against a bare torch F.linear of [prefill-tokens x hidden x
 intermediate] on the same machine and dtype, the speed a GEMM library reaches on that shape.
 
-    python benchmarks/step_overhead.py [--preset small|medium | --model DIR]
+    python benchmarks/serving/step_overhead.py [--preset small|medium | --model DIR]
         [--batch 32] [--decode-steps 1] [--overlap-schedule] [--rounds 3]
 """
 
@@ -23,21 +23,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from serving import (
-    add_model_args,
-    layer_multiply_adds,
-    resolve_model,
-    settled_metrics,
-    start_server,
-    stop_server,
-    stream_random,
-)
+from server import layer_multiply_adds, settled_metrics, start_server, stop_server, stream_random
 
-from tokenmill.tp_worker.model_config import ModelConfig
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: benchmarks.*
+from benchmarks.checkpoints import add_model_args, resolve_model  # noqa: E402
+from tokenmill.tp_worker.model_config import ModelConfig  # noqa: E402
 
 TARGET = 0.10
 ROUNDS = 5  # prefill steps and bare products, in turn

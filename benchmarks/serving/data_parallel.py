@@ -11,7 +11,7 @@ Two workloads through the native /generate, each run on --data-parallel-size 1 a
 - distinct prompts: no shared prefix; printed: each replica's share of the prompt tokens
   (target: both replicas get work).
 
-    python benchmarks/data_parallel.py [--preset small|medium | --model DIR]
+    python benchmarks/serving/data_parallel.py [--preset small|medium | --model DIR]
 """
 
 from __future__ import annotations
@@ -19,20 +19,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import re
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import aiohttp
 import numpy as np
-from serving import (
-    add_model_args,
-    read_metrics,
-    resolve_model,
-    settled_metrics,
-    start_server,
-    stop_server,
-)
+from server import read_metrics, settled_metrics, start_server, stop_server
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: benchmarks.*
+from benchmarks.checkpoints import add_model_args, resolve_model  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

@@ -8,7 +8,7 @@ CPU time per output token, process by process (the frontend, controller, detoken
 and this client, from /proc), says where a logprob ask's cost goes: on a machine whose cores
 the model's threads fill, any process's extra CPU comes out of the model's.
 
-    python benchmarks/logprob_overhead.py [--preset small|medium | --model DIR] [--rounds 3]
+    python benchmarks/serving/logprob_overhead.py [--preset small|medium | --model DIR] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -23,11 +23,13 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
-from serving import add_model_args, cpu_seconds, resolve_model, start_server, stop_server
+from server import cpu_seconds, start_server, stop_server
 
-from tokenmill.cli.bench.client import BenchOptions, fetch_model_id, run_requests
-from tokenmill.cli.bench.datasets import random_requests
-from tokenmill.cli.bench.metrics import BenchMetrics, compute_metrics
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: benchmarks.*
+from benchmarks.checkpoints import add_model_args, resolve_model  # noqa: E402
+from tokenmill.cli.bench.client import BenchOptions, fetch_model_id, run_requests  # noqa: E402
+from tokenmill.cli.bench.datasets import random_requests  # noqa: E402
+from tokenmill.cli.bench.metrics import BenchMetrics, compute_metrics  # noqa: E402
 
 VARIANTS = {"off": 0, "top 5": 5, "top 20": 20}
 TARGET_TOP5 = 0.95

@@ -1,12 +1,13 @@
-"""Shared by the benchmarks: start and stop one `tokenmill serve`, read its /metrics and its
-processes' CPU time, count a layer's multiply-adds.
+"""Shared by the serving benchmarks: start and stop one `tokenmill serve`, drive it with
+random prompts, read its /metrics and its processes' CPU time, count a layer's multiply-adds,
+name the CPU.
 
-Benchmarks are scripts (python benchmarks/NAME.py); this module sits next to them.
+The benchmarks are scripts (python benchmarks/serving/NAME.py); this module sits next to
+them. The checkpoint arguments (--model, --preset) are benchmarks/checkpoints.py's.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import shlex
 import statistics
@@ -20,28 +21,6 @@ from tokenmill.cli.bench.datasets import random_requests
 from tokenmill.cli.bench.metrics import tpot
 from tokenmill.cli.server_subprocess import launch, stop
 from tokenmill.tp_worker.model_config import ModelConfig
-
-
-def add_model_args(parser: argparse.ArgumentParser, default_preset: str) -> None:
-    parser.add_argument("--model", type=Path, help="HF checkpoint dir (default: a demo one)")
-    parser.add_argument(
-        "--preset",
-        choices=("small", "medium"),
-        default=default_preset,
-        help=f"demo checkpoint size when no --model (default {default_preset})",
-    )
-
-
-def resolve_model(args: argparse.Namespace) -> Path:
-    """--model, or the demo checkpoint of --preset (built once into ~/.cache/tokenmill)."""
-    return args.model if args.model is not None else demo_model(args.preset)
-
-
-def demo_model(preset: str) -> Path:
-    """The llama demo checkpoint of `preset`, built once into ~/.cache/tokenmill."""
-    from tokenmill.cli.demo_checkpoint import demo_checkpoint
-
-    return demo_checkpoint("llama", preset)
 
 
 def start_server(
@@ -175,3 +154,17 @@ def layer_multiply_adds(c: ModelConfig) -> tuple[int, int, int]:
     q_kv = c.hidden_size * c.num_heads * c.head_dim + kv
     rest = c.hidden_size * (c.num_heads * c.head_dim + 3 * c.intermediate_size)
     return kv, q_kv, rest
+
+
+def cpu_name() -> str:
+    """The CPU's family/model and its vector extensions, as the figures depend on them."""
+    from tokenmill.tp_worker.device import cpu_flags
+
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    pairs = (line.split(":", 1) for line in info.splitlines()[:30] if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in pairs}
+    name = "{} family {} model {}".format(
+        *(fields.get(k, "?") for k in ("vendor_id", "cpu family", "model"))
+    )
+    wide = sorted(f for f in cpu_flags() if f.startswith(("avx512_bf16", "amx", "avx512f", "avx2")))
+    return f"{name} ({' '.join(wide)})"

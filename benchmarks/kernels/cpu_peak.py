@@ -6,9 +6,9 @@ in float32), 12 independent chains a thread, and TDPBF16PS (the AMX kernels' til
 where the CPU has AMX) on four accumulator tiles, on 1 thread and on every thread torch
 uses, best of --rounds. The ceiling against which docs/performance.md's "% of peak" figures
 are read: a kernel at this rate does nothing but its arithmetic. Compiles
-benchmarks/cpu_peak.cpp with the kernels' compiler and -march=native (needs AVX-512).
+benchmarks/kernels/cpu_peak.cpp with the kernels' compiler and -march=native (needs AVX-512).
 
-    python benchmarks/cpu_peak.py [--rounds 5]
+    python benchmarks/kernels/cpu_peak.py [--rounds 5]
 """
 
 from __future__ import annotations

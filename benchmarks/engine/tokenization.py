@@ -2,21 +2,23 @@
 Tokenizer (the pipeline transformers' AutoTokenizer builds, run by `tokenizers`), that
 AutoTokenizer itself, and tokenizer.json read directly (what the frontend used before).
 
-    python benchmarks/tokenization.py [--preset small|medium | --model DIR] [--tokens 8192]
+    python benchmarks/engine/tokenization.py [--preset small|medium | --model DIR] [--tokens 8192]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import sysconfig
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import tokenizers
-from serving import add_model_args, resolve_model
 
-from tokenmill.frontend.tokenizer import Tokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: benchmarks.*
+from benchmarks.checkpoints import add_model_args, resolve_model  # noqa: E402
+from tokenmill.frontend.tokenizer import Tokenizer  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

@@ -6,21 +6,24 @@ one run, alternated over rounds; then the engine's own decode step in one proces
 (tp_worker/offline.py, `--batch` requests of 32 prompt tokens and 128 outputs) greedy and at
 temperature 1 with top-p 0.9, the sampler the runner picks on this machine.
 
-    python benchmarks/sampling.py [--preset small|medium | --model DIR] [--batch 32]
+    python benchmarks/engine/sampling.py [--preset small|medium | --model DIR] [--batch 32]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
-from serving import add_model_args, resolve_model
 
-from tokenmill.tp_worker.config import RunnerConfig
-from tokenmill.tp_worker.model_runner import ModelRunner
-from tokenmill.tp_worker.offline import OfflineEngine, OfflineRequest
-from tokenmill.tp_worker.sampling import SamplingTensors, sample
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: benchmarks.*
+from benchmarks.checkpoints import add_model_args, resolve_model  # noqa: E402
+from tokenmill.tp_worker.config import RunnerConfig  # noqa: E402
+from tokenmill.tp_worker.model_runner import ModelRunner  # noqa: E402
+from tokenmill.tp_worker.offline import OfflineEngine, OfflineRequest  # noqa: E402
+from tokenmill.tp_worker.sampling import SamplingTensors, sample  # noqa: E402
 
 # (label, temperature, top_k, top_p, min_p)
 SETTINGS = (

