@@ -3,9 +3,9 @@ request, advanced by each token the request keeps, and the next-token bitmasks o
 constrained rows, filled together (controller process).
 
 llguidance (no torch, no Python dependencies) was measured against xgrammar on this
-project's machines (benchmarks/grammar_engines.py, docs/structured-output.md). The frontend
-has already validated every grammar with the same tokenizer and limits, so a matcher that
-fails here is an internal error, not a bad request.
+project's machines (benchmarks/grammar_engines.py at c8228a0, docs/structured-output.md).
+The frontend has already validated every grammar with the same tokenizer and limits, so a
+matcher that fails here is an internal error, not a bad request.
 """
 
 from __future__ import annotations

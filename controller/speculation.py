@@ -143,8 +143,8 @@ class DraftState:
     def odds(self, i: int) -> float:
         """The estimated chance that draft i is kept once every draft before it is: kept /
         reached, with a prior of one try kept (a request with no record drafts all it may:
-        a cautious prior cost the repeating workload of benchmarks/speculative.py a third of
-        its gain at 8 users; one whose drafts all fail falls to 1 / 21). A position never
+        a cautious prior cost the repeating workload of benchmarks/serving/speculative.py a
+        third of its gain at 8 users; one whose drafts all fail falls to 1 / 21). A position never
         reached is taken to be as likely as the one before it."""
         if i >= len(self.reached):
             return self.odds(i - 1) if i else 1.0

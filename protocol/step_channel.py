@@ -6,7 +6,7 @@ A ZeroMQ socket hands every frame to an I/O thread on each side, so one step's b
 result cost six thread wake-ups between two processes; on a CPU server whose cores the model's
 threads fill, each waits for a core. An 800-byte round trip between two processes on the
 2-core EPYC here: median 131-161 us through ZeroMQ's ipc://, 27-30 us through this channel
-(`python benchmarks/step_channel.py`). The other channels (requests, detokenized outputs,
+(benchmarks/step_channel.py at c8228a0). The other channels (requests, detokenized outputs,
 reports) stay ZeroMQ: their ends poll several sockets or run in an event loop. Ranks on other
 nodes keep ZeroMQ over TCP with CURVE (`tcp://`).
 

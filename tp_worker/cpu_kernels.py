@@ -135,7 +135,7 @@ def load(path: Path) -> ctypes.CDLL:
     lib.tm_linear_amx.argtypes = lib.tm_linear.argtypes
     lib.tm_linear_amx.restype = ctypes.c_int
     # NOTE: the two with the product that runs next (csrc/kernels.h); builds of older
-    # sources (benchmarks/kernel_ab.py loads them) lack them.
+    # sources (benchmarks/kernels/kernel_ab.py loads them) lack them.
     for name in ("tm_linear_then", "tm_linear_amx_then"):
         if hasattr(lib, name):
             getattr(lib, name).argtypes = [*lib.tm_linear.argtypes, _P, _I, _I]

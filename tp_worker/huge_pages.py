@@ -5,7 +5,7 @@ a token, each a TLB miss and a page walk the prefetchers do not hide, since no T
 more than a few thousand. Linux backs anonymous memory with 2 MiB pages where a mapping asks
 for them (madvise MADV_HUGEPAGE; "transparent huge pages" in the default "madvise" mode), so
 the packed panels go, one after another in packing order, into mappings that ask, 2 MiB
-aligned. `python benchmarks/product_stream.py`'s driver read a token's one-row products
+aligned. benchmarks/product_stream.py's driver (at c8228a0) read a token's one-row products
 1.02-1.04x faster so (docs/performance.md, "The kernels"). Where the system gives no such
 pages the same memory is plain pages; TOKENMILL_CPU_HUGE_PAGES=0 asks for none (an A/B).
 

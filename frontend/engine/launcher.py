@@ -261,7 +261,7 @@ MMAP_THRESHOLD = 32 << 20
 # second thread spinning through all of the host work between two steps, on the core the
 # controller, detokenizer and frontend needed then: at one user on SmolLM2 (a 2-core Zen 5),
 # their share of a decode step went from 0.77 to 0.44 ms and the median TPOT from 7.42 to
-# 6.74 ms with 20,000 (benchmarks/one_user.py --compare=GOMP_SPINCOUNT=20000); the spin
+# 6.74 ms with 20,000 (benchmarks/serving/one_user.py --compare=GOMP_SPINCOUNT=20000); the spin
 # still spans the gaps between one step's kernels. An environment that sets it (or
 # OMP_WAIT_POLICY) keeps its own.
 GOMP_SPINCOUNT = 20_000

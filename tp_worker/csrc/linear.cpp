@@ -16,7 +16,8 @@
 // ever larger sum; a block's sum stays small. On SmolLM2-135M (K 576 and 1,536) the blocked sums
 // took tokenmill float32 from 4.0e-5 largest / 4.5e-6 mean logprob error against a float64
 // reference to 1.3e-5 / 1.3e-6 (transformers float32: 1.7e-5 / 2.2e-6), for 2-4% of a float32
-// product's time (benchmarks/float64_distance.py, kernel_ab.py --dtype float32; a 2-core Zen 4).
+// product's time (benchmarks/serving/float64_distance.py, kernel_ab.py --dtype float32; a 2-core
+// Zen 4).
 // In bfloat16 the rounding of the inputs dominates: blocks would change nothing measurable.
 //
 // W is packed once at load time into panels of NR = 32 output features:
