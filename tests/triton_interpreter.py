@@ -7,9 +7,11 @@ def rowwise_interpreted_dot() -> None:
     """NOTE: the interpreter runs tl.dot as one numpy (BLAS) product of the two tiles, whose
     bits for a row depend on its place in the tile (BLAS treats the rows of a panel in groups
     of unequal code), and leaves bfloat16 operands as raw bits; a GPU's tensor cores compute
-    every row of a tile alike, from bfloat16 into float32. Here each row is multiplied on its
-    own, from the operands' float32 values, so what is checked is the kernel's own part: its
-    tiles, its masks and its K order do not depend on the number of rows."""
+    every row of a tile alike, from bfloat16 into float32. Here each slice's product is taken
+    in float64 from the operands' values and rounded once to the accumulator's dtype (BLAS's
+    float32 order for a column can follow the panel's width), so what is checked is the
+    kernel's own part: its tiles, its masks and its K order do not depend on the number of
+    rows nor on the tile's shape."""
     import numpy as np
     from triton.runtime import interpreter
 
@@ -21,7 +23,7 @@ def rowwise_interpreted_dot() -> None:
 
     def dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # noqa: ARG001
         x, w = operand(a), operand(b)
-        rows = [np.matmul(x[i : i + 1], w, dtype=d.data.dtype) for i in range(len(x))]
-        return interpreter.TensorHandle(np.concatenate(rows) + d.data, d.dtype.scalar)
+        exact = np.matmul(x.astype(np.float64), w.astype(np.float64))
+        return interpreter.TensorHandle(exact.astype(d.data.dtype) + d.data, d.dtype.scalar)
 
     interpreter.InterpreterBuilder.create_dot = dot

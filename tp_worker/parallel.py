@@ -108,6 +108,9 @@ class ShardedLinear(nn.Module):
         whole = not self.row_parallel or (self.group.size == 1 and self.bias is None)
         if self.kernel is not None and residual is not None and whole:
             return self.kernel(x, out_dtype, residual=residual)
+        if self.triton and residual is not None and whole:
+            bias = None if self.row_parallel else self.bias
+            return triton_linear(x, self.weight, bias, residual=residual)
         if not self.row_parallel:
             out = self._matmul(x, self.bias, out_dtype)
         else:
@@ -122,6 +125,8 @@ class ShardedLinear(nn.Module):
             return self.kernel(x)
         if self.kernel is not None:
             return silu_mul_cpu(self.kernel(x, torch.float32), x.dtype)
+        if self.triton:  # NOTE: from the float32 sums too, in the kernel's epilogue
+            return triton_linear(x, self.weight, self.bias, glu=True)
         # NOTE: in float32 and rounded once, as the CPU kernels do (gate and up themselves
         # come rounded from torch's product).
         gate, up = self._matmul(x, self.bias).float().chunk(2, dim=-1)
