@@ -74,6 +74,8 @@ def run(dtype: torch.dtype, window: int) -> None:
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     error = (got.double() - want).abs().max().item()
     assert error < tolerance, (dtype, window, error)
+    ieee = plan_triton(table, token_rows, positions, out_slots, window or None, pv_hi_lo=False)
+    assert (ieee.attend(q, k, v, scale).double() - want).abs().max().item() < tolerance
     # each row alone: bit for bit what it got in the batch
     start = 0
     for r, (_, e) in enumerate(rows):

@@ -47,6 +47,7 @@ SPLIT = 256  # key positions per split
 BLOCK_N = 32  # keys per step of a split's loop
 BLOCK_M = 64  # rows (token x query head) per tile where a tile holds several tokens
 DECODE_BLOCK_M = 16  # rows per tile where every tile holds one token (a decode-only step)
+PV_HI_LO = True  # P.V on the tensor cores as hi + lo (False: IEEE float32, the CUDA cores)
 # NOTE: a step's float32 partials (tokens x heads x splits x (DIM + 2)) past this are
 # computed in several launches: at 8,192 keys an 8B shape's 2,048-token chunk needed ~1 GB.
 PARTIAL_BYTES = 256 << 20
@@ -64,6 +65,7 @@ class TritonAttention(TorchProjection):
     token_pos: torch.Tensor  # [T] int32 absolute position of each new token
     sliding_window: int  # 0: none
     decode_block_m: int = DECODE_BLOCK_M
+    pv_hi_lo: bool = PV_HI_LO
     # NOTE: the step's plans, made once for every layer (on the host: a sync a layer cost the
     # first H200 run a fifth of a decode step)
     made: dict[tuple[int, int], StepPlan] = field(default_factory=dict)
@@ -93,6 +95,7 @@ class TritonAttention(TorchProjection):
                 self.table.stride(0), scale, self.sliding_window, t0,
                 GROUP=group, GROUP_P=group_p, DIM=dim, SPLIT=SPLIT, BLOCK_N=BLOCK_N,
                 BLOCK_M=plan.block_m, IEEE=q.dtype == torch.float32,
+                PV_IEEE=q.dtype == torch.float32 or not self.pv_hi_lo,
             )  # fmt: skip
             _merge_kernel[(t1 - t0, num_heads)](
                 partial_max, partial_sum, partial_out, out, self.token_pos, t0,
@@ -171,18 +174,21 @@ def plan_triton(
     positions: torch.Tensor,
     out_slots: torch.Tensor,
     sliding_window: int | None,
-    decode_block_m: int = DECODE_BLOCK_M,
+    decode_block_m: int | None = None,
+    pv_hi_lo: bool | None = None,
 ) -> TritonAttention:
     """table [R, max_len] int32; token_rows and positions [T]: each new token's table row and
     absolute position (the step has them already: no work here). decode_block_m: the tile
-    height of a decode-only step (a free choice: gpu_accept.py checks it keeps the bits)."""
+    height of a decode-only step, pv_hi_lo how P.V runs (None: DECODE_BLOCK_M, PV_HI_LO;
+    free choices, benchmarks/gpu/gpu_accept.py checks they keep a row's bits)."""
     return TritonAttention(
         out_slots=out_slots,
         table=table,
         token_rows=token_rows.int(),
         token_pos=positions.int(),
         sliding_window=sliding_window or 0,
-        decode_block_m=decode_block_m,
+        decode_block_m=DECODE_BLOCK_M if decode_block_m is None else decode_block_m,
+        pv_hi_lo=PV_HI_LO if pv_hi_lo is None else pv_hi_lo,
     )
 
 
@@ -193,7 +199,7 @@ if triton is not None:
         Q, K, V, TABLE, TILE_ROW, TILE_FIRST, TILE_POS, TILE_COUNT, MAX, SUM, OUT,
         stride_qt, stride_qh, stride_kh, stride_ks, stride_table, scale, window, token_base,
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, DIM: tl.constexpr, SPLIT: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, IEEE: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, IEEE: tl.constexpr, PV_IEEE: tl.constexpr,
     ):  # fmt: skip
         tile = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -249,8 +255,8 @@ if triton is not None:
             v = tl.load(V + where, mask=inside[:, None], other=0.0)
             total = total * rescale + tl.sum(weights, 1)
             acc = acc * rescale[:, None]
-            if IEEE:
-                acc = tl.dot(weights, v, acc, input_precision="ieee")
+            if PV_IEEE:
+                acc = tl.dot(weights.to(tl.float32), v.to(tl.float32), acc, input_precision="ieee")
             else:
                 # NOTE: on the tensor cores: the weights as hi + lo in the values' dtype
                 # (IEEE float32 on the CUDA cores took 20 ms of an H200's 64-row decode step;

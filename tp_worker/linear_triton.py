@@ -53,6 +53,8 @@ def k_slice(dtype: torch.dtype) -> int:
 DECODE_ROWS = 16  # at most this many rows: 16-row tiles
 PREFILL_ROWS = 512  # at least this many: 128 x 128 tiles
 SM_COUNT = 132  # an H100's and an H200's; read off the device where there is one
+ROW_BUCKETS = True  # False: one 64 x 128 tile for every row count (the first H200 run's)
+FUSED_EPILOGUES = True  # False: the residual add and silu(gate) * up in torch, after rounding
 
 
 def tile_config(
@@ -64,6 +66,8 @@ def tile_config(
     multiprocessor one."""
     del in_features
     k = k_slice(dtype)
+    if not ROW_BUCKETS:
+        return TileConfig(64, 128, k)
     if rows >= PREFILL_ROWS:
         return TileConfig(128, 128, k, num_warps=8)
     if rows > DECODE_ROWS:

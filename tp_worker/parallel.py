@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.tp_worker import linear_triton
 from tokenmill.tp_worker.cpu_ops import PackedLinear, fuses_gate_up, silu_mul_cpu
 from tokenmill.tp_worker.linear_triton import triton_linear
 
@@ -108,7 +109,7 @@ class ShardedLinear(nn.Module):
         whole = not self.row_parallel or (self.group.size == 1 and self.bias is None)
         if self.kernel is not None and residual is not None and whole:
             return self.kernel(x, out_dtype, residual=residual)
-        if self.triton and residual is not None and whole:
+        if self.triton and linear_triton.FUSED_EPILOGUES and residual is not None and whole:
             bias = None if self.row_parallel else self.bias
             return triton_linear(x, self.weight, bias, residual=residual)
         if not self.row_parallel:
@@ -125,7 +126,7 @@ class ShardedLinear(nn.Module):
             return self.kernel(x)
         if self.kernel is not None:
             return silu_mul_cpu(self.kernel(x, torch.float32), x.dtype)
-        if self.triton:  # NOTE: from the float32 sums too, in the kernel's epilogue
+        if self.triton and linear_triton.FUSED_EPILOGUES:  # NOTE: from the float32 sums too
             return triton_linear(x, self.weight, self.bias, glu=True)
         # NOTE: in float32 and rounded once, as the CPU kernels do (gate and up themselves
         # come rounded from torch's product).
