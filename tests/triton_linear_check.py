@@ -28,7 +28,7 @@ def check_against_float64(dtype: torch.dtype, config: TileConfig | None) -> None
         rounded = triton_linear(x, w, b, None, config)
         assert rounded.dtype == dtype
         # NOTE: the interpreter rounds float32 to bfloat16 its own way (half up, and a
-        # mantissa carry can miss the exponent); benchmarks/gpu_linear.py checks the GPU's
+        # mantissa carry can miss the exponent); benchmarks/gpu/gpu_accept.py checks the GPU's
         if dtype == torch.float32:
             assert torch.equal(rounded, out)
 

@@ -21,6 +21,7 @@ tile shapes on a lent GPU by benchmarks/gpu/gpu_accept.py.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -120,6 +121,7 @@ def triton_linear(
     return out
 
 
+@functools.cache
 def _sms(device: torch.device) -> int:
     if device.type != "cuda":
         return SM_COUNT

@@ -1,4 +1,5 @@
-"""The Triton linear kernel against cuBLAS on a lent GPU (run by benchmarks/gpu/gpu_check.sh):
+"""The Triton linear kernel against cuBLAS on a lent GPU, to try tile shapes (gpu_accept.py
+checks the defaults):
 an 8B Llama's weights in bfloat16 (qkv, o, gate_up, down, lm_head) at 1, 16, 64 and 4,096
 rows. For each: time and the rate it reads the weight at (small rows: a decode step is a
 read of the weights) or its TFLOP/s (4,096 rows: a prefill chunk), and whether row 0 has the
