@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # llama.cpp's own server, the CPU peer most people run on a CPU: llama-server and
 # llama-quantize built from the llama.cpp source vendored in the llama-cpp-python 0.3.36
-# source distribution (the package registry has it; nothing else is downloaded), with
-# convert_hf_to_gguf.py and gguf-py beside them for to_gguf.py. About 8 minutes of two cores;
-# needs cmake and g++.
+# source distribution (from the package registry, as everything here is), with
+# convert_hf_to_gguf.py and gguf-py beside them for to_gguf.py, whose python is DIR/venv: this
+# python's packages (torch, transformers, safetensors: tokenmill's environment) and
+# sentencepiece, which the converter imports for a Llama vocabulary. About 5-8 minutes of two
+# cores; needs cmake and g++.
 #
 #   bash benchmarks/peers/install_llama_cpp.sh [DIR]   (default ~/.cache/tokenmill-peers/llama.cpp)
 #
@@ -33,6 +35,8 @@ cmake -B build -DCMAKE_BUILD_TYPE=Release "${isa[@]}" -DLLAMA_CURL=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >build.log 2>&1
 cmake --build build --target llama-server llama-quantize -j"$(nproc)" >>build.log 2>&1 \
   || { tail -20 build.log; exit 1; }
+python3 -m venv --system-site-packages venv
+venv/bin/pip install -q sentencepiece
 {
   echo "llama.cpp from llama-cpp-python $VERSION's sdist; LLAMA_NO_AMX=$LLAMA_NO_AMX (${isa[*]})"
   build/bin/llama-server --version 2>&1 | grep -E "version|built" | tr '\n' ' '

@@ -4,9 +4,9 @@ llama-server serves the very weights tokenmill and vLLM load.
 
     python benchmarks/peers/to_gguf.py MODEL_DIR OUT.gguf [--outtype bf16|f16|f32|q8_0]
 
-Runs the converter with this python (it needs torch, numpy, safetensors and transformers,
-which tokenmill's environment has). side_by_side.py calls it when --only names llamacpp and
-no --gguf is given.
+The converter runs in the tree's venv (install_llama_cpp.sh: tokenmill's torch, numpy,
+safetensors and transformers, and sentencepiece), or with this python where there is none.
+side_by_side.py calls it when --only names llamacpp and no --gguf is given.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ def convert(model: Path, out: Path, outtype: str = "bf16", tree: Path = LLAMA_CP
     script = tree / "convert_hf_to_gguf.py"
     require(script, "run benchmarks/peers/install_llama_cpp.sh (or set LLAMA_CPP)")
     out.parent.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, str(script), str(model), "--outtype", outtype, "--outfile", str(out)]
+    venv = tree / "venv" / "bin" / "python"
+    python = str(venv) if venv.exists() else sys.executable
+    command = [python, str(script), str(model), "--outtype", outtype, "--outfile", str(out)]
     env = {**os.environ, "PYTHONPATH": str(tree / "gguf-py")}
     print(f"converting {model} to {out} ({outtype}) ...", flush=True)
     subprocess.run(command, check=True, env=env)
