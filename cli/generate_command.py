@@ -38,9 +38,9 @@ def run(args: argparse.Namespace) -> int:
     from tokenizers import Tokenizer
 
     from tokenmill.cli.default_model import resolve_model
+    from tokenmill.offline.engine import OfflineEngine, OfflineRequest
     from tokenmill.tp_worker.config import RunnerConfig
     from tokenmill.tp_worker.model_runner import ModelRunner
-    from tokenmill.tp_worker.offline import OfflineEngine, OfflineRequest
 
     if not 0 <= args.top_logprobs <= 20:
         raise SystemExit("--top-logprobs must be in 0..20")

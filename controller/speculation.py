@@ -6,7 +6,7 @@ the worker samples at each position exactly as plain decoding would there and ke
 drafts up to the first one its own sample disagrees with (tp_worker/model_runner._verify).
 So which drafts are proposed changes only the speed, never a token or a logprob. N-gram
 drafts are found here; a draft model's are written by the workers
-(tp_worker/draft_model.py), into placeholders the controller sends in their place.
+(tp_worker/model/draft.py), into placeholders the controller sends in their place.
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ def cpu_kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     """Each kind of bfloat16 kernel this machine has: the AVX-512 (or portable) ones and, on
     a CPU with AMX, the tile ones (linear_amx.cpp, attention_amx.cpp), which the worker picks
     there unless TOKENMILL_CPU_AMX=0."""
-    from tokenmill.tp_worker.cpu_ops import amx_enabled
+    from tokenmill.tp_worker.cpu.ops import amx_enabled
 
     monkeypatch.setenv("TOKENMILL_CPU_AMX", "1" if request.param == "amx" else "0")
     if request.param == "amx" and not amx_enabled():

@@ -10,9 +10,9 @@ import torch
 
 from tokenmill.controller.grammar import GrammarEngine
 from tokenmill.controller.speculation import SpeculativeConfig
+from tokenmill.offline.engine import OfflineEngine, OfflineOutput
 from tokenmill.tp_worker.config import RunnerConfig
 from tokenmill.tp_worker.model_runner import ModelRunner
-from tokenmill.tp_worker.offline import OfflineEngine, OfflineOutput
 
 
 def make_engine(

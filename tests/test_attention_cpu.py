@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill.tp_worker.attention_cpu import PagedAttention
+from tokenmill.tp_worker.cpu.attention import PagedAttention
 
 HEADS, KV_HEADS, DIM = 8, 2, 64
 

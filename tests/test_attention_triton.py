@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tokenmill.tp_worker import attention_triton
-from tokenmill.tp_worker.attention_triton import SPLIT, StepPlan
+from tokenmill.tp_worker.cuda import attention as attention_triton
+from tokenmill.tp_worker.cuda.attention import SPLIT, StepPlan
 
 CHECK = Path(__file__).with_name("triton_attention_check.py")
 

@@ -12,8 +12,8 @@ import torch
 import transformers
 from helpers import make_engine
 
-from tokenmill.tp_worker.model_config import load_model_config, parse_model_config
-from tokenmill.tp_worker.offline import OfflineRequest
+from tokenmill.offline.engine import OfflineRequest
+from tokenmill.tp_worker.model.config import load_model_config, parse_model_config
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

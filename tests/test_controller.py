@@ -16,6 +16,7 @@ from tokenmill.controller.controller import Controller
 from tokenmill.controller.scheduler import DECODE_SLOT_RUN
 from tokenmill.controller.step_timing import StepTiming
 from tokenmill.controller.token_prefix import common_prefix_len
+from tokenmill.offline.engine import LocalSockets
 from tokenmill.protocol.arrays import pack, unpack
 from tokenmill.protocol.outputs import BatchOutput, RequestOutput
 from tokenmill.protocol.requests import (
@@ -28,7 +29,6 @@ from tokenmill.protocol.requests import (
 from tokenmill.protocol.stats import EngineReport
 from tokenmill.protocol.step import FED_LAST_SAMPLE, ForwardBatch, StepResult, WorkerReady
 from tokenmill.tp_worker.fed_samples import LastSamples
-from tokenmill.tp_worker.offline import LocalSockets
 
 VOCAB = 50
 EOS = 1

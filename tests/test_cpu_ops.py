@@ -10,10 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from tokenmill.tp_worker import attention_cpu, cpu_kernels, cpu_ops
-from tokenmill.tp_worker.cpu_ops import PackedLinear, rms_norm_cpu, rope_store_cpu, silu_mul_cpu
-from tokenmill.tp_worker.parallel import ShardedLinear, TpGroup
-from tokenmill.tp_worker.rope import Rotary, apply_rotary, float32_cos_sin
+from tokenmill.tp_worker.cpu import attention as attention_cpu
+from tokenmill.tp_worker.cpu import kernels as cpu_kernels
+from tokenmill.tp_worker.cpu import ops as cpu_ops
+from tokenmill.tp_worker.cpu.ops import PackedLinear, rms_norm_cpu, rope_store_cpu, silu_mul_cpu
+from tokenmill.tp_worker.model.parallel import ShardedLinear, TpGroup
+from tokenmill.tp_worker.model.rope import Rotary, apply_rotary, float32_cos_sin
 
 CPU = torch.device("cpu")
 
@@ -285,7 +287,7 @@ def test_rotary_tables_are_this_threads_float32_cos_and_sin(monkeypatch) -> None
         built_with.append(torch.get_num_threads())
         return float32_cos_sin(positions, inv_freq)
 
-    monkeypatch.setattr("tokenmill.tp_worker.rope.float32_cos_sin", spy)
+    monkeypatch.setattr("tokenmill.tp_worker.model.rope.float32_cos_sin", spy)
     grown = rotary.cos_sin(torch.tensor([9000, 3]), torch.float32)  # past the table: it grows
     assert built_with == [1] and torch.get_num_threads() == threads
     angles = torch.tensor([9000.0, 3.0], dtype=torch.float64)[:, None] * rotary.inv_freq.double()

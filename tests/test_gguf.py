@@ -24,8 +24,8 @@ from safetensors.torch import load_file
 from tokenmill.cli import default_model, gguf_checkpoint, gguf_convert
 from tokenmill.cli.make_model.weights import write_weights
 from tokenmill.frontend.tokenizer import Tokenizer
-from tokenmill.tp_worker.offline import OfflineRequest
-from tokenmill.tp_worker.weight_loader import checkpoint_files
+from tokenmill.offline.engine import OfflineRequest
+from tokenmill.tp_worker.model.weights import checkpoint_files
 
 # NOTE: the types the gguf package quantizes from float32 (the tiny checkpoint's rows of 64
 # and 128 fit their blocks of 32), and the K types, whose blocks of 256 need wider rows.

@@ -1,4 +1,4 @@
-"""The CPU worker keeps the host memory it frees for the next step (tp_worker.host_memory)."""
+"""The CPU worker keeps the host memory it frees for the next step (tp_worker.cpu.host_memory)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import pytest
 PROBE = """
 import resource, sys
 import torch
-from tokenmill.tp_worker.cpu_ops import PackedLinear
-from tokenmill.tp_worker.host_memory import keep_freed_memory
+from tokenmill.tp_worker.cpu.ops import PackedLinear
+from tokenmill.tp_worker.cpu.host_memory import keep_freed_memory
 took = keep_freed_memory() if sys.argv[1] == "keep" else None
 layer = PackedLinear(torch.randn(4096, 768).bfloat16(), None, glu=True)
 x = torch.randn(8192, 768).bfloat16()

@@ -1,4 +1,4 @@
-"""tp_worker/huge_pages.py: the packed weights' memory on 2 MiB pages, carved in order, given
+"""tp_worker/cpu/huge_pages.py: the packed weights' memory on 2 MiB pages, carved in order, given
 back once its tensors are gone, and the packed panels the same either way."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import gc
 import pytest
 import torch
 
-from tokenmill.tp_worker import huge_pages
-from tokenmill.tp_worker.cpu_ops import PackedLinear, pack
+from tokenmill.tp_worker.cpu import huge_pages
+from tokenmill.tp_worker.cpu.ops import PackedLinear, pack
 
 pytestmark = pytest.mark.skipif(not huge_pages.enabled(), reason="no MADV_HUGEPAGE here")
 

@@ -14,10 +14,11 @@ import pytest
 import torch
 from helpers import make_engine
 
+from tokenmill.offline.engine import OfflineOutput, OfflineRequest
 from tokenmill.protocol.arrays import unpack
 from tokenmill.protocol.step import ForwardBatch, StepResult
-from tokenmill.tp_worker import cpu_ops, model_runner
-from tokenmill.tp_worker.offline import OfflineOutput, OfflineRequest
+from tokenmill.tp_worker import model_runner
+from tokenmill.tp_worker.cpu import ops as cpu_ops
 from tokenmill.tp_worker.step_inputs import LastLayerRows
 from tokenmill.tp_worker.upload import Upload
 

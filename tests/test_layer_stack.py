@@ -1,4 +1,4 @@
-"""The decoder layers as one native call (tp_worker/layer_stack.py, csrc/layer_stack.cpp)
+"""The decoder layers as one native call (tp_worker/cpu/layer_stack.py, csrc/layer_stack.cpp)
 give the Python loop's bits: tokens, logprobs, top-k and prompt logprobs, greedy and seeded,
 prefill chunks and decode steps, with q/k/v biases (qwen2), a sliding window, in float32 and
 bfloat16 and on each kind of bfloat16 kernel the machine has."""
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from helpers import make_engine
 
-from tokenmill.tp_worker.offline import OfflineEngine, OfflineRequest
+from tokenmill.offline.engine import OfflineEngine, OfflineRequest
 
 
 def _requests() -> list[OfflineRequest]:

@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill.tp_worker import cpu_kernels, logprobs
-from tokenmill.tp_worker.logprobs import LogSoftmax
-from tokenmill.tp_worker.sampling import greedy_ids
+from tokenmill.tp_worker.cpu import kernels as cpu_kernels
+from tokenmill.tp_worker.sample import logprobs
+from tokenmill.tp_worker.sample.logprobs import LogSoftmax
+from tokenmill.tp_worker.sample.sampling import greedy_ids
 
 
 def _logits(rows: int = 9, vocab: int = 1003, seed: int = 0) -> torch.Tensor:

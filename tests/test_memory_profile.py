@@ -1,4 +1,4 @@
-"""A GPU's KV cache sized after a profiling step (tp_worker/memory_profile.py), its logic on
+"""A GPU's KV cache sized after a profiling step (tp_worker/cuda/memory_profile.py), its logic on
 the CPU: the arithmetic, and a real runner sizing its cache through the profiling step with a
 stand-in for the GPU's memory reader; the step leaves nothing behind (the same bits after)."""
 
@@ -11,12 +11,12 @@ import pytest
 from helpers import assert_same_bits
 
 from tokenmill.frontend.server_config import SchedulerArgs, ServerConfig, validate
+from tokenmill.offline.engine import OfflineEngine, OfflineRequest
 from tokenmill.protocol.arrays import unpack
 from tokenmill.protocol.step import ForwardBatch, StepResult
 from tokenmill.tp_worker.config import RunnerConfig
-from tokenmill.tp_worker.memory_profile import KvBudget, MemoryUse
+from tokenmill.tp_worker.cuda.memory_profile import KvBudget, MemoryUse
 from tokenmill.tp_worker.model_runner import ModelRunner
-from tokenmill.tp_worker.offline import OfflineEngine, OfflineRequest
 
 GIB = 1 << 30
 

@@ -11,7 +11,7 @@ from conftest import ARCHS
 from helpers import assert_matches_oracle, assert_top_close, make_engine, oracle
 
 from tokenmill.frontend.tokenizer import Tokenizer as FrontendTokenizer
-from tokenmill.tp_worker.offline import OfflineRequest
+from tokenmill.offline.engine import OfflineRequest
 
 TEXTS = [
     "The module",

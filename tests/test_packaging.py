@@ -19,8 +19,13 @@ SUBPACKAGES = [
     "frontend.api",
     "frontend.app",
     "frontend.engine",
+    "offline",
     "protocol",
     "tp_worker",
+    "tp_worker.cpu",
+    "tp_worker.cuda",
+    "tp_worker.model",
+    "tp_worker.sample",
 ]
 
 
@@ -47,7 +52,7 @@ def test_plain_install_imports_from_outside_the_repo(tmp_path: Path) -> None:
     code = "; ".join(
         [f"import tokenmill.{p}" for p in SUBPACKAGES]
         + [
-            "import tokenmill.tp_worker.cpu_kernels as k",
+            "import tokenmill.tp_worker.cpu.kernels as k",
             "assert all(s.exists() for s in k.SOURCES + k.HEADERS), k.SOURCES",
             "import tokenmill.cli.main as c",
             "print(c.__file__)",

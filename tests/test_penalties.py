@@ -1,5 +1,5 @@
-"""The stop ban, logit_bias and penalties (tp_worker/penalties.py) against a plain per-request
-reference, through ForwardBatches the controller's batch builder makes.
+"""The stop ban, logit_bias and penalties (tp_worker/sample/penalties.py) against a plain
+per-request reference, through ForwardBatches the controller's batch builder makes.
 
 A randomised schedule drives several requests through chunked prefills, decode steps,
 preemptions that restart a row from zero or from a cached prefix, table refills that are not
@@ -28,7 +28,7 @@ from tokenmill.protocol.requests import (
     SamplingParams,
 )
 from tokenmill.protocol.step import ForwardBatch
-from tokenmill.tp_worker.penalties import LogitAdjuster, LogitAdjustments
+from tokenmill.tp_worker.sample.penalties import LogitAdjuster, LogitAdjustments
 from tokenmill.tp_worker.upload import Upload
 
 VOCAB = 64

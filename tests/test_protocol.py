@@ -57,7 +57,7 @@ from tokenmill.protocol.step import (
 
 ALLOWED_DTYPES = ["bool", "int8", "int32", "int64", "float16", "float32", "float64", "uint8"]
 SHAPES = [(), (0,), (5,), (3, 0), (2, 3), (2, 3, 4), (1, 1, 1, 7)]
-PACKAGE_DIRS = ["cli", "controller", "tp_worker", "detokenizer", "frontend", "protocol"]
+PACKAGE_DIRS = ["cli", "controller", "tp_worker", "detokenizer", "frontend", "offline", "protocol"]
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STEP_DECODER = msgspec.msgpack.Decoder(ForwardBatch | StepResult)
 WORKER_DECODER = msgspec.msgpack.Decoder(WorkerMessage)

@@ -9,8 +9,8 @@ import pytest
 import torch
 from helpers import assert_same_bits, make_engine
 
+from tokenmill.offline.engine import OfflineRequest
 from tokenmill.tp_worker import step_outputs
-from tokenmill.tp_worker.offline import OfflineRequest
 
 
 def test_gathered_arrays_are_the_tensors() -> None:

@@ -23,7 +23,7 @@ from server_process import ServerProcess, start_server
 
 from tokenmill.cli.make_model import build_checkpoint
 from tokenmill.cli.weight_sync import WeightSync
-from tokenmill.tp_worker.offline import OfflineRequest
+from tokenmill.offline.engine import OfflineRequest
 
 KEY = "rl-test-key"
 PROMPT = list(range(40, 70))

@@ -1,4 +1,4 @@
-"""Tests of tp_worker/sampling.py against a plain per-request NumPy reference.
+"""Tests of tp_worker/sample/sampling.py against a plain per-request NumPy reference.
 
 The batched torch code must give, row by row, the distribution a one-request-at-a-time
 implementation gives, and its noise must make each sample a function of (seed, position)
@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from tokenmill.tp_worker import cpu_kernels, sampling
-from tokenmill.tp_worker.sampling import (
+from tokenmill.tp_worker.cpu import kernels as cpu_kernels
+from tokenmill.tp_worker.sample import sampling
+from tokenmill.tp_worker.sample.sampling import (
     SamplingTensors,
     exponential_noise,
     filtered_probs,

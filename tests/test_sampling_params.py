@@ -37,7 +37,7 @@ from tokenmill.protocol.requests import (
 from tokenmill.protocol.step import StepResult
 from tokenmill.tp_worker.config import RunnerConfig
 from tokenmill.tp_worker.model_runner import ModelRunner
-from tokenmill.tp_worker.sampling import exponential_noise
+from tokenmill.tp_worker.sample.sampling import exponential_noise
 
 
 @dataclass

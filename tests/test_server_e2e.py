@@ -19,7 +19,7 @@ import transformers
 from helpers import assert_same_tp_answer, make_engine, oracle
 
 from tokenmill.detokenizer.token_table import TokenTable
-from tokenmill.tp_worker.offline import OfflineOutput, OfflineRequest
+from tokenmill.offline.engine import OfflineOutput, OfflineRequest
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},

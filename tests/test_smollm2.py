@@ -29,7 +29,7 @@ from tokenmill.cli.default_model import DEFAULT_MODEL_NAME, packaged_gguf
 from tokenmill.cli.gguf_checkpoint import gguf_checkpoint
 from tokenmill.frontend.api.chat_template import ChatTemplate
 from tokenmill.frontend.tokenizer import Tokenizer
-from tokenmill.tp_worker.offline import OfflineOutput, OfflineRequest
+from tokenmill.offline.engine import OfflineOutput, OfflineRequest
 
 PROSE = (
     "Bees find their way home by the sun. A forager that has found a field of clover flies "

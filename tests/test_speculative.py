@@ -25,7 +25,7 @@ from tokenmill.controller.speculation import (
     Speculator,
     _lookup,
 )
-from tokenmill.tp_worker.offline import OfflineEngine, OfflineOutput, OfflineRequest
+from tokenmill.offline.engine import OfflineEngine, OfflineOutput, OfflineRequest
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": %d}'
 

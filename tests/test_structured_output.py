@@ -29,10 +29,10 @@ from tokenmill.frontend.api.constraints import (
     regex_grammar,
 )
 from tokenmill.frontend.tokenizer import Tokenizer
+from tokenmill.offline.engine import OfflineEngine, OfflineOutput, OfflineRequest
 from tokenmill.protocol.requests import Constraint
 from tokenmill.tp_worker.config import RunnerConfig
 from tokenmill.tp_worker.model_runner import ModelRunner
-from tokenmill.tp_worker.offline import OfflineEngine, OfflineOutput, OfflineRequest
 
 CLASSIFY = {
     "type": "object",
@@ -498,7 +498,7 @@ def test_a_constraint_cut_by_max_tokens_ends_with_length(qwen2_server, qwen2_cli
 def test_bitmasks_unpack_alike_on_the_host_and_the_device_path() -> None:
     import torch
 
-    from tokenmill.tp_worker.grammar_mask import forbidden_ids, unpack_on_device
+    from tokenmill.tp_worker.sample.grammar_mask import forbidden_ids, unpack_on_device
 
     rng = np.random.default_rng(0)
     bitmask = rng.integers(-(2**31), 2**31, size=(3, 5), dtype=np.int64).astype(np.int32)
@@ -518,7 +518,7 @@ def test_a_row_left_with_nothing_samples_among_the_grammars_ids() -> None:
 
     from tokenmill.protocol.arrays import pack
     from tokenmill.protocol.step import GrammarRows
-    from tokenmill.tp_worker.grammar_mask import GrammarTensors
+    from tokenmill.tp_worker.sample.grammar_mask import GrammarTensors
 
     logits = torch.randn(2, 64)
     logits[1, 3] = float("-inf")  # NOTE: the ban on eos (id 3)

@@ -10,8 +10,8 @@ import pytest
 import torch
 from helpers import assert_same_bits, make_engine
 
+from tokenmill.offline.engine import OfflineEngine, OfflineRequest
 from tokenmill.tp_worker import upload
-from tokenmill.tp_worker.offline import OfflineEngine, OfflineRequest
 from tokenmill.tp_worker.step_inputs import StepInputsBuilder
 from tokenmill.tp_worker.upload import Upload
 

@@ -9,8 +9,8 @@ import sys
 import torch
 from triton_interpreter import rowwise_interpreted_dot
 
-from tokenmill.tp_worker import attention_triton
-from tokenmill.tp_worker.attention_triton import SPLIT, plan_triton
+from tokenmill.tp_worker.cuda import attention as attention_triton
+from tokenmill.tp_worker.cuda.attention import SPLIT, plan_triton
 
 HQ, HKV, DIM, SLOTS = 4, 2, 16, 2048
 
@@ -116,9 +116,9 @@ def run(dtype: torch.dtype, window: int) -> None:
 def run_model(model_dir: str) -> None:
     """The whole model on the Triton backend against the torch path (SDPA): a prompt with
     its logprobs, a prefix-cache hit, greedy tokens."""
+    from tokenmill.offline.engine import OfflineEngine, OfflineRequest
     from tokenmill.tp_worker.config import RunnerConfig
     from tokenmill.tp_worker.model_runner import ModelRunner
-    from tokenmill.tp_worker.offline import OfflineEngine, OfflineRequest
 
     results = {}
     for backend in ("sdpa", "triton"):

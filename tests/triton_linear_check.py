@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from triton_interpreter import rowwise_interpreted_dot
 
-from tokenmill.tp_worker.linear_triton import TileConfig, k_slice, tile_config, triton_linear
+from tokenmill.tp_worker.cuda.linear import TileConfig, k_slice, tile_config, triton_linear
 
 # NOTE: small tiles so that the interpreter's pass is quick and shapes cross tile edges
 SMALL = TileConfig(16, 16, 16)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.tp_worker.rowwise_triton import MAX_BLOCK, log_softmax_stats, rms_norm
+from tokenmill.tp_worker.cuda.rowwise import MAX_BLOCK, log_softmax_stats, rms_norm
 
 
 def check_rms_norm(dtype: torch.dtype) -> None:

@@ -16,7 +16,7 @@ class RunnerConfig:
     most max_running_requests * max_model_len)."""
     gpu_memory_utilization: float = 0.9
     """With kv_cache_tokens 0 on a GPU: the share of the device's memory this rank may use
-    (memory_profile.py sizes the KV cache after a profiling step)."""
+    (cuda/memory_profile.py sizes the KV cache after a profiling step)."""
     profile_tokens: int = 2048
     """The profiling step's prefill: the largest chunk a step takes (--max-prefill-tokens)."""
     max_logprobs: int = 20

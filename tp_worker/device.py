@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.tp_worker.cpu_kernels import cpu_flags
+from tokenmill.tp_worker.cpu.kernels import cpu_flags
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -33,7 +33,7 @@ def cpu_has_native_bf16() -> bool:
 
 # NOTE: the share of available memory the KV cache may take on the CPU when
 # --kv-cache-tokens is 0: the rest of the machine needs room too. (A GPU's cache is sized
-# after a profiling step: memory_profile.py.)
+# after a profiling step: cuda/memory_profile.py.)
 CPU_KV_MEMORY_FRACTION = 0.25
 
 

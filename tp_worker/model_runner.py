@@ -18,26 +18,27 @@ import torch
 from tokenmill.protocol.arrays import unpack
 from tokenmill.protocol.control import WorkerAction
 from tokenmill.protocol.step import ForwardBatch, StepResult
-from tokenmill.tp_worker import attention_triton, cpu_ops
-from tokenmill.tp_worker.attention import plan_attention, plan_last_layer
 from tokenmill.tp_worker.config import RunnerConfig
-from tokenmill.tp_worker.device import cpu_kv_cache_tokens, resolve_device, resolve_dtype
-from tokenmill.tp_worker.draft_model import DraftModel
-from tokenmill.tp_worker.fed_samples import LastSamples
-from tokenmill.tp_worker.logprobs import ScoredPositions, default_chunk_size, score_prompt
-from tokenmill.tp_worker.memory_profile import (
+from tokenmill.tp_worker.cpu import ops as cpu_ops
+from tokenmill.tp_worker.cuda import attention as attention_triton
+from tokenmill.tp_worker.cuda.memory_profile import (
     CudaMemory,
     DeviceMemory,
     KvBudget,
     profile_kv_budget,
 )
-from tokenmill.tp_worker.model import CausalLM, local_kv_heads
-from tokenmill.tp_worker.model_config import ModelConfig, load_model_config
-from tokenmill.tp_worker.parallel import TpGroup
-from tokenmill.tp_worker.penalties import LogitAdjuster
+from tokenmill.tp_worker.device import cpu_kv_cache_tokens, resolve_device, resolve_dtype
+from tokenmill.tp_worker.fed_samples import LastSamples
+from tokenmill.tp_worker.model.attention import plan_attention, plan_last_layer
+from tokenmill.tp_worker.model.config import ModelConfig, load_model_config
+from tokenmill.tp_worker.model.decoder import CausalLM, local_kv_heads
+from tokenmill.tp_worker.model.draft import DraftModel
+from tokenmill.tp_worker.model.parallel import TpGroup
+from tokenmill.tp_worker.model.weights import dummy_weights, load_weights
+from tokenmill.tp_worker.sample.logprobs import ScoredPositions, default_chunk_size, score_prompt
+from tokenmill.tp_worker.sample.penalties import LogitAdjuster
 from tokenmill.tp_worker.step_inputs import StepInputs, StepInputsBuilder
 from tokenmill.tp_worker.step_outputs import StepOutputs, score_sampled
-from tokenmill.tp_worker.weight_loader import dummy_weights, load_weights
 from tokenmill.tp_worker.weight_update import WeightUpdater
 
 logger = logging.getLogger(__name__)
@@ -157,7 +158,7 @@ class ModelRunner:
         return min(cap, budget.kv_tokens)
 
     def profile_kv_budget(self, memory: DeviceMemory) -> KvBudget:
-        """The profiling step (memory_profile.py) over a scratch KV cache of one chunk's
+        """The profiling step (cuda/memory_profile.py) over a scratch KV cache of one chunk's
         slots and a one-row table; then the runner holds no cache and its row samples are
         forgotten, as before."""
         tokens = max(1, min(self.config.profile_tokens, self.config.max_model_len))

@@ -13,8 +13,8 @@ import torch
 
 from tokenmill.protocol.arrays import Array, unpack
 from tokenmill.protocol.step import ForwardBatch
-from tokenmill.tp_worker.penalties import LogitAdjustments, row_of_each
-from tokenmill.tp_worker.sampling import SamplingTensors
+from tokenmill.tp_worker.sample.penalties import LogitAdjustments, row_of_each
+from tokenmill.tp_worker.sample.sampling import SamplingTensors
 from tokenmill.tp_worker.upload import Upload, empty
 
 

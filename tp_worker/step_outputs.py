@@ -16,8 +16,8 @@ import torch
 
 from tokenmill.protocol.arrays import Array, pack
 from tokenmill.protocol.step import StepResult
-from tokenmill.tp_worker.logprobs import LogSoftmax, ScoredPositions
-from tokenmill.tp_worker.sampling import greedy_ids, processed_logprobs, sample
+from tokenmill.tp_worker.sample.logprobs import LogSoftmax, ScoredPositions
+from tokenmill.tp_worker.sample.sampling import greedy_ids, processed_logprobs, sample
 from tokenmill.tp_worker.step_inputs import StepInputs
 from tokenmill.tp_worker.upload import NUMPY_OF
 

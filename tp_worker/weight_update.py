@@ -28,9 +28,9 @@ from tokenmill.protocol.control import (
     ResumeMemory,
     WorkerAction,
 )
-from tokenmill.tp_worker.host_memory import give_memory_back
-from tokenmill.tp_worker.model import CausalLM
-from tokenmill.tp_worker.weight_loader import (
+from tokenmill.tp_worker.cpu.host_memory import give_memory_back
+from tokenmill.tp_worker.model.decoder import CausalLM
+from tokenmill.tp_worker.model.weights import (
     checkpoint_files,
     dummy_weights,
     load_tensor,

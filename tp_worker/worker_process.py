@@ -33,8 +33,8 @@ from tokenmill.protocol.step import (
 )
 from tokenmill.protocol.step_channel import FrameStream, is_step_channel
 from tokenmill.tp_worker.config import RunnerConfig, WorkerConfig
+from tokenmill.tp_worker.cpu.host_memory import keep_freed_memory
 from tokenmill.tp_worker.device import resolve_device
-from tokenmill.tp_worker.host_memory import keep_freed_memory
 from tokenmill.tp_worker.model_runner import ModelRunner
 from tokenmill.tp_worker.weight_update import BadWeights
 

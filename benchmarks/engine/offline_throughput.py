@@ -1,6 +1,6 @@
 """The engine's own throughput, in one process: no HTTP, no detokenizer, no client.
 
-Runs the real controller over an in-process model runner (tp_worker/offline.py) on one
+Runs the real controller over an in-process model runner (offline/engine.py) on one
 device, for the two side-by-side workloads (64 prompts of 256 in / 64 out and of 64 in / 256
 out, random token ids, no prefix cache), with and without top-5 logprobs, and prints output
 tokens per second. The gap to `tokenmill bench` against a server on the same machine is what
@@ -21,9 +21,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: benchmarks.*
 from benchmarks.checkpoints import add_model_args, resolve_model  # noqa: E402
+from tokenmill.offline.engine import OfflineEngine, OfflineRequest  # noqa: E402
 from tokenmill.tp_worker.config import RunnerConfig  # noqa: E402
 from tokenmill.tp_worker.model_runner import ModelRunner  # noqa: E402
-from tokenmill.tp_worker.offline import OfflineEngine, OfflineRequest  # noqa: E402
 
 WORKLOADS = ((256, 64), (64, 256))  # (input tokens, output tokens)
 PROMPTS = 64

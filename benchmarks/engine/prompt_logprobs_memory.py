@@ -106,9 +106,9 @@ class PeakMemory:
 def run_child(args: argparse.Namespace) -> dict[str, object]:
     import numpy as np
 
+    from tokenmill.offline.engine import OfflineEngine, OfflineRequest
     from tokenmill.tp_worker.config import RunnerConfig
     from tokenmill.tp_worker.model_runner import ModelRunner
-    from tokenmill.tp_worker.offline import OfflineEngine, OfflineRequest
 
     max_tokens, start, num_top = VARIANTS[args.child]
     slots = args.prompt_len + 64

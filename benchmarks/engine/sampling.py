@@ -3,7 +3,7 @@
 First, one sampling call on [batch, vocab] float32 logits for the settings clients send
 (greedy, temperature 1, top-p 0.9, top-k 50 with top-p 0.95 and min-p 0.05), both paths in
 one run, alternated over rounds; then the engine's own decode step in one process
-(tp_worker/offline.py, `--batch` requests of 32 prompt tokens and 128 outputs) greedy and at
+(offline/engine.py, `--batch` requests of 32 prompt tokens and 128 outputs) greedy and at
 temperature 1 with top-p 0.9, the sampler the runner picks on this machine.
 
     python benchmarks/engine/sampling.py [--preset small|medium | --model DIR] [--batch 32]
@@ -20,10 +20,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: benchmarks.*
 from benchmarks.checkpoints import add_model_args, resolve_model  # noqa: E402
+from tokenmill.offline.engine import OfflineEngine, OfflineRequest  # noqa: E402
 from tokenmill.tp_worker.config import RunnerConfig  # noqa: E402
 from tokenmill.tp_worker.model_runner import ModelRunner  # noqa: E402
-from tokenmill.tp_worker.offline import OfflineEngine, OfflineRequest  # noqa: E402
-from tokenmill.tp_worker.sampling import SamplingTensors, sample  # noqa: E402
+from tokenmill.tp_worker.sample.sampling import SamplingTensors, sample  # noqa: E402
 
 # (label, temperature, top_k, top_p, min_p)
 SETTINGS = (

@@ -1,6 +1,6 @@
 """Where a decode step's time goes outside the model forward, part by part, in one process.
 
-Runs the real controller over an in-process runner (tp_worker/offline.py: no sockets, no
+Runs the real controller over an in-process runner (offline/engine.py: no sockets, no
 HTTP) at batch --batch, each part of a step timed by a wrapper this script puts around it
 (nothing in the engine changes), and prints the median per decode step of each: the
 controller's output processing, scheduling and batch build, and the worker's step inputs,
@@ -34,13 +34,13 @@ from benchmarks.checkpoints import add_model_args, resolve_model  # noqa: E402
 from tokenmill.controller.batch_builder import BatchBuilder  # noqa: E402
 from tokenmill.controller.output_processor import OutputProcessor  # noqa: E402
 from tokenmill.controller.scheduler import Scheduler  # noqa: E402
+from tokenmill.offline.engine import OfflineEngine, OfflineRequest  # noqa: E402
 from tokenmill.protocol.arrays import unpack  # noqa: E402
 from tokenmill.protocol.step import ForwardBatch  # noqa: E402
 from tokenmill.tp_worker.config import RunnerConfig  # noqa: E402
+from tokenmill.tp_worker.cpu.host_memory import keep_freed_memory  # noqa: E402
 from tokenmill.tp_worker.fed_samples import LastSamples  # noqa: E402
-from tokenmill.tp_worker.host_memory import keep_freed_memory  # noqa: E402
 from tokenmill.tp_worker.model_runner import ModelRunner  # noqa: E402
-from tokenmill.tp_worker.offline import OfflineEngine, OfflineRequest  # noqa: E402
 from tokenmill.tp_worker.step_inputs import StepInputsBuilder  # noqa: E402
 from tokenmill.tp_worker.step_outputs import StepOutputs  # noqa: E402
 

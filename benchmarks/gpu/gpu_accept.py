@@ -49,10 +49,11 @@ from gpu_check import (  # noqa: E402
 )
 
 from tokenmill.cli.make_model import build_checkpoint  # noqa: E402
-from tokenmill.tp_worker import attention_triton, rowwise_triton  # noqa: E402
-from tokenmill.tp_worker.attention_triton import plan_triton  # noqa: E402
-from tokenmill.tp_worker.linear_triton import TileConfig, k_slice, triton_linear  # noqa: E402
-from tokenmill.tp_worker.offline import OfflineEngine, OfflineRequest  # noqa: E402
+from tokenmill.offline.engine import OfflineEngine, OfflineRequest  # noqa: E402
+from tokenmill.tp_worker.cuda import attention as attention_triton  # noqa: E402
+from tokenmill.tp_worker.cuda import rowwise as rowwise_triton  # noqa: E402
+from tokenmill.tp_worker.cuda.attention import plan_triton  # noqa: E402
+from tokenmill.tp_worker.cuda.linear import TileConfig, k_slice, triton_linear  # noqa: E402
 
 STAGES = ("env", "kernels", "tiny", "model", "syncs", "speed", "kv")
 LLAMA_8B = {"hidden": 4096, "heads": 32, "kv_heads": 8, "head_dim": 128, "inter": 14336,

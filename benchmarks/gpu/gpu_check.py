@@ -33,9 +33,9 @@ from pathlib import Path
 import torch
 
 from tokenmill.cli.make_model import build_checkpoint
+from tokenmill.offline.engine import OfflineEngine, OfflineRequest
 from tokenmill.tp_worker.config import RunnerConfig
 from tokenmill.tp_worker.model_runner import ModelRunner
-from tokenmill.tp_worker.offline import OfflineEngine, OfflineRequest
 
 SHAPES = {
     "8b": {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,

@@ -19,7 +19,7 @@ mkdir -p "$OUT"
     # links to the top-level folders instead: nothing is built or installed.
     python -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
     mkdir -p /tmp/tm/tokenmill
-    for d in cli controller detokenizer frontend protocol tp_worker; do
+    for d in cli controller detokenizer frontend offline protocol tp_worker; do
         ln -sfn "$PWD/$d" "/tmp/tm/tokenmill/$d"
     done
     export PYTHONPATH=/tmp/tm:/tmp/site PYTHONUNBUFFERED=1

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tokenmill.tp_worker.linear_triton import TileConfig, tile_config, triton_linear
+from tokenmill.tp_worker.cuda.linear import TileConfig, tile_config, triton_linear
 
 SHAPES = {  # name: (out_features, in_features), an 8B Llama at TP=1
     "qkv": (6144, 4096),
@@ -107,8 +107,8 @@ def one_weight(
 def sampler_rows_alone(device: torch.device, vocab: int) -> dict:
     """The torch path's log-softmax statistics, top-k, argmax and seeded sampling on a
     vocabulary of `vocab`: row 0 alone against row 0 of a batch of 64, bit for bit."""
-    from tokenmill.tp_worker.logprobs import LogSoftmax
-    from tokenmill.tp_worker.sampling import SamplingTensors, greedy_ids, sample
+    from tokenmill.tp_worker.sample.logprobs import LogSoftmax
+    from tokenmill.tp_worker.sample.sampling import SamplingTensors, greedy_ids, sample
 
     g = torch.Generator(device=device).manual_seed(1)
     logits = 4 * torch.randn(64, vocab, device=device, generator=g)

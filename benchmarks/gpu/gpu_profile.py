@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_check import engine, shaped_model  # noqa: E402
 
 from tokenmill.cli.make_model import build_checkpoint  # noqa: E402
-from tokenmill.tp_worker.offline import OfflineRequest  # noqa: E402
+from tokenmill.offline.engine import OfflineRequest  # noqa: E402
 
 
 def device_us(event) -> float:

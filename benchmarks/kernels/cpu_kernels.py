@@ -27,9 +27,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from tokenmill.tp_worker.attention_cpu import PagedAttention
-from tokenmill.tp_worker.cpu_kernels import library
-from tokenmill.tp_worker.cpu_ops import PackedLinear, amx_enabled, product_input
+from tokenmill.tp_worker.cpu.attention import PagedAttention
+from tokenmill.tp_worker.cpu.kernels import library
+from tokenmill.tp_worker.cpu.ops import PackedLinear, amx_enabled, product_input
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, DIM = 768, 2048, 12, 12, 4, 64
 # (in, out) of each projection of one layer: q/k/v fused, o, gate/up fused, down

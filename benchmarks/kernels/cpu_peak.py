@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.tp_worker.cpu_kernels import _compiler
+from tokenmill.tp_worker.cpu.kernels import _compiler
 
 SOURCE = Path(__file__).with_name("cpu_peak.cpp")
 ITERS = 20_000_000

@@ -42,10 +42,10 @@ from typing import TypeVar
 import torch
 from cpu_kernels import DIM, HEADS, HIDDEN, KV_HEADS, LAYER, LAYERS, attention_case
 
-import tokenmill.tp_worker.attention_cpu as attention_cpu
-from tokenmill.tp_worker import cpu_kernels
-from tokenmill.tp_worker.cpu_ops import DTYPE_CODES, amx_enabled, gate_up_panels, pack
-from tokenmill.tp_worker.rope import Rotary
+import tokenmill.tp_worker.cpu.attention as attention_cpu
+from tokenmill.tp_worker.cpu import kernels as cpu_kernels
+from tokenmill.tp_worker.cpu.ops import DTYPE_CODES, amx_enabled, gate_up_panels, pack
+from tokenmill.tp_worker.model.rope import Rotary
 
 CSRC = Path(cpu_kernels.__file__).parent / "csrc"
 Out = TypeVar("Out")  # what a case writes into: a tensor, or a list of them

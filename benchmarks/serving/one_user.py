@@ -40,7 +40,7 @@ from server import median_tpot_ttft_ms, settled_metrics, start_variant, stop_ser
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: benchmarks.*
 from benchmarks.checkpoints import demo_model  # noqa: E402
 from tokenmill.cli.default_model import resolve_model  # noqa: E402
-from tokenmill.tp_worker.model_config import ModelConfig, load_model_config  # noqa: E402
+from tokenmill.tp_worker.model.config import ModelConfig, load_model_config  # noqa: E402
 
 TIMING = (
     "decode_steps",

@@ -43,8 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: 
 from benchmarks.checkpoints import add_model_args, resolve_model  # noqa: E402
 from benchmarks.kernels import cpu_peak  # noqa: E402
 from benchmarks.peers.launch import start_vllm, stop  # noqa: E402
-from tokenmill.tp_worker.cpu_ops import amx_enabled  # noqa: E402
-from tokenmill.tp_worker.model_config import ModelConfig, load_model_config  # noqa: E402
+from tokenmill.tp_worker.cpu.ops import amx_enabled  # noqa: E402
+from tokenmill.tp_worker.model.config import ModelConfig, load_model_config  # noqa: E402
 
 LABELS = [100, 200]
 

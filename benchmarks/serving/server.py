@@ -20,7 +20,7 @@ from tokenmill.cli.bench.client import BenchOptions, RequestResult, fetch_model_
 from tokenmill.cli.bench.datasets import random_requests
 from tokenmill.cli.bench.metrics import tpot
 from tokenmill.cli.server_subprocess import launch, stop
-from tokenmill.tp_worker.model_config import ModelConfig
+from tokenmill.tp_worker.model.config import ModelConfig
 
 
 def start_server(

@@ -299,7 +299,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     from tokenmill.cli.make_model.draft import layer_truncated
-    from tokenmill.tp_worker.model_config import load_model_config
+    from tokenmill.tp_worker.model.config import load_model_config
 
     args = parse_args()
     args.dtype = args.dtype or ("bfloat16" if cpu_has_native_bf16() else "float32")

@@ -32,7 +32,7 @@ from server import layer_multiply_adds, settled_metrics, start_server, stop_serv
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: benchmarks.*
 from benchmarks.checkpoints import add_model_args, resolve_model  # noqa: E402
-from tokenmill.tp_worker.model_config import ModelConfig  # noqa: E402
+from tokenmill.tp_worker.model.config import ModelConfig  # noqa: E402
 
 TARGET = 0.10
 ROUNDS = 5  # prefill steps and bare products, in turn
@@ -132,10 +132,10 @@ def prefill_gflops(model: Path, args: argparse.Namespace) -> None:
     import torch
     import torch.nn.functional as F
 
+    from tokenmill.offline.engine import OfflineEngine, OfflineRequest
     from tokenmill.tp_worker.config import RunnerConfig
-    from tokenmill.tp_worker.host_memory import keep_freed_memory
+    from tokenmill.tp_worker.cpu.host_memory import keep_freed_memory
     from tokenmill.tp_worker.model_runner import ModelRunner
-    from tokenmill.tp_worker.offline import OfflineEngine, OfflineRequest
 
     num_prompts, tokens = 8, args.prefill_tokens
     per_prompt = tokens // num_prompts

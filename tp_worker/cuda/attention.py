@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tokenmill.tp_worker.attention_sdpa import TorchProjection
+from tokenmill.tp_worker.model.attention_sdpa import TorchProjection
 
 try:
     import triton

@@ -1,4 +1,4 @@
-// The decoder layers of one step in one call (tp_worker, via ctypes: layer_stack.py).
+// The decoder layers of one step in one call (tp_worker, via ctypes: cpu/layer_stack.py).
 //
 // The same kernels, in the same order, on the same operands as model.py's DecoderLayer runs
 // them through ctypes one by one, so every bit is the one the Python loop computes: RMSNorm,
@@ -20,10 +20,10 @@
 
 namespace {
 
-// A layer's row of the weights table (int64 addresses; 0 for no bias), layer_stack.py's order.
+// A layer's row of the weights table (int64 addresses; 0 for no bias), cpu/layer_stack.py's order.
 enum Field { INPUT_NORM, QKV, QKV_BIAS, O, POST_NORM, GATE_UP, DOWN, K_CACHE, V_CACHE, FIELDS };
 
-// The model's shape, layer_stack.py's order.
+// The model's shape, cpu/layer_stack.py's order.
 struct Shape {
   int64_t hidden, heads, kv_heads, head_dim, inter, dtype, linear_amx, attention_amx, window,
       head_stride, slot_stride;
@@ -37,7 +37,7 @@ struct Plan {
   int64_t num_rows;
 };
 
-// Where a layer's intermediate rows go (layer_stack.py plans them once per step, laid out as
+// Where a layer's intermediate rows go (cpu/layer_stack.py plans them once per step, laid out as
 // the products read them: cpu_ops.product_rows).
 struct Scratch {
   void* normed;

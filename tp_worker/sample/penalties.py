@@ -18,7 +18,7 @@ import torch
 
 from tokenmill.protocol.arrays import unpack
 from tokenmill.protocol.step import ForwardBatch, LogitBias, PenaltyBatch, StopBan
-from tokenmill.tp_worker.grammar_mask import GrammarTensors
+from tokenmill.tp_worker.sample.grammar_mask import GrammarTensors
 from tokenmill.tp_worker.upload import Upload
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from tokenmill.tp_worker.model import CausalLM, DecoderLayer, local_kv_heads
+from tokenmill.tp_worker.model.decoder import CausalLM, DecoderLayer, local_kv_heads
 
 logger = logging.getLogger(__name__)
 

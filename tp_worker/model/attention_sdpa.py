@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tokenmill.tp_worker.rope import apply_rotary
+from tokenmill.tp_worker.model.rope import apply_rotary
 
 KEY_BLOCK = 64
 QUERY_BLOCK = 32
@@ -36,7 +36,7 @@ class AttentionGroup:
 
 class TorchProjection:
     """`attend_projection` with torch ops (RoPE, the KV write) for backends that bring only
-    their own `attend`: SDPA here, Triton in attention_triton.py."""
+    their own `attend`: SDPA here, Triton in cuda/attention.py."""
 
     out_slots: torch.Tensor
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.tp_worker.cpu_kernels import library
+from tokenmill.tp_worker.cpu.kernels import library
 
 _MASK32 = 0xFFFFFFFF
 

@@ -5,7 +5,7 @@ in seconds with the machine's g++), takes raw pointers, and shares torch's OpenM
 (the loader reuses the libgomp.so.1 that torch has already loaded). It is built with
 -march=native into a cache keyed by the source, the flags and the CPU's feature flags (the
 code fixes its own reduction order, so what -march changes is speed, never a result);
-`python -m tokenmill.tp_worker.cpu_kernels` builds it ahead of time (make install does).
+`python -m tokenmill.tp_worker.cpu.kernels` builds it ahead of time (make install does).
 """
 
 from __future__ import annotations

@@ -10,15 +10,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.tp_worker import rowwise_triton
-from tokenmill.tp_worker.attention import Attention
-from tokenmill.tp_worker.attention_cpu import PagedAttention
-from tokenmill.tp_worker.cpu_ops import PackedLinear, rms_norm_cpu
-from tokenmill.tp_worker.layer_stack import LayerStack
-from tokenmill.tp_worker.linear_triton import triton_linear
-from tokenmill.tp_worker.model_config import ModelConfig
-from tokenmill.tp_worker.parallel import ShardedLinear, TpGroup, VocabEmbedding, invariant_linear
-from tokenmill.tp_worker.rope import Rotary
+from tokenmill.tp_worker.cpu.attention import PagedAttention
+from tokenmill.tp_worker.cpu.layer_stack import LayerStack
+from tokenmill.tp_worker.cpu.ops import PackedLinear, rms_norm_cpu
+from tokenmill.tp_worker.cuda import rowwise as rowwise_triton
+from tokenmill.tp_worker.cuda.linear import triton_linear
+from tokenmill.tp_worker.model.attention import Attention
+from tokenmill.tp_worker.model.config import ModelConfig
+from tokenmill.tp_worker.model.parallel import (
+    ShardedLinear,
+    TpGroup,
+    VocabEmbedding,
+    invariant_linear,
+)
+from tokenmill.tp_worker.model.rope import Rotary
 
 
 class RMSNorm(nn.Module):
@@ -35,7 +40,7 @@ class RMSNorm(nn.Module):
         if self.cpu_kernel:
             return rms_norm_cpu(x, self.weight, self.eps)
         if rowwise_triton.runs_on(x):
-            # NOTE: torch's mean splits a row by the batch's shape (rowwise_triton.py)
+            # NOTE: torch's mean splits a row by the batch's shape (cuda/rowwise.py)
             return rowwise_triton.rms_norm(x, self.weight, self.eps)
         # NOTE: in float32 throughout, rounded once to the model's dtype (csrc/rms_norm.cpp's
         # rule; transformers in bfloat16 also rounds x * r before the weight multiplies it).
@@ -170,7 +175,7 @@ class CausalLM(nn.Module):
         self.layer_stack = None
 
     def use_triton_linear(self) -> None:
-        """Every linear layer and the lm_head through linear_triton.py (CUDA): each row's
+        """Every linear layer and the lm_head through cuda/linear.py (CUDA): each row's
         output the same bits in any batch, the logits float32 from the accumulators."""
         for module in self.modules():
             if isinstance(module, ShardedLinear):
@@ -209,7 +214,7 @@ class CausalLM(nn.Module):
     def _native_layers(
         self, attention: Attention, last: tuple[Attention, torch.Tensor] | None
     ) -> int:
-        """How many layers from the first run as one native call (layer_stack.py): all, or
+        """How many layers from the first run as one native call (cpu/layer_stack.py): all, or
         all but a last layer that computes a few tokens only."""
         if self.layer_stack is None or not isinstance(attention, PagedAttention):
             return 0

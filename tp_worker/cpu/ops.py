@@ -2,7 +2,7 @@
 csrc/linear.cpp (or, in bfloat16 on a CPU with AMX, csrc/linear_amx.cpp on the same panels),
 with weights packed once at load time; RMSNorm through csrc/rms_norm.cpp;
 the MLP's SiLU(gate) x up through csrc/activation.cpp; RoPE and the KV-cache write through
-csrc/rope.cpp. Attention is attention_cpu.py.
+csrc/rope.cpp. Attention is cpu/attention.py.
 
 Every output element sums its products in float32 in an order fixed by K alone, whatever
 the number of rows (the rule is at the top of csrc/linear.cpp), so a row's result does not
@@ -17,8 +17,8 @@ import os
 
 import torch
 
-from tokenmill.tp_worker import huge_pages
-from tokenmill.tp_worker.cpu_kernels import library
+from tokenmill.tp_worker.cpu import huge_pages
+from tokenmill.tp_worker.cpu.kernels import library
 
 PANEL = 32  # NR in csrc/linear.cpp: output features per packed panel
 AMX_TILE_K = 32  # TILE_K in csrc/linear_amx.cpp: bfloat16 k per tile product
@@ -92,7 +92,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
         padded = weight.new_zeros(n_pad, k_pad)
         padded[:n, :k] = weight
         panels = padded.view(n_pad // PANEL, PANEL, k_pad // 2, 2).permute(0, 2, 1, 3)
-    # NOTE: on 2 MiB pages (huge_pages.py): a decode step streams every weight once.
+    # NOTE: on 2 MiB pages (cpu/huge_pages.py): a decode step streams every weight once.
     return huge_pages.empty(tuple(panels.shape), panels.dtype).copy_(panels)
 
 

@@ -2,7 +2,7 @@
 
 Values are log-softmax of the float32 logits, computed only where asked: each row's max and
 logsum come from one read of its logits (csrc/log_softmax.cpp on the CPU and
-rowwise_triton.py on CUDA, which fix the sum's order; torch elsewhere), and
+cuda/rowwise.py on CUDA, which fix the sum's order; torch elsewhere), and
 logprob_j = (x_j - max) - logsum for the ids wanted. The top-k are the top-k logits. Prompt
 positions are scored chunk by chunk (lm_head -> logits -> gather -> top-k), so that peak
 extra memory is bounded by chunk_size x vocab, never by prompt length x vocab.
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.tp_worker import rowwise_triton
-from tokenmill.tp_worker.cpu_kernels import library
+from tokenmill.tp_worker.cpu.kernels import library
+from tokenmill.tp_worker.cuda import rowwise as rowwise_triton
 
 # NOTE: 2**24 floats (64 MiB) per [chunk, vocab] buffer; a few such buffers live at once.
 PROMPT_CHUNK_ELEMENTS = 1 << 24
@@ -47,7 +47,7 @@ class LogSoftmax:
         """cpu_kernel: through csrc/log_softmax.cpp (float32 logits in CPU memory), which
         also finds each row's `top` largest logits."""
         if not cpu_kernel and rowwise_triton.runs_on(logits):
-            # NOTE: torch's sum splits a row by the batch's shape (rowwise_triton.py)
+            # NOTE: torch's sum splits a row by the batch's shape (cuda/rowwise.py)
             max_, logsum = rowwise_triton.log_softmax_stats(logits)
             return LogSoftmax(logits, max_, None, logsum)
         if not cpu_kernel:

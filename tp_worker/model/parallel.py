@@ -15,9 +15,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.tp_worker import linear_triton
-from tokenmill.tp_worker.cpu_ops import PackedLinear, fuses_gate_up, silu_mul_cpu
-from tokenmill.tp_worker.linear_triton import triton_linear
+from tokenmill.tp_worker.cpu.ops import PackedLinear, fuses_gate_up, silu_mul_cpu
+from tokenmill.tp_worker.cuda import linear as linear_triton
+from tokenmill.tp_worker.cuda.linear import triton_linear
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ class ShardedLinear(nn.Module):
             else None
         )
         self.kernel: PackedLinear | None = None
-        self.triton = False  # linear_triton.py, switched on by CausalLM.use_triton_linear
+        self.triton = False  # cuda/linear.py, switched on by CausalLM.use_triton_linear
 
     def use_cpu_kernel(self) -> None:
         """Multiply through csrc/linear.cpp from now on; the unpacked weight is freed."""

@@ -1,9 +1,9 @@
 """The attention seam: one object per step that every layer calls (tp_worker).
 
 The model code is the same on every device; what runs under it is picked once per worker
-(ModelRunner.attention_backend): our own paged CPU kernel (attention_cpu.py, on the CPU in a
-dtype csrc/ takes), torch's SDPA over gathered keys (attention_sdpa.py, elsewhere), or the
-paged Triton kernel (attention_triton.py, `--attention-backend triton`: for CUDA, opt-in
+(ModelRunner.attention_backend): our own paged CPU kernel (cpu/attention.py, on the CPU in a
+dtype csrc/ takes), torch's SDPA over gathered keys (model/attention_sdpa.py, elsewhere), or the
+paged Triton kernel (cuda/attention.py, `--attention-backend triton`: for CUDA, opt-in
 until a lent GPU has validated it).
 """
 
@@ -13,8 +13,9 @@ from typing import Protocol
 
 import torch
 
-from tokenmill.tp_worker import attention_cpu, attention_triton
-from tokenmill.tp_worker.attention_sdpa import plan_sdpa
+from tokenmill.tp_worker.cpu import attention as attention_cpu
+from tokenmill.tp_worker.cuda import attention as attention_triton
+from tokenmill.tp_worker.model.attention_sdpa import plan_sdpa
 from tokenmill.tp_worker.step_inputs import LastLayerRows
 
 

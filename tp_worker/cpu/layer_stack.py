@@ -24,12 +24,12 @@ from weakref import ReferenceType, ref
 
 import torch
 
-from tokenmill.tp_worker.attention_cpu import PagedAttention, uses_amx
-from tokenmill.tp_worker.cpu_kernels import library
-from tokenmill.tp_worker.cpu_ops import DTYPE_CODES, PackedLinear, product_rows, rows_alias
+from tokenmill.tp_worker.cpu.attention import PagedAttention, uses_amx
+from tokenmill.tp_worker.cpu.kernels import library
+from tokenmill.tp_worker.cpu.ops import DTYPE_CODES, PackedLinear, product_rows, rows_alias
 
 if TYPE_CHECKING:
-    from tokenmill.tp_worker.model import DecoderLayer
+    from tokenmill.tp_worker.model.decoder import DecoderLayer
 
 # NOTE: a layer's row of the weights table, csrc/layer_stack.cpp's Field order.
 FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down", "k", "v")

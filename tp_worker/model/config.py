@@ -11,11 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
+from tokenmill.tp_worker.model.families import FAMILIES, Family
 
 
 @dataclass(frozen=True)
@@ -49,18 +45,18 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
 
 def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
     architectures = raw.get("architectures") or []
-    arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+    arch = next((a for a in architectures if a in FAMILIES), None)
     if arch is None:
         raise ValueError(
             f"unsupported architectures {architectures}: tokenmill runs "
-            f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            f"{', '.join(sorted(FAMILIES))}"
         )
-    family = SUPPORTED_ARCHITECTURES[arch]
+    family = FAMILIES[arch]
     num_heads = int(raw["num_attention_heads"])
     hidden = int(raw["hidden_size"])
     rope_theta, rope_scaling = _rope(raw)
     return ModelConfig(
-        architecture=family,
+        architecture=family.name,
         vocab_size=int(raw["vocab_size"]),
         hidden_size=hidden,
         intermediate_size=int(raw["intermediate_size"]),
@@ -71,8 +67,7 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        # Qwen2 always has q/k/v biases; Llama exposes it as `attention_bias`.
-        attention_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
+        attention_bias=family.qkv_bias or bool(raw.get("attention_bias", False)),
         sliding_window=_sliding_window(raw, family),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
@@ -94,9 +89,10 @@ def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     return theta, merged
 
 
-def _sliding_window(raw: dict[str, Any], family: str) -> int | None:
+def _sliding_window(raw: dict[str, Any], family: Family) -> int | None:
     window = raw.get("sliding_window")
-    if family == "qwen2" and not raw.get("use_sliding_window", False):
+    switch = family.sliding_window_switch
+    if switch is not None and not raw.get(switch, False):
         return None
     return int(window) if window else None
 

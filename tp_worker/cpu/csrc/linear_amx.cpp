@@ -9,7 +9,7 @@
 // hardware's own: measured on a Xeon (Emerald Rapids) it matches neither order of
 // VDPBF16PS's two roundings nor one rounding of the exact sum. So an AMX machine gives its own
 // bits, the same on every AMX CPU that rounds alike, not linear.cpp's; TOKENMILL_CPU_AMX=0
-// (cpu_ops.py) runs linear.cpp's kernel there instead.
+// (cpu/ops.py) runs linear.cpp's kernel there instead.
 //
 // The weights are linear.cpp's bfloat16 panels, [N/32][K/2][32][2] with K zero-padded to a
 // multiple of 32: a panel's 16 pairs of k for 16 output features are one B tile as it stands

@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from tokenmill.tp_worker.cpu_kernels import library
-from tokenmill.tp_worker.cpu_ops import DTYPE_CODES, amx_enabled, rope_store_cpu
+from tokenmill.tp_worker.cpu.kernels import library
+from tokenmill.tp_worker.cpu.ops import DTYPE_CODES, amx_enabled, rope_store_cpu
 
 
 @dataclass(frozen=True)

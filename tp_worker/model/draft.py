@@ -21,13 +21,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tokenmill.tp_worker.attention import plan_attention
-from tokenmill.tp_worker.model import CausalLM, local_kv_heads
-from tokenmill.tp_worker.model_config import load_model_config
-from tokenmill.tp_worker.parallel import TpGroup
-from tokenmill.tp_worker.sampling import sample
+from tokenmill.tp_worker.model.attention import plan_attention
+from tokenmill.tp_worker.model.config import load_model_config
+from tokenmill.tp_worker.model.decoder import CausalLM, local_kv_heads
+from tokenmill.tp_worker.model.parallel import TpGroup
+from tokenmill.tp_worker.model.weights import dummy_weights, load_weights
+from tokenmill.tp_worker.sample.sampling import sample
 from tokenmill.tp_worker.step_inputs import StepInputs
-from tokenmill.tp_worker.weight_loader import dummy_weights, load_weights
 
 
 class DraftModel:

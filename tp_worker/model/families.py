@@ -1,0 +1,28 @@
+"""The model families tokenmill runs, as one table of switches (tp_worker).
+
+Every family runs through the same decoder (decoder.py); what sets one apart is a row here,
+read once when config.json is parsed (config.py) into plain ModelConfig fields that the
+layers read. A new family is a new row, plus, where it differs in a way no switch covers yet,
+a new field and the one place in the layers that reads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    # NOTE: None: as config.json's `attention_bias` says (Llama); True: always (Qwen2)
+    qkv_bias: bool | None = None
+    # NOTE: a config.json key that must be true for `sliding_window` to apply (Qwen2 writes
+    # a window it does not use unless `use_sliding_window`); None: the window applies
+    sliding_window_switch: str | None = None
+
+
+FAMILIES: dict[str, Family] = {  # the Hugging Face architecture name -> its switches
+    "LlamaForCausalLM": Family("llama"),
+    "MistralForCausalLM": Family("mistral"),
+    "Qwen2ForCausalLM": Family("qwen2", qkv_bias=True, sliding_window_switch="use_sliding_window"),
+}
