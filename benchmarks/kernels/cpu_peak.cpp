@@ -8,7 +8,7 @@
 #include <immintrin.h>
 #include <omp.h>
 
-#include "../tp_worker/csrc/amx.h"
+#include "../../tp_worker/cpu/csrc/amx.h"
 
 #if defined(TOKENMILL_AMX)
 #include <sys/syscall.h>
