@@ -1,5 +1,5 @@
-"""Every benchmark script imports and answers `--help`, and benchmarks/README.md names every
-file of benchmarks/.
+"""Every benchmark script imports and answers `--help`, benchmarks/README.md names every file
+of benchmarks/, and a C++ benchmark's local includes are where it says.
 
 The scripts run in this process (runpy, argv patched), one after another: a subprocess each
 would import torch each time. Nothing is measured.
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import re
 import runpy
 import sys
 from pathlib import Path
@@ -69,3 +70,9 @@ def test_the_index_names_every_file() -> None:
     files = [p for p in BENCHMARKS.rglob("*") if p.is_file() and p.suffix in (".py", ".sh", ".cpp")]
     missing = sorted(p.relative_to(BENCHMARKS).as_posix() for p in files if p.name not in index)
     assert not missing, f"not in benchmarks/README.md: {missing}"
+
+
+def test_the_cpp_includes_are_there() -> None:
+    for source in BENCHMARKS.rglob("*.cpp"):
+        for name in re.findall(r'^#include "([^"]+)"', source.read_text(), re.MULTILINE):
+            assert (source.parent / name).is_file(), f"{source.name} includes {name}: not there"
