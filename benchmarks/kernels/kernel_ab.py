@@ -77,15 +77,19 @@ def sources_at(rev: str, into: Path) -> Path:
     root = subprocess.run(
         ["git", "rev-parse", "--show-toplevel"], cwd=CSRC, capture_output=True, text=True
     ).stdout.strip()
-    prefix = CSRC.relative_to(root).as_posix()
     into.mkdir(parents=True)
-    names = subprocess.run(
-        ["git", "ls-tree", "--name-only", f"{rev}:{prefix}"],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()
+    # NOTE: csrc/ was tp_worker/csrc/ before tp_worker/ took its subfolders (e0e5c1b)
+    for prefix in (CSRC.relative_to(root).as_posix(), "tp_worker/csrc"):
+        listed = subprocess.run(
+            ["git", "ls-tree", "--name-only", f"{rev}:{prefix}"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+        )
+        if listed.returncode == 0:
+            break
+    listed.check_returncode()
+    names = listed.stdout.split()
     for name in names:
         text = subprocess.run(
             ["git", "show", f"{rev}:{prefix}/{name}"], cwd=root, capture_output=True, check=True
