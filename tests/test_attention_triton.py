@@ -15,9 +15,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from tokenmill.tp_worker.cuda import attention as attention_triton
-from tokenmill.tp_worker.cuda.attention import SPLIT, StepPlan
+from tokenmill.tp_worker.cuda.attention import SPLIT, StepPlan, plan_triton
 
 CHECK = Path(__file__).with_name("triton_attention_check.py")
 
@@ -58,3 +59,14 @@ def test_a_steps_plan_tiles_runs_and_bounds_its_partials(monkeypatch) -> None:
     monkeypatch.setattr(attention_triton, "PARTIAL_BYTES", 100 * 4 * 2)  # two tokens a launch
     small = StepPlan.of(rows, pos, group_p=4, bytes_per_split=100, decode_block_m=16)
     assert small.launches == ((0, 5, 0, 1), (5, 6, 1, 2), (6, 8, 2, 3), (8, 9, 3, 4))
+
+
+def test_the_plan_copies_nothing_back_where_the_step_gives_its_rows() -> None:
+    """With the rows on the host, the plan never reads the device's copies (on a GPU, a sync):
+    here they are meta tensors, which cannot be read at all."""
+    meta = torch.empty(3, dtype=torch.int32, device="meta")
+    table = torch.empty(2, 16, dtype=torch.int32, device="meta")
+    host = (np.array([0, 0, 1], np.int32), np.array([3, 4, 9], np.int32))
+    slots = torch.empty(3, dtype=torch.int64, device="meta")
+    plan = plan_triton(table, meta, meta, slots, None, host=host).plan(4, 100)
+    assert plan.tiles.shape == (4, 2) and plan.splits == 1

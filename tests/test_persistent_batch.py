@@ -158,3 +158,33 @@ def test_a_changed_ask_takes_the_whole_path(tiny_checkpoint) -> None:
     inputs = builder.build(second)
     assert inputs.max_top == 2
     _same_inputs(inputs, StepInputs.from_batch(second, Upload(torch.device("cpu"))))
+
+
+def test_every_step_keeps_its_tokens_rows_and_positions_on_the_host(
+    monkeypatch: pytest.MonkeyPatch, tiny_checkpoint
+) -> None:
+    """What the Triton attention plans its tiles from, so that it copies nothing back from a
+    GPU (a sync): the host's rows and positions equal the device's in prompt chunks, in
+    persistent decode steps and in a multi-step run's later iterations."""
+    from tokenmill.tp_worker import model_runner
+
+    planned = model_runner.plan_attention
+    sizes: list[int] = []
+
+    def checked(*args: object) -> object:
+        token_rows, positions, host = args[9], args[10], args[11]
+        assert isinstance(token_rows, torch.Tensor) and isinstance(positions, torch.Tensor)
+        assert isinstance(host, tuple), "a step without its rows on the host"
+        np.testing.assert_array_equal(host[0], token_rows.numpy())
+        np.testing.assert_array_equal(host[1], positions.numpy())
+        sizes.append(len(host[0]))
+        return planned(*args)
+
+    monkeypatch.setattr(model_runner, "plan_attention", checked)
+    engine = make_engine(tiny_checkpoint(), rows=4, decode_steps=3, max_prefill_tokens=8)
+    engine.sockets.inbox.extend(
+        [_generate("plain", {"max_tokens": 9}), _generate("long", {"max_tokens": 5})]
+    )
+    while engine.sockets.inbox or engine.controller.has_work():
+        engine.controller.run_once()
+    assert max(sizes) == 8 and sizes.count(2) >= 3, sizes  # NOTE: chunks, then both decoding

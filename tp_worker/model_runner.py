@@ -298,6 +298,7 @@ class ModelRunner:
             self.attention_backend,
             inputs.token_rows,
             inputs.positions,
+            None if inputs.host is None else inputs.host.tokens(),
         )
         # NOTE: the last layer computes only the tokens read, where the backend allows it.
         kept, last = inputs.last_layer, None

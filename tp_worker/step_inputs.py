@@ -142,6 +142,28 @@ def _draft_ids(ids: np.ndarray, draft_at: np.ndarray) -> np.ndarray:
 
 
 @dataclass(frozen=True)
+class HostRows:
+    """A step's rows as host arrays ([B] int64 each), kept beside their device copies: a
+    backend that plans on the host (the Triton attention's tiles) then needs no copy back,
+    which on a GPU is a sync."""
+
+    req_rows: np.ndarray
+    prefix_lens: np.ndarray
+    extend_lens: np.ndarray
+
+    def tokens(self) -> tuple[np.ndarray, np.ndarray]:
+        """[T] each new token's table row and its position."""
+        starts = np.cumsum(self.extend_lens) - self.extend_lens
+        first = np.repeat(self.prefix_lens - starts, self.extend_lens)
+        return np.repeat(self.req_rows, self.extend_lens), first + np.arange(len(first))
+
+    def next_decode(self) -> HostRows:
+        """The rows one token further on (a multi-step run's next iteration)."""
+        ones = np.ones_like(self.extend_lens)
+        return HostRows(self.req_rows, self.prefix_lens + self.extend_lens, ones)
+
+
+@dataclass(frozen=True)
 class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
@@ -176,6 +198,7 @@ class StepInputs:
     decode_slots: torch.Tensor | None  # [N-1, B] int64
     last_layer: LastLayerRows | None  # None: every token's final hidden state is kept
     verify: VerifyPlan | None = None  # None: no row has drafts
+    host: HostRows | None = None  # None: the rows are on the device only
 
     @staticmethod
     def from_batch(batch: ForwardBatch, up: Upload) -> StepInputs:
@@ -243,6 +266,7 @@ class StepInputs:
                 logit_lens,
             ),
             verify=verify,
+            host=HostRows(req_rows, prefix_np, extend_np),
         )
 
     def next_tokens(self, batch: ForwardBatch, up: Upload) -> StepInputs:
@@ -250,7 +274,9 @@ class StepInputs:
         (StepInputsBuilder checked it): its tokens, their positions and slots; the rest as
         here."""
         # NOTE: one new token a row: each token's position is its row's prefix length.
-        prefix = up(unpack(batch.prefix_lens).astype(np.int64))
+        prefix_np = unpack(batch.prefix_lens).astype(np.int64)
+        prefix = up(prefix_np)
+        host = self.host
         return replace(
             self,
             input_ids=_tensor(batch.input_ids, up),
@@ -258,6 +284,7 @@ class StepInputs:
             out_slots=_tensor(batch.out_slots, up),
             prefix_lens=prefix,
             decode_slots=None if batch.decode_slots is None else _tensor(batch.decode_slots, up),
+            host=None if host is None else replace(host, prefix_lens=prefix_np),
         )
 
     def verify_iteration(self, step: int) -> StepInputs:
@@ -266,7 +293,8 @@ class StepInputs:
         sampled row's noise, is the one plain decoding samples there)."""
         assert self.verify is not None
         read_pos = self.verify.read_pos[step]
-        return replace(self, prefix_lens=read_pos, extend_lens=torch.ones_like(read_pos))
+        ones = torch.ones_like(read_pos)
+        return replace(self, prefix_lens=read_pos, extend_lens=ones, host=None)
 
     def next_decode_step(self, step: int, sampled: torch.Tensor) -> StepInputs:
         """Inputs of decode iteration `step` (>= 1) of a multi-step run: every row extends by
@@ -286,6 +314,7 @@ class StepInputs:
             last_index=None,
             input_ids=sampled,
             last_layer=None,
+            host=None if self.host is None else self.host.next_decode(),
         )
 
 

@@ -66,6 +66,9 @@ class TritonAttention(TorchProjection):
     sliding_window: int  # 0: none
     decode_block_m: int = DECODE_BLOCK_M
     pv_hi_lo: bool = PV_HI_LO
+    # NOTE: token_rows and token_pos on the host, where the step has them: the plan then
+    # copies nothing back from the device (a sync on a GPU)
+    host: tuple[np.ndarray, np.ndarray] | None = None
     # NOTE: the step's plans, made once for every layer (on the host: a sync a layer cost the
     # first H200 run a fifth of a decode step)
     made: dict[tuple[int, int], StepPlan] = field(default_factory=dict)
@@ -109,9 +112,10 @@ class TritonAttention(TorchProjection):
         (one sync), shared by every layer."""
         key = (group_p, bytes_per_split)
         if key not in self.made:
+            rows, pos = self.host or (self.token_rows.cpu().numpy(), self.token_pos.cpu().numpy())
             self.made[key] = StepPlan.of(
-                self.token_rows.cpu().numpy(),
-                self.token_pos.cpu().numpy(),
+                rows,
+                pos,
                 group_p,
                 bytes_per_split,
                 self.decode_block_m,
@@ -176,11 +180,13 @@ def plan_triton(
     sliding_window: int | None,
     decode_block_m: int | None = None,
     pv_hi_lo: bool | None = None,
+    host: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> TritonAttention:
     """table [R, max_len] int32; token_rows and positions [T]: each new token's table row and
-    absolute position (the step has them already: no work here). decode_block_m: the tile
-    height of a decode-only step, pv_hi_lo how P.V runs (None: DECODE_BLOCK_M, PV_HI_LO;
-    free choices, benchmarks/gpu/gpu_accept.py checks they keep a row's bits)."""
+    absolute position (the step has them already: no work here); `host`: the same two as
+    host arrays where the step has them (the plan then copies nothing back). decode_block_m:
+    the tile height of a decode-only step, pv_hi_lo how P.V runs (None: DECODE_BLOCK_M,
+    PV_HI_LO; free choices, benchmarks/gpu/gpu_accept.py checks they keep a row's bits)."""
     return TritonAttention(
         out_slots=out_slots,
         table=table,
@@ -189,6 +195,7 @@ def plan_triton(
         sliding_window=sliding_window or 0,
         decode_block_m=DECODE_BLOCK_M if decode_block_m is None else decode_block_m,
         pv_hi_lo=PV_HI_LO if pv_hi_lo is None else pv_hi_lo,
+        host=host,
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from tokenmill.tp_worker.cpu import attention as attention_cpu
@@ -55,13 +56,17 @@ def plan_attention(
     backend: str,
     token_rows: torch.Tensor,
     positions: torch.Tensor,
+    host: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> Attention:
     """One step's attention metadata, built once and shared by every layer. `table` is
     [R, max_len] int32; out_slots is [T] int64; the other tensors are [B] int64 (bool);
     `starts` is the index in [T] of each row's first new token; token_rows and positions
-    are [T]: each new token's table row and position. backend: cpu, sdpa, triton."""
+    are [T]: each new token's table row and position (`host`: the same two on the host, where
+    the caller has them). backend: cpu, sdpa, triton."""
     if backend == "triton":
-        return attention_triton.plan_triton(table, token_rows, positions, out_slots, sliding_window)
+        return attention_triton.plan_triton(
+            table, token_rows, positions, out_slots, sliding_window, host=host
+        )
     if backend == "cpu":
         return attention_cpu.PagedAttention(
             table=table,
