@@ -18,6 +18,7 @@ import torch
 from tokenmill.tp_worker.cpu import kernels as cpu_kernels
 from tokenmill.tp_worker.sample import sampling
 from tokenmill.tp_worker.sample.sampling import (
+    Filters,
     SamplingTensors,
     exponential_noise,
     filtered_probs,
@@ -350,3 +351,22 @@ def test_a_build_without_avx_samples_the_same_ids(monkeypatch: pytest.MonkeyPatc
     portable = cpu_kernels.load(cpu_kernels.build("x86-64-v2"))
     monkeypatch.setattr(sampling, "library", lambda: portable)
     assert torch.equal(sample(logits, batch, positions, cpu_kernel=True), native)
+
+
+def test_the_filters_found_on_the_host_are_the_devices() -> None:
+    """Filters.of (the step's host arrays: no sync on a GPU) answers what asking the device
+    answers, for every mix of the three filters among the rows."""
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        rows = int(rng.integers(1, 5))
+        top_k = rng.choice([0, 0, 5], rows)
+        top_p = rng.choice([1.0, 1.0, 0.9], rows).astype(np.float32)
+        min_p = rng.choice([0.0, 0.0, 0.1], rows).astype(np.float32)
+        params = SamplingTensors(
+            temperature=torch.ones(rows),
+            top_k=torch.from_numpy(top_k),
+            top_p=torch.from_numpy(top_p),
+            min_p=torch.from_numpy(min_p),
+            seed=torch.zeros(rows, dtype=torch.int64),
+        )
+        assert Filters.of(top_k, top_p, min_p) == Filters.on_device(params)

@@ -12,9 +12,9 @@ import numpy as np
 import torch
 
 from tokenmill.protocol.arrays import Array, unpack
-from tokenmill.protocol.step import ForwardBatch
+from tokenmill.protocol.step import ForwardBatch, SamplingBatch
 from tokenmill.tp_worker.sample.penalties import LogitAdjustments, row_of_each
-from tokenmill.tp_worker.sample.sampling import SamplingTensors
+from tokenmill.tp_worker.sample.sampling import Filters, SamplingTensors
 from tokenmill.tp_worker.upload import Upload, empty
 
 
@@ -137,6 +137,22 @@ class VerifyPlan:
         return np.cumprod(agree, axis=0).sum(axis=0).astype(np.int32)
 
 
+def _sampling(s: SamplingBatch, temperature: np.ndarray, up: Upload) -> SamplingTensors:
+    """The rows' sampling parameters on the device, with what the host already knows: which
+    rows draw noise and which filters they use (each a sync on a GPU, asked of the device)."""
+    top_k, top_p, min_p = unpack(s.top_k), unpack(s.top_p), unpack(s.min_p)
+    random = np.flatnonzero(temperature > 0)
+    return SamplingTensors(
+        temperature=up(temperature),
+        top_k=_tensor(s.top_k, up),
+        top_p=_tensor(s.top_p, up, torch.float32),
+        min_p=_tensor(s.min_p, up, torch.float32),
+        seed=_tensor(s.seed, up),
+        random_rows=up(random),
+        random_filters=Filters.of(top_k[random], top_p[random], min_p[random]),
+    )
+
+
 def _draft_ids(ids: np.ndarray, draft_at: np.ndarray) -> np.ndarray:
     return np.where(draft_at >= 0, ids[np.maximum(draft_at, 0)], -1)
 
@@ -233,14 +249,7 @@ class StepInputs:
             fill_rows=_tensor(batch.fill_rows, up),
             fill_lens=_tensor(batch.fill_lens, up),
             fill_slots=_tensor(batch.fill_slots, up, torch.int32),
-            sampling=SamplingTensors(
-                temperature=up(temperature),
-                top_k=_tensor(s.top_k, up),
-                top_p=_tensor(s.top_p, up, torch.float32),
-                min_p=_tensor(s.min_p, up, torch.float32),
-                seed=_tensor(s.seed, up),
-                random_rows=up(np.flatnonzero(temperature > 0)),
-            ),
+            sampling=_sampling(s, temperature, up),
             adjust=LogitAdjustments.from_batch(batch, up),
             top_rows=up(np.flatnonzero(num_top > 0)),
             max_top=int(num_top.max()) if len(num_top) else 0,

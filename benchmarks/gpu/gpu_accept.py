@@ -381,8 +381,9 @@ def stage_tiny(t: Table, tiny: Path, args: argparse.Namespace) -> None:
 
 
 def stage_syncs(t: Table, tiny: Path, args: argparse.Namespace) -> None:
-    """The host syncs in each decode step of a 4-row batch (torch's sync debug mode warns
-    on each synchronising call)."""
+    """The host syncs in each decode step of a 4-row batch, two rows greedy and two sampled
+    with every filter (torch's sync debug mode warns on each synchronising call); the one
+    allowed is the result's copy back (tests/test_step_syncs.py counts the rest on the CPU)."""
     if args.device == "cpu":
         t.info("syncs a decode step", "not counted on the CPU")
         return
@@ -404,8 +405,9 @@ def stage_syncs(t: Table, tiny: Path, args: argparse.Namespace) -> None:
         return result
 
     e.sockets.step = step
-    e.generate([OfflineRequest(list(range(20, 20 + 9 * i)), max_tokens=8, num_top=5)
-                for i in range(1, 5)])  # fmt: skip
+    random = {"temperature": 0.8, "top_k": 20, "top_p": 0.9, "min_p": 0.05, "seed": 1}
+    e.generate([OfflineRequest(list(range(20, 20 + 9 * i)), max_tokens=8, num_top=5,
+                               **(random if i % 2 else {})) for i in range(1, 5)])  # fmt: skip
     median = sorted(counts)[len(counts) // 2]
     t.check("syncs a decode step (median)", median <= 1, str(median), "1")
 

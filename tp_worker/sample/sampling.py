@@ -12,11 +12,34 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tokenmill.tp_worker.cpu.kernels import library
 
 _MASK32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class Filters:
+    """Which filters some of a set of rows use, found on the host where the rows are (asked
+    of the device, each is an any() that makes a GPU's host wait: three syncs a step)."""
+
+    top_k: bool
+    top_p: bool
+    min_p: bool
+
+    @staticmethod
+    def of(top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray) -> Filters:
+        return Filters(bool((top_k > 0).any()), bool((top_p < 1).any()), bool((min_p > 0).any()))
+
+    @staticmethod
+    def on_device(params: SamplingTensors) -> Filters:
+        return Filters(
+            bool((params.top_k > 0).any()),
+            bool((params.top_p < 1).any()),
+            bool((params.min_p > 0).any()),
+        )
 
 
 @dataclass(frozen=True)
@@ -29,6 +52,8 @@ class SamplingTensors:
     # NOTE: [R] int64 rows with temperature > 0, where the caller found them on the host (a
     # device nonzero() per step is a sync on a GPU and ~40 us on a cold CPU); None: found here.
     random_rows: torch.Tensor | None = None
+    # NOTE: the filters the random_rows use, found with them; None: asked of the device
+    random_filters: Filters | None = None
 
     @property
     def any_random(self) -> bool:
@@ -42,7 +67,11 @@ class SamplingTensors:
 
     def rows(self, index: torch.Tensor) -> SamplingTensors:
         return SamplingTensors(
-            *(t[index] for t in (self.temperature, self.top_k, self.top_p, self.min_p, self.seed))
+            temperature=self.temperature[index],
+            top_k=self.top_k[index],
+            top_p=self.top_p[index],
+            min_p=self.min_p[index],
+            seed=self.seed[index],
         )
 
 
@@ -67,7 +96,8 @@ def sample(
     if cpu_kernel:
         ids[random_rows] = _sample_cpu(logits, random_rows, sub, positions[random_rows])
         return ids
-    probs = filtered_probs(logits[random_rows], sub)
+    filters = params.random_filters if params.random_rows is not None else None
+    probs = filtered_probs(logits[random_rows], sub, filters)
     noise = exponential_noise(sub.seed, positions[random_rows], logits.shape[1])
     ids[random_rows] = (probs / noise).argmax(dim=-1)
     return ids
@@ -114,15 +144,17 @@ def _sample_cpu(
     return out
 
 
-def filtered_probs(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+def filtered_probs(
+    logits: torch.Tensor, params: SamplingTensors, filters: Filters | None = None
+) -> torch.Tensor:
     """The distribution sampled from: softmax(logits / T), then top-k, top-p and min-p, each
-    on the renormalised result of the one before. Removed tokens get probability 0."""
+    on the renormalised result of the one before. Removed tokens get probability 0.
+    `filters`: which of them some row uses, where the caller knows (None: asked here)."""
     probs = torch.softmax(logits / params.temperature[:, None], dim=-1)
-    use_top_k = bool((params.top_k > 0).any())
-    use_top_p = bool((params.top_p < 1).any())
-    if use_top_k or use_top_p:
+    filters = filters or Filters.on_device(params)
+    if filters.top_k or filters.top_p:
         probs = _top_k_top_p(probs, params.top_k, params.top_p)
-    if bool((params.min_p > 0).any()):
+    if filters.min_p:
         floor = params.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < floor, 0.0)
     return probs / probs.sum(dim=-1, keepdim=True)
