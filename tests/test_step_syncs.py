@@ -1,7 +1,8 @@
-"""A decode step on the CUDA path (the Triton backend) waits on the device once, for its
-result: counted on the CPU under Triton's interpreter by the aten ops that would make a GPU's
-host wait (tests/triton_sync_check.py). benchmarks/gpu/gpu_accept.py counts the same on a GPU
-with torch's sync debug mode.
+"""A step on the CUDA path (the Triton backend: prompt chunks with prompt logprobs, decode
+steps with sampled rows) waits on the device once, for its result: counted on the CPU under
+Triton's interpreter by the aten ops that would make a GPU's host wait
+(tests/triton_sync_check.py). benchmarks/gpu/gpu_accept.py counts the same on a GPU with
+torch's sync debug mode.
 
     pip install triton && pytest -m slow tests/test_step_syncs.py   (make test-all)
 """
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.slow
 CHECK = Path(__file__).with_name("triton_sync_check.py")
 
 
-def test_a_decode_step_asks_the_device_nothing_before_its_result(tiny_checkpoint) -> None:
+def test_a_step_asks_the_device_nothing_before_its_result(tiny_checkpoint) -> None:
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -33,4 +34,4 @@ def test_a_decode_step_asks_the_device_nothing_before_its_result(tiny_checkpoint
         timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "none waits on the device before its result" in result.stdout
+    assert "none waits on the device before its result" in result.stdout, result.stdout

@@ -1,9 +1,9 @@
 """Run by tests/test_step_syncs.py in a subprocess with TRITON_INTERPRET=1 (set before Triton
-is imported): the Triton backend's decode steps ask the device nothing back. Every aten op
-that makes a GPU's host wait (an item(), a bool() of a tensor, a nonzero(), a boolean index,
-torch.equal) is counted while a step runs; a decode step may have none but those of CPU-only
-branches (CPU_ONLY). The result's one copy back is a `.cpu()`, which on the CPU dispatches no
-op: on a GPU it is the step's one sync."""
+is imported): the Triton backend's steps ask the device nothing back. Every aten op that
+makes a GPU's host wait (an item(), a bool() of a tensor, a nonzero(), a boolean index,
+torch.equal) is counted while a step runs (prompt chunks with prompt logprobs, decode steps);
+a step may have none but those of CPU-only branches (CPU_ONLY). The result's one copy back
+is a `.cpu()`, which on the CPU dispatches no op: on a GPU it is the step's one sync."""
 
 from __future__ import annotations
 
@@ -73,27 +73,28 @@ def main(model_dir: str) -> int:
         model=model_dir, kv_cache_tokens=2048, max_running_requests=4, max_model_len=256,
         dtype="float32", device="cpu", cpu_kernels=False, attention_backend="triton",
     )  # fmt: skip
-    engine = OfflineEngine(ModelRunner(config), max_prefill_tokens=64)
-    step, decode_waits = engine.sockets.step, []
+    engine = OfflineEngine(ModelRunner(config), max_prefill_tokens=16)
+    step, steps = engine.sockets.step, []
 
     def counted(batch):
         with HostWaits() as waits:
             result = step(batch)
-        if b"\x01" not in batch.is_prefill.data:
-            decode_waits.append(waits.seen)
+        steps.append(("decode" if b"\x01" not in batch.is_prefill.data else "prefill", waits.seen))
         return result
 
     engine.sockets.step = counted
     engine.generate([
-        OfflineRequest(list(range(20, 40)), max_tokens=6, num_top=5),
+        OfflineRequest(list(range(20, 40)), max_tokens=6, num_top=5, prompt_logprob_start=0),
         OfflineRequest(list(range(50, 60)), max_tokens=6, temperature=0.8, top_k=20,
                        top_p=0.9, min_p=0.05, seed=3),
         OfflineRequest(list(range(70, 75)), max_tokens=6, token_ids=(5, 9)),
     ])  # fmt: skip
-    assert len(decode_waits) >= 4, decode_waits
-    waited = [dict(w) for w in decode_waits if w]
-    assert not waited, f"decode steps that wait on the device: {waited}"
-    print(f"{len(decode_waits)} decode steps, none waits on the device before its result")
+    kinds = [kind for kind, _ in steps]
+    assert kinds.count("decode") >= 4 and kinds.count("prefill") >= 2, kinds
+    waited = [(kind, dict(w)) for kind, w in steps if w]
+    assert not waited, f"steps that wait on the device: {waited}"
+    print(f"{len(steps)} steps ({kinds.count('prefill')} with prompt chunks), none waits on the "
+          "device before its result")  # fmt: skip
     return 0
 
 
