@@ -1,9 +1,10 @@
 """Run by tests/test_step_syncs.py in a subprocess with TRITON_INTERPRET=1 (set before Triton
 is imported): the Triton backend's steps ask the device nothing back. Every aten op that
 makes a GPU's host wait (an item(), a bool() of a tensor, a nonzero(), a boolean index,
-torch.equal) is counted while a step runs (prompt chunks with prompt logprobs, decode steps);
-a step may have none but those of CPU-only branches (CPU_ONLY). The result's one copy back
-is a `.cpu()`, which on the CPU dispatches no op: on a GPU it is the step's one sync."""
+torch.equal) is counted while a step runs (prompt chunks with prompt logprobs, a prefix-cache
+hit's table fill, decode steps); a step may have none but those of CPU-only branches
+(CPU_ONLY). The result's one copy back is a `.cpu()`, which on the CPU dispatches no op: on
+a GPU it is the step's one sync."""
 
 from __future__ import annotations
 
@@ -89,6 +90,8 @@ def main(model_dir: str) -> int:
                        top_p=0.9, min_p=0.05, seed=3),
         OfflineRequest(list(range(70, 75)), max_tokens=6, token_ids=(5, 9)),
     ])  # fmt: skip
+    # NOTE: a prefix-cache hit: the step fills the row's table with the cached slots
+    engine.generate([OfflineRequest(list(range(20, 40)) + [7, 8], max_tokens=2)])
     kinds = [kind for kind, _ in steps]
     assert kinds.count("decode") >= 4 and kinds.count("prefill") >= 2, kinds
     waited = [(kind, dict(w)) for kind, w in steps if w]

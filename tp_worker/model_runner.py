@@ -267,9 +267,7 @@ class ModelRunner:
 
     def _fill_table(self, inputs: StepInputs) -> None:
         if inputs.fill_rows.numel():
-            rows = inputs.fill_rows.repeat_interleave(inputs.fill_lens)
-            cols = _ragged_arange(inputs.fill_lens)
-            self.table[rows, cols] = inputs.fill_slots
+            self.table[inputs.fill_rows, inputs.fill_cols] = inputs.fill_slots
 
     def _write_table(self, inputs: StepInputs) -> None:
         """Each new token's slot into its row's column for its position. NOTE: where the
@@ -339,10 +337,3 @@ def pick_attention_backend(asked: str, cpu_kernels: bool) -> str:
             raise RuntimeError("--attention-backend triton: Triton is not installed")
         return "triton"
     return "cpu" if cpu_kernels and asked == "auto" else "sdpa"
-
-
-def _ragged_arange(lens: torch.Tensor) -> torch.Tensor:
-    """[2, 3] -> [0, 1, 0, 1, 2]."""
-    starts = torch.cumsum(lens, 0) - lens
-    total = int(lens.sum())
-    return torch.arange(total, device=lens.device) - starts.repeat_interleave(lens)

@@ -137,6 +137,12 @@ class VerifyPlan:
         return np.cumprod(agree, axis=0).sum(axis=0).astype(np.int32)
 
 
+def _ragged_arange(lens: np.ndarray) -> np.ndarray:
+    """[2, 3] -> [0, 1, 0, 1, 2]."""
+    starts = np.cumsum(lens) - lens
+    return np.arange(int(lens.sum())) - np.repeat(starts, lens)
+
+
 def _sampling(s: SamplingBatch, temperature: np.ndarray, up: Upload) -> SamplingTensors:
     """The rows' sampling parameters on the device, with what the host already knows: which
     rows draw noise and which filters they use (each a sync on a GPU, asked of the device)."""
@@ -194,9 +200,11 @@ class StepInputs:
     # verifying drafts, the 1 + num_drafts[b] last); None where that is all of [T] (a decode
     # step: T == L says so, since no row comes with none).
     last_index: torch.Tensor | None
-    fill_rows: torch.Tensor  # [F] int64
-    fill_lens: torch.Tensor  # [F] int64
-    fill_slots: torch.Tensor  # [sum(fill_lens)] int32
+    # NOTE: the table cells a step fills (a prefix-cache hit's slots): each slot's row and
+    # column, laid out on the host (on the device, a ragged arange's length is a sync)
+    fill_rows: torch.Tensor  # [S] int64
+    fill_cols: torch.Tensor  # [S] int64
+    fill_slots: torch.Tensor  # [S] int32
     sampling: SamplingTensors
     adjust: LogitAdjustments  # stop ban, logit bias, penalties (before temperature)
     top_rows: torch.Tensor  # [R] int64 rows with num_top > 0
@@ -223,6 +231,8 @@ class StepInputs:
         starts_np = np.cumsum(extend_np) - extend_np
         positions = np.repeat(prefix_np - starts_np, extend_np) + np.arange(extend_np.sum())
         req_rows = unpack(batch.req_rows).astype(np.int64)
+        fill_rows = unpack(batch.fill_rows).astype(np.int64)
+        fill_lens = unpack(batch.fill_lens).astype(np.int64)
         num_top = unpack(batch.logprobs.num_top)
         prompt = _prompt_plan(batch, extend_np, prefix_np, starts_np)
         s = batch.sampling
@@ -246,8 +256,8 @@ class StepInputs:
             is_prefill=_tensor(batch.is_prefill, up, torch.bool),
             starts=up(starts_np),
             last_index=None if len(positions) == len(logit_index) else up(logit_index),
-            fill_rows=_tensor(batch.fill_rows, up),
-            fill_lens=_tensor(batch.fill_lens, up),
+            fill_rows=up(np.repeat(fill_rows, fill_lens)),
+            fill_cols=up(_ragged_arange(fill_lens)),
             fill_slots=_tensor(batch.fill_slots, up, torch.int32),
             sampling=_sampling(s, temperature, up),
             adjust=LogitAdjustments.from_batch(batch, up),
