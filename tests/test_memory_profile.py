@@ -79,6 +79,9 @@ def test_budget_is_the_share_less_model_peak_and_outside_torch() -> None:
     assert "0.9 of 80.0 GiB" in budget.describe()
     over = KvBudget(MemoryUse(80 * GIB, 79 * GIB, 0), 0.5, 16, 1024)
     assert over.kv_bytes < 0 and over.kv_tokens == 0
+    # NOTE: scratch that grows with the context (the Triton attention's partials) kept free
+    kept = KvBudget(use, 0.9, profile_tokens=2048, bytes_per_token=128 << 10, reserve=GIB)
+    assert kept.kv_bytes == budget.kv_bytes - GIB and "kept free 1.00 GiB" in kept.describe()
 
 
 def test_runner_sizes_its_cache_after_a_scored_prefill(tiny_checkpoint) -> None:

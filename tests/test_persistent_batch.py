@@ -166,21 +166,21 @@ def test_every_step_keeps_its_tokens_rows_and_positions_on_the_host(
     """What the Triton attention plans its tiles from, so that it copies nothing back from a
     GPU (a sync): the host's rows and positions equal the device's in prompt chunks, in
     persistent decode steps and in a multi-step run's later iterations."""
-    from tokenmill.tp_worker import model_runner
-
-    planned = model_runner.plan_attention
     sizes: list[int] = []
 
-    def checked(*args: object) -> object:
-        token_rows, positions, host = args[9], args[10], args[11]
-        assert isinstance(token_rows, torch.Tensor) and isinstance(positions, torch.Tensor)
-        assert isinstance(host, tuple), "a step without its rows on the host"
-        np.testing.assert_array_equal(host[0], token_rows.numpy())
-        np.testing.assert_array_equal(host[1], positions.numpy())
-        sizes.append(len(host[0]))
-        return planned(*args)
+    def check(inputs: StepInputs) -> StepInputs:
+        assert inputs.host is not None, "a step without its rows on the host"
+        rows, positions = inputs.host.tokens()
+        np.testing.assert_array_equal(rows, inputs.token_rows.numpy())
+        np.testing.assert_array_equal(positions, inputs.positions.numpy())
+        sizes.append(len(rows))
+        return inputs
 
-    monkeypatch.setattr(model_runner, "plan_attention", checked)
+    built, stepped = StepInputsBuilder.build, StepInputs.next_decode_step
+    monkeypatch.setattr(StepInputsBuilder, "build", lambda self, b: check(built(self, b)))
+    monkeypatch.setattr(
+        StepInputs, "next_decode_step", lambda self, i, ids: check(stepped(self, i, ids))
+    )
     engine = make_engine(tiny_checkpoint(), rows=4, decode_steps=3, max_prefill_tokens=8)
     engine.sockets.inbox.extend(
         [_generate("plain", {"max_tokens": 9}), _generate("long", {"max_tokens": 5})]

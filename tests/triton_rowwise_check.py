@@ -1,7 +1,9 @@
 """Run by tests/test_rowwise_triton.py in a subprocess with TRITON_INTERPRET=1 (set before
 Triton is imported): the row-local kernels (RMSNorm, the log-softmax's max and log-sum)
 against float64, and each row alone against the same row in batches of other sizes and at
-other places in them, bit for bit."""
+other places in them, bit for bit. NOTE: with one program a row, the interpreter cannot
+round a row differently by its batch, so the latter checks the kernels' indexing and
+strides; whether a GPU keeps a row's bits is gpu_accept.py's to say."""
 
 from __future__ import annotations
 

@@ -4,7 +4,10 @@ makes a GPU's host wait (an item(), a bool() of a tensor, a nonzero(), a boolean
 torch.equal) is counted while a step runs (prompt chunks with prompt logprobs, a prefix-cache
 hit's table fill, decode steps); a step may have none but those of CPU-only branches
 (CPU_ONLY). The result's one copy back is a `.cpu()`, which on the CPU dispatches no op: on
-a GPU it is the step's one sync."""
+a GPU it is the step's one sync. NOTE: copies between host and device are not seen here
+either (on the CPU they are no-ops); those a step makes go from pinned memory without
+waiting (upload.py, the attention plan's tiles), and on a GPU gpu_accept.py counts every
+sync with torch's sync debug mode."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from triton_interpreter import rowwise_interpreted_dot
 
 from tokenmill.offline.engine import OfflineEngine, OfflineRequest
 from tokenmill.tp_worker.config import RunnerConfig
+from tokenmill.tp_worker.cuda import attention as cuda_attention
 from tokenmill.tp_worker.model_runner import ModelRunner
 
 WAITS = {
@@ -74,6 +78,13 @@ def main(model_dir: str) -> int:
         model=model_dir, kv_cache_tokens=2048, max_running_requests=4, max_model_len=256,
         dtype="float32", device="cpu", cpu_kernels=False, attention_backend="triton",
     )  # fmt: skip
+    planned = cuda_attention.plan_triton
+
+    def from_the_host(*args, **kwargs):
+        assert kwargs.get("host") is not None, "a step planned without its rows on the host"
+        return planned(*args, **kwargs)
+
+    cuda_attention.plan_triton = from_the_host  # NOTE: the plan's copy back, else unseen here
     engine = OfflineEngine(ModelRunner(config), max_prefill_tokens=16)
     step, steps = engine.sockets.step, []
 

@@ -69,7 +69,7 @@ class ModelRunner:
             self.model.use_cpu_kernels()
         self.attention_backend = pick_attention_backend(config.attention_backend, self.cpu_kernels)
         if self.attention_backend == "triton":
-            self.model.use_triton_linear()  # NOTE: the Triton backend's linear layers too
+            self.model.use_triton_kernels()  # NOTE: the Triton backend's dense layers too
         self.drafter = (
             DraftModel(
                 config.draft_model,
@@ -173,12 +173,20 @@ class ModelRunner:
                 self.config.max_logprobs,
                 self.config.gpu_memory_utilization,
                 self._kv_bytes_per_token(),
+                # NOTE: the Triton attention's partials grow with the context up to their cap
+                attention_triton.PARTIAL_BYTES if self.attention_backend == "triton" else 0,
             )
         finally:
             self.kv_cache = []
             if self.drafter is not None:
                 self.drafter.kv_cache = []
             self.last_samples = LastSamples(self.config.max_running_requests)
+
+    @property
+    def row_kernels(self) -> tuple[bool, bool]:
+        """Where the log-softmax's row sums run: csrc/ (the CPU kernels), cuda/rowwise.py
+        (the Triton backend, on CUDA), else torch."""
+        return self.cpu_kernels, self.attention_backend == "triton"
 
     def carry_out(self, action: WorkerAction) -> None:
         """A control command (protocol/control.py): new weights, memory released or taken
@@ -215,7 +223,7 @@ class ModelRunner:
             keep = inputs.sampled_logprobs  # NOTE: else nothing reads the raw logits again
             adjusted = self.adjuster.adjust(logits, inputs.adjust, i, bitmask, keep)
             outputs.add(
-                score_sampled(logits, inputs, adjusted, self.processed_logprobs, self.cpu_kernels)
+                score_sampled(logits, inputs, adjusted, self.processed_logprobs, *self.row_kernels)
             )
         result = outputs.to_result(batch.step_id)
         self.last_samples.record(batch, result)
@@ -244,7 +252,7 @@ class ModelRunner:
             mask = None if bitmask is None else bitmask[i * groups : (i + 1) * groups]
             adjusted = self.adjuster.adjust(row_logits, at.adjust, i, mask, at.sampled_logprobs)
             outputs.add(
-                score_sampled(row_logits, at, adjusted, self.processed_logprobs, self.cpu_kernels)
+                score_sampled(row_logits, at, adjusted, self.processed_logprobs, *self.row_kernels)
             )
         accepted = verify.accepted(outputs.sampled_ids())
         self.adjuster.uncount_rejected(inputs.adjust, accepted)
@@ -296,7 +304,8 @@ class ModelRunner:
             self.attention_backend,
             inputs.token_rows,
             inputs.positions,
-            None if inputs.host is None else inputs.host.tokens(),
+            # NOTE: the host's token rows only where a backend plans from them
+            inputs.host.tokens() if inputs.host and self.attention_backend == "triton" else None,
         )
         # NOTE: the last layer computes only the tokens read, where the backend allows it.
         kept, last = inputs.last_layer, None
@@ -326,7 +335,7 @@ class ModelRunner:
             self.model.logits,
             inputs.prompt_num_top,
             self.prompt_chunk,
-            self.cpu_kernels,
+            *self.row_kernels,
         )
 
 

@@ -40,12 +40,14 @@ def score_sampled(
     adjusted: torch.Tensor | None = None,
     processed: bool = False,
     cpu_kernel: bool = False,
+    triton_rows: bool = False,
 ) -> SampledScores:
     """logits [B, V] float32 of each row's last position, and the same after the stop ban,
     bias and penalties (`adjusted`, None = unchanged) -> the ids sampled from `adjusted` and
     their scores: from the raw logits, or (`processed`) from the distribution sampled from.
     cpu_kernel: the raw log-softmax, the greedy ids and (raw mode) the random rows' sampling
-    through csrc/ (LogSoftmax.of, sampling.greedy_ids, sampling.sample). Where no row reads
+    through csrc/ (LogSoftmax.of, sampling.greedy_ids, sampling.sample); triton_rows: the
+    log-softmax's row sums through cuda/rowwise.py on CUDA. Where no row reads
     them (inputs.sampled_logprobs), no log-softmax runs and the scores are NaN."""
     adjusted = logits if adjusted is None else adjusted
     scores = None
@@ -53,7 +55,7 @@ def score_sampled(
         scores = (
             LogSoftmax.given(processed_logprobs(adjusted, inputs.sampling))
             if processed
-            else LogSoftmax.of(logits, cpu_kernel, inputs.max_top)
+            else LogSoftmax.of(logits, cpu_kernel, inputs.max_top, triton_rows)
         )
     # NOTE: the argmax the log-softmax found where it read these logits, else the kernel's
     # max pass alone (torch's answers either way, so a row's tokens do not depend on whether

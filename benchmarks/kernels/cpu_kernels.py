@@ -6,7 +6,7 @@ Linear: a decode step's weights (every projection of the 12 layers, each weight 
 that it streams from memory as in a real step) at 1, 12 (one block of rows), 32 and 64 rows,
 one prefill product of [2048 x 768 x 4096] (gate/up); products whose x has rows of 4 KiB (the
 prefill's down [2048 x 2048 x 768], Llama-8B's o projection at 32 and 512 rows) with the rows
-laid out as the engine lays them (cpu_ops.product_input: a cache line apart) and as they were
+laid out as the engine lays them (cpu/ops.py's product_input: a cache line apart) and as they were
 before (4 KiB apart: a block's rows in one L1 set). Attention:
 64 decode rows at a context of 300, 8 prompts of 256 tokens, and 64 scoring items of 32
 tokens after one shared 1,024-token query.

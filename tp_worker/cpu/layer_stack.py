@@ -1,6 +1,6 @@
 """A step's decoder layers as one native call (tp_worker): csrc/layer_stack.cpp.
 
-It calls the kernels model.py's DecoderLayer calls through ctypes one at a time, in the same
+It calls the kernels model/decoder.py's DecoderLayer calls through ctypes one at a time, in the same
 order, on the same operands and into rows laid out the same way, so every bit is the Python
 loop's. What it takes away is what lay between those calls: at one decode row on SmolLM2 a
 layer's eight kernels run in ~0.14 ms, and the Python and ctypes around them (argument
@@ -172,7 +172,7 @@ class LayerStack:
 
     def _scratch_for(self, tokens: int) -> Scratch:
         """The rows a layer's intermediates go to, laid out as the Python loop lays them out
-        (cpu_ops.product_rows where a product reads them)."""
+        (cpu/ops.py's product_rows where a product reads them)."""
         if self._scratch is not None and self._scratch.tokens == tokens:
             return self._scratch
         dtype, q_width = self.dtype, self.heads * self.head_dim
@@ -180,7 +180,7 @@ class LayerStack:
         qkv = torch.empty(tokens, q_width + 2 * self.kv_heads * self.head_dim, dtype=dtype)
         q = torch.empty(tokens, q_width, dtype=dtype)
         attended = torch.empty(tokens, q_width, dtype=dtype)
-        # NOTE: cpu_ops.product_input's copy, where attention's rows would alias in L1.
+        # NOTE: cpu/ops.py's product_input's copy, where attention's rows would alias in L1.
         aliased = tokens > 1 and rows_alias(q_width, dtype)
         attended_rows = product_rows(tokens, q_width, dtype) if aliased else None
         activated = product_rows(tokens, self.inter, dtype)

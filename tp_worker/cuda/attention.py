@@ -103,6 +103,7 @@ class TritonAttention(TorchProjection):
             _merge_kernel[(t1 - t0, num_heads)](
                 partial_max, partial_sum, partial_out, out, self.token_pos, t0,
                 plan.splits, out.stride(0), out.stride(1), SPLIT=SPLIT, DIM=dim,
+                OUT_FP32=out.dtype == torch.float32,
             )  # fmt: skip
         return out.view(num_tokens, -1)
 
@@ -153,7 +154,12 @@ class StepPlan:
         )
 
     def to(self, device: torch.device) -> StepPlan:
-        return StepPlan(self.tiles.to(device), self.block_m, self.splits, self.launches)
+        """NOTE: on a GPU from pinned memory, without waiting: a copy from pageable memory
+        makes the host wait for the stream (a sync a step)."""
+        tiles = self.tiles
+        if device.type == "cuda":
+            tiles = tiles.pin_memory().to(device, non_blocking=True)
+        return StepPlan(tiles.to(device), self.block_m, self.splits, self.launches)
 
 
 def _launches(
@@ -209,7 +215,8 @@ if triton is not None:
         BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, IEEE: tl.constexpr, PV_IEEE: tl.constexpr,
     ):  # fmt: skip
         tile = tl.program_id(0)
-        kv_head = tl.program_id(1)
+        # NOTE: int64, so that kv_head * stride_kh cannot overflow on a cache of millions of slots
+        kv_head = tl.program_id(1).to(tl.int64)
         split = tl.program_id(2)
         num_heads = tl.num_programs(1) * GROUP
         num_splits = tl.num_programs(2)
@@ -280,7 +287,7 @@ if triton is not None:
     @triton.jit
     def _merge_kernel(
         MAX, SUM, PARTIAL, OUT, POS, first, num_splits, stride_ot, stride_oh,
-        SPLIT: tl.constexpr, DIM: tl.constexpr,
+        SPLIT: tl.constexpr, DIM: tl.constexpr, OUT_FP32: tl.constexpr,
     ):  # fmt: skip
         local = tl.program_id(0)
         token = first + local
@@ -299,4 +306,8 @@ if triton is not None:
             total += tl.load(SUM + base + split) * weight
             acc += tl.load(PARTIAL + (base + split) * DIM + dims) * weight
         result = acc / total
-        tl.store(OUT + token * stride_ot + head * stride_oh + dims, result.to(OUT.dtype.element_ty))
+        out = OUT + token * stride_ot + head * stride_oh + dims
+        if OUT_FP32:
+            tl.store(out, result)
+        else:  # NOTE: rounded to nearest even, as torch rounds (the interpreter's default cuts)
+            tl.store(out, result.to(OUT.dtype.element_ty, fp_downcast_rounding="rtne"))

@@ -69,6 +69,9 @@ class KvBudget:
     utilization: float
     profile_tokens: int  # the profiling step's prefill (and its scratch cache's slots)
     bytes_per_token: int  # of the KV cache, every layer's keys and values (the draft's too)
+    # NOTE: kept free besides the profile's peak: scratch whose size follows the context,
+    # which the profiling step's short one does not reach (the Triton attention's partials)
+    reserve: int = 0
 
     @property
     def scratch_kv_bytes(self) -> int:
@@ -82,7 +85,7 @@ class KvBudget:
     @property
     def kv_bytes(self) -> int:
         allowed = int(self.use.total * self.utilization)
-        return allowed - self.model_bytes - self.use.outside_torch
+        return allowed - self.model_bytes - self.use.outside_torch - self.reserve
 
     @property
     def kv_tokens(self) -> int:
@@ -93,7 +96,8 @@ class KvBudget:
         return (
             f"{self.utilization:g} of {self.use.total / gib:.1f} GiB; weights and the largest "
             f"step's activations {self.model_bytes / gib:.2f} GiB, outside torch "
-            f"{self.use.outside_torch / gib:.2f} GiB; the KV cache "
+            f"{self.use.outside_torch / gib:.2f} GiB, kept free {self.reserve / gib:.2f} GiB; "
+            "the KV cache "
             f"{max(0, self.kv_bytes) / gib:.2f} GiB = {self.kv_tokens} tokens"
         )
 
@@ -105,13 +109,14 @@ def profile_kv_budget(
     num_top: int,
     utilization: float,
     bytes_per_token: int,
+    reserve: int = 0,
 ) -> KvBudget:
     """Runs `run_step` (over a scratch cache of `tokens` slots, set up by the caller) on a
     prefill of `tokens` prompt tokens scoring every prompt position's top `num_top`, and
     returns what that leaves for the KV cache."""
     memory.reset_peak()
     run_step(profile_batch(tokens, num_top))
-    return KvBudget(memory.read(), utilization, tokens, bytes_per_token)
+    return KvBudget(memory.read(), utilization, tokens, bytes_per_token, reserve)
 
 
 def profile_batch(tokens: int, num_top: int) -> ForwardBatch:

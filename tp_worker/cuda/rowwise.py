@@ -5,10 +5,11 @@ torch's CUDA reductions (`mean`, `sum`) choose how to split a row by the tensor'
 shape: with few rows they cut each row among several blocks and add the pieces, with many
 they give a row to one block, so a row's sum (and then its normalised hidden state or its
 logprobs) rounds differently alone and in a batch. Here each program walks its row in BLOCK
-slices in order, one float lane per column of a slice (float32 for RMSNorm's squares,
-float64 for the softmax's exponentials, as csrc/log_softmax.cpp keeps double totals), and
-adds the lanes in one tree at the end; BLOCK depends on the row's width alone. So a row's
-result depends on its own values only: batch-invariant by construction.
+slices in order, one lane per column of a slice (RMSNorm's squares summed in float32; the
+softmax's exponentials, taken in float32, summed in float64, as csrc/log_softmax.cpp keeps
+double totals), and adds the lanes in one tree at the end; BLOCK depends on the row's width
+alone. So a row's result depends on its own values only: batch-invariant by construction.
+Used by the Triton backend (`--attention-backend triton`), with the rest of cuda/.
 
 Tested on the CPU under TRITON_INTERPRET=1 against float64 and alone against in a batch
 (tests/test_rowwise_triton.py, slow); on a GPU by benchmarks/gpu/gpu_accept.py.

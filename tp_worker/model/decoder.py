@@ -34,12 +34,13 @@ class RMSNorm(nn.Module):
             torch.ones(hidden, dtype=dtype, device=device), requires_grad=False
         )
         self.cpu_kernel = False  # csrc/rms_norm.cpp, switched on by CausalLM.use_cpu_kernels
+        self.triton = False  # cuda/rowwise.py on CUDA, switched on by use_triton_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., hidden] (the float32 residual stream) -> the weight's dtype."""
         if self.cpu_kernel:
             return rms_norm_cpu(x, self.weight, self.eps)
-        if rowwise_triton.runs_on(x):
+        if self.triton and rowwise_triton.runs_on(x):
             # NOTE: torch's mean splits a row by the batch's shape (cuda/rowwise.py)
             return rowwise_triton.rms_norm(x, self.weight, self.eps)
         # NOTE: in float32 throughout, rounded once to the model's dtype (csrc/rms_norm.cpp's
@@ -174,11 +175,12 @@ class CausalLM(nn.Module):
         self.lm_head_kernel = None
         self.layer_stack = None
 
-    def use_triton_linear(self) -> None:
-        """Every linear layer and the lm_head through cuda/linear.py (CUDA): each row's
-        output the same bits in any batch, the logits float32 from the accumulators."""
+    def use_triton_kernels(self) -> None:
+        """Every linear layer, the lm_head and RMSNorm through cuda/ (where CUDA runs them):
+        each row's output the same bits in any batch, the logits float32 from the
+        accumulators."""
         for module in self.modules():
-            if isinstance(module, ShardedLinear):
+            if isinstance(module, (ShardedLinear, RMSNorm)):
                 module.triton = True
         self.triton_lm_head = True
 

@@ -52,7 +52,7 @@ class DraftModel:
         if cpu_kernels:
             self.model.use_cpu_kernels()
         if attention_backend == "triton":
-            self.model.use_triton_linear()
+            self.model.use_triton_kernels()
         self.cpu_kernels = cpu_kernels
         self.backend = attention_backend
         self.kv_cache: list[tuple[torch.Tensor, torch.Tensor]] = []

@@ -89,7 +89,7 @@ class ShardedLinear(nn.Module):
             else None
         )
         self.kernel: PackedLinear | None = None
-        self.triton = False  # cuda/linear.py, switched on by CausalLM.use_triton_linear
+        self.triton = False  # cuda/linear.py, switched on by CausalLM.use_triton_kernels
 
     def use_cpu_kernel(self) -> None:
         """Multiply through csrc/linear.cpp from now on; the unpacked weight is freed."""

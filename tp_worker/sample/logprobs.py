@@ -43,10 +43,13 @@ class LogSoftmax:
     top_logits: torch.Tensor | None = None
 
     @staticmethod
-    def of(logits: torch.Tensor, cpu_kernel: bool, top: int = 0) -> LogSoftmax:
+    def of(
+        logits: torch.Tensor, cpu_kernel: bool, top: int = 0, triton_rows: bool = False
+    ) -> LogSoftmax:
         """cpu_kernel: through csrc/log_softmax.cpp (float32 logits in CPU memory), which
-        also finds each row's `top` largest logits."""
-        if not cpu_kernel and rowwise_triton.runs_on(logits):
+        also finds each row's `top` largest logits. triton_rows: the max and log-sum through
+        cuda/rowwise.py where the logits are on CUDA (the Triton backend)."""
+        if triton_rows and not cpu_kernel and rowwise_triton.runs_on(logits):
             # NOTE: torch's sum splits a row by the batch's shape (cuda/rowwise.py)
             max_, logsum = rowwise_triton.log_softmax_stats(logits)
             return LogSoftmax(logits, max_, None, logsum)
@@ -153,12 +156,13 @@ def score_prompt(
     num_top: int,
     chunk_size: int,
     cpu_kernel: bool,
+    triton_rows: bool = False,
 ) -> ScoredPositions:
     """hidden [P, H] (each predicting targets [P]) -> scores, in chunks of chunk_size rows."""
     parts = []
     for start in range(0, hidden.shape[0], chunk_size):
         logits = logits_fn(hidden[start : start + chunk_size])
-        scores = LogSoftmax.of(logits, cpu_kernel, num_top)
+        scores = LogSoftmax.of(logits, cpu_kernel, num_top, triton_rows)
         parts.append(score_targets(scores, targets[start : start + chunk_size], num_top))
         del logits, scores
     if not parts:

@@ -1,6 +1,6 @@
 // The decoder layers of one step in one call (tp_worker, via ctypes: cpu/layer_stack.py).
 //
-// The same kernels, in the same order, on the same operands as model.py's DecoderLayer runs
+// The same kernels, in the same order, on the same operands as model/decoder.py's DecoderLayer runs
 // them through ctypes one by one, so every bit is the one the Python loop computes: RMSNorm,
 // the fused q/k/v product, RoPE and the KV write, paged attention, the output product added
 // to the float32 residual stream in its epilogue, RMSNorm, silu(gate) x up in the gate/up
@@ -29,7 +29,7 @@ struct Shape {
       head_stride, slot_stride;
 };
 
-// The step's attention plan (attention_cpu.PagedAttention's tensors).
+// The step's attention plan (cpu/attention.py's PagedAttention's tensors).
 struct Plan {
   const int32_t* table;
   int64_t table_stride;
@@ -38,7 +38,7 @@ struct Plan {
 };
 
 // Where a layer's intermediate rows go (cpu/layer_stack.py plans them once per step, laid out as
-// the products read them: cpu_ops.product_rows).
+// the products read them: cpu/ops.py's product_rows).
 struct Scratch {
   void* normed;
   int64_t normed_stride;
@@ -60,7 +60,7 @@ inline void* mutable_at(int64_t address) {
   return reinterpret_cast<void*>(static_cast<uintptr_t>(address));
 }
 
-// cpu_ops.row_stride: a lone row's stride is its width.
+// cpu/ops.py's row_stride: a lone row's stride is its width.
 inline int64_t row_stride(int64_t rows, int64_t stride, int64_t width) {
   return rows > 1 ? stride : width;
 }

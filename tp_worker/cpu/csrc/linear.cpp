@@ -1,7 +1,7 @@
 // y = x W^T (+ b) (+ r) on the CPU with a reduction order fixed by this file (tp_worker, via
 // ctypes). r, a residual added in the epilogue, gives the bits of `r + y` in torch: y rounded
 // to the output dtype first, then one float32 add, rounded again. With `glu`, each panel holds
-// 16 gate and then the same 16 up features (cpu_ops.gate_up_panels' order for an MLP's
+// 16 gate and then the same 16 up features (cpu/ops.py's gate_up_panels' order for an MLP's
 // gate_up) and the epilogue writes silu(gate) * up for those 16 columns instead, with the bits
 // of activation.cpp over the unfused output (epilogue.h, shared with linear_amx.cpp).
 //

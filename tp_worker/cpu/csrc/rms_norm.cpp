@@ -4,8 +4,8 @@
 // ascending) combined by a fixed tree; r = 1 / sqrt(sum / hidden + eps) (both correctly
 // rounded); out = weight * (x * r) in float32, rounded once to the output's dtype. A row's
 // result depends on nothing but the row: not on the batch, the thread or the CPU.
-// x is the residual stream (float32 whatever the model's dtype: model.py), weight and out the
-// model's dtype. In float32 this is transformers' formula; in bfloat16 transformers rounds
+// x is the residual stream (float32 whatever the model's dtype: model/decoder.py), weight and
+// out the model's dtype. In float32 this is transformers' formula; in bfloat16 transformers rounds
 // x * r to bfloat16 before the weight multiplies it, a second rounding this skips.
 
 #include <cmath>
