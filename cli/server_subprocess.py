@@ -23,6 +23,12 @@ def healthy(base_url: str) -> bool:
         return False
 
 
+# NOTE: a free port is free only when it is looked at: the server's own ranks take free
+# ports of their own (torch.distributed's store) and once took the one chosen here first
+# (address already in use, a TP=2 test, 2026-12-05). Another port is tried then.
+PORT_TRIES = 3
+
+
 def launch(
     model: Path | str | None,
     server_args: list[str],
@@ -33,6 +39,26 @@ def launch(
     """Starts `tokenmill serve --model MODEL *server_args` (no --model: the default model;
     output to `log_path`) and returns it with its base URL once healthy; raises with the
     log's tail if it dies or hangs."""
+    for attempt in range(PORT_TRIES):
+        try:
+            return _launch_once(model, server_args, log_path, env, timeout)
+        except _PortTaken:
+            if attempt == PORT_TRIES - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+class _PortTaken(RuntimeError):
+    pass
+
+
+def _launch_once(
+    model: Path | str | None,
+    server_args: list[str],
+    log_path: Path,
+    env: dict[str, str] | None,
+    timeout: float,
+) -> tuple[subprocess.Popen, str]:
     port = free_port()
     model_args = [] if model is None else ["--model", str(model)]
     argv = [
@@ -57,7 +83,10 @@ def launch(
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{_tail(log_path)}")
+            tail = _tail(log_path)
+            if f"'127.0.0.1', {port}): address already in use" in tail:
+                raise _PortTaken(tail)
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{tail}")
         if healthy(base_url):
             return proc, base_url
         time.sleep(0.2)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -154,5 +155,36 @@ def test_sigterm_drains_in_flight_requests(tiny_checkpoint, tmp_path: Path) -> N
         thread.join(timeout=60)
         assert server.proc.wait(timeout=60) == 0
         assert results == [1000]
+    finally:
+        server.stop()
+
+
+def test_a_launch_whose_port_was_taken_meanwhile_takes_another(
+    tiny_checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`tokenmill serve` as a child (server_subprocess.launch) tries another free port when
+    the one it chose is taken before the server binds it (once by the server's own ranks)."""
+    from tokenmill.cli import server_subprocess
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    taken_port = taken.getsockname()[1]
+    ports = [taken_port]
+    chosen = server_subprocess.free_port
+
+    def first_the_taken_one() -> int:
+        return ports.pop() if ports else chosen()
+
+    monkeypatch.setattr(server_subprocess, "free_port", first_the_taken_one)
+    try:
+        server = start_server(
+            tiny_checkpoint("llama"), tmp_path / "log", "--kv-cache-tokens", "512"
+        )
+    finally:
+        taken.close()
+    try:
+        assert not ports and server.port != taken_port
+        assert server_subprocess.healthy(server.base_url)
     finally:
         server.stop()
