@@ -8,37 +8,19 @@ every row alone bit for bit as in its batch; the whole model on it against the t
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
+from triton_interpreter import run_check
 
 from tokenmill.tp_worker.cuda import attention as attention_triton
 from tokenmill.tp_worker.cuda.attention import SPLIT, StepPlan, plan_triton
 
-CHECK = Path(__file__).with_name("triton_attention_check.py")
-
 
 @pytest.mark.slow
 def test_triton_attention_under_the_interpreter(tiny_checkpoint) -> None:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        pytest.fail("Triton is not installed: pip install triton (make test-all does)")
     model = tiny_checkpoint("mistral", "sentencepiece")
-    result = subprocess.run(
-        [sys.executable, str(CHECK), str(model)],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "model on Triton = on SDPA" in result.stdout
+    assert "model on Triton = on SDPA" in run_check("triton_attention_check.py", str(model))
 
 
 def test_a_steps_plan_tiles_runs_and_bounds_its_partials(monkeypatch) -> None:

@@ -1,6 +1,32 @@
-"""Shared by the Triton checks run under TRITON_INTERPRET=1 (tests/triton_*_check.py)."""
+"""Shared by the Triton checks run under TRITON_INTERPRET=1 (tests/triton_*_check.py) and the
+slow tests that run them."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def run_check(name: str, *args: str) -> str:
+    """tests/NAME in a subprocess under Triton's interpreter (TRITON_INTERPRET=1, which must be
+    set before Triton is imported); its output, once it has exited 0."""
+    import pytest
+
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        pytest.fail("Triton is not installed: pip install triton (make test-all does)")
+    result = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name(name)), *args],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
 
 
 def rowwise_interpreted_dot() -> None:
