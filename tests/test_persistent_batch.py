@@ -170,7 +170,7 @@ def test_every_step_keeps_its_tokens_rows_and_positions_on_the_host(
 
     def check(inputs: StepInputs) -> StepInputs:
         assert inputs.host is not None, "a step without its rows on the host"
-        rows, positions = inputs.host.tokens()
+        rows, positions = inputs.host.tokens
         np.testing.assert_array_equal(rows, inputs.token_rows.numpy())
         np.testing.assert_array_equal(positions, inputs.positions.numpy())
         sizes.append(len(rows))

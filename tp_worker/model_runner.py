@@ -305,7 +305,7 @@ class ModelRunner:
             inputs.token_rows,
             inputs.positions,
             # NOTE: the host's token rows only where a backend plans from them
-            inputs.host.tokens() if inputs.host and self.attention_backend == "triton" else None,
+            inputs.host.tokens if inputs.host and self.attention_backend == "triton" else None,
         )
         # NOTE: the last layer computes only the tokens read, where the backend allows it.
         kept, last = inputs.last_layer, None

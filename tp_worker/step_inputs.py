@@ -7,6 +7,7 @@ once, so the model runner's step reads as a short sequence of calls.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -55,7 +56,7 @@ class LastLayerRows:
         if counts.sum() == extend_lens.sum():
             return None
         starts = np.cumsum(counts) - counts
-        index = np.repeat(token_starts + keep_from - starts, counts) + np.arange(counts.sum())
+        index = runs(token_starts + keep_from, counts)
         kept_at = np.full(int(extend_lens.sum()), -1, np.int64)
         kept_at[index] = np.arange(len(index))
         prompt_index = kept_at[prompt_hidden_index]
@@ -76,9 +77,16 @@ def suffix_index(starts: np.ndarray, counts: np.ndarray, lens: np.ndarray | None
     rows that start at starts[b] with counts[b] tokens."""
     if lens is None:
         return (starts + counts - 1).astype(np.int64)
-    firsts = starts + counts - lens
+    return runs(starts + counts - lens, lens)
+
+
+def runs(firsts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """[sum(lens)] int64: lens[b] consecutive integers from firsts[b], row after row:
+    runs([5, 0], [2, 3]) -> [5, 6, 0, 1, 2]."""
+    if not len(lens):
+        return np.zeros(0, np.int64)  # NOTE: most steps' table fills; no numpy calls below
     offsets = np.cumsum(lens) - lens
-    return (np.repeat(firsts - offsets, lens) + np.arange(lens.sum())).astype(np.int64)
+    return (np.repeat(firsts - offsets, lens) + np.arange(int(lens.sum()))).astype(np.int64)
 
 
 @dataclass(frozen=True)
@@ -137,12 +145,6 @@ class VerifyPlan:
         return np.cumprod(agree, axis=0).sum(axis=0).astype(np.int32)
 
 
-def _ragged_arange(lens: np.ndarray) -> np.ndarray:
-    """[2, 3] -> [0, 1, 0, 1, 2]."""
-    starts = np.cumsum(lens) - lens
-    return np.arange(int(lens.sum())) - np.repeat(starts, lens)
-
-
 def _sampling(s: SamplingBatch, temperature: np.ndarray, up: Upload) -> SamplingTensors:
     """The rows' sampling parameters on the device, with what the host already knows: which
     rows draw noise and which filters they use (each a sync on a GPU, asked of the device)."""
@@ -173,11 +175,10 @@ class HostRows:
     prefix_lens: np.ndarray
     extend_lens: np.ndarray
 
+    @cached_property
     def tokens(self) -> tuple[np.ndarray, np.ndarray]:
         """[T] each new token's table row and its position."""
-        starts = np.cumsum(self.extend_lens) - self.extend_lens
-        first = np.repeat(self.prefix_lens - starts, self.extend_lens)
-        return np.repeat(self.req_rows, self.extend_lens), first + np.arange(len(first))
+        return np.repeat(self.req_rows, self.extend_lens), runs(self.prefix_lens, self.extend_lens)
 
     def next_decode(self) -> HostRows:
         """The rows one token further on (a multi-step run's next iteration)."""
@@ -229,8 +230,9 @@ class StepInputs:
         extend_np = unpack(batch.extend_lens).astype(np.int64)
         prefix_np = unpack(batch.prefix_lens).astype(np.int64)
         starts_np = np.cumsum(extend_np) - extend_np
-        positions = np.repeat(prefix_np - starts_np, extend_np) + np.arange(extend_np.sum())
         req_rows = unpack(batch.req_rows).astype(np.int64)
+        host = HostRows(req_rows, prefix_np, extend_np)
+        token_rows, positions = host.tokens
         fill_rows = unpack(batch.fill_rows).astype(np.int64)
         fill_lens = unpack(batch.fill_lens).astype(np.int64)
         num_top = unpack(batch.logprobs.num_top)
@@ -250,14 +252,14 @@ class StepInputs:
             positions=up(positions),
             out_slots=_tensor(batch.out_slots, up),
             req_rows=up(req_rows),
-            token_rows=up(np.repeat(req_rows, extend_np)),
+            token_rows=up(token_rows),
             prefix_lens=up(prefix_np),
             extend_lens=up(extend_np),
             is_prefill=_tensor(batch.is_prefill, up, torch.bool),
             starts=up(starts_np),
             last_index=None if len(positions) == len(logit_index) else up(logit_index),
             fill_rows=up(np.repeat(fill_rows, fill_lens)),
-            fill_cols=up(_ragged_arange(fill_lens)),
+            fill_cols=up(runs(np.zeros_like(fill_lens), fill_lens)),
             fill_slots=_tensor(batch.fill_slots, up, torch.int32),
             sampling=_sampling(s, temperature, up),
             adjust=LogitAdjustments.from_batch(batch, up),
@@ -285,7 +287,7 @@ class StepInputs:
                 logit_lens,
             ),
             verify=verify,
-            host=HostRows(req_rows, prefix_np, extend_np),
+            host=host,
         )
 
     def next_tokens(self, batch: ForwardBatch, up: Upload) -> StepInputs:

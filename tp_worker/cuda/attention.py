@@ -156,10 +156,11 @@ class StepPlan:
     def to(self, device: torch.device) -> StepPlan:
         """NOTE: on a GPU from pinned memory, without waiting: a copy from pageable memory
         makes the host wait for the stream (a sync a step)."""
-        tiles = self.tiles
         if device.type == "cuda":
-            tiles = tiles.pin_memory().to(device, non_blocking=True)
-        return StepPlan(tiles.to(device), self.block_m, self.splits, self.launches)
+            tiles = self.tiles.pin_memory().to(device, non_blocking=True)
+        else:
+            tiles = self.tiles.to(device)
+        return StepPlan(tiles, self.block_m, self.splits, self.launches)
 
 
 def _launches(

@@ -177,7 +177,8 @@ def _kept(scaled: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
     ranks and log-probabilities: a kept token whose probability underflows float32 keeps its
     (tiny) logprob instead of showing as filtered."""
     kept = torch.ones_like(scaled, dtype=torch.bool)
-    if bool((params.top_k > 0).any()) or bool((params.top_p < 1).any()):
+    filters = Filters.on_device(params)
+    if filters.top_k or filters.top_p:
         ordered, order = scaled.sort(dim=-1, descending=True)
         rank = torch.arange(scaled.shape[1], device=scaled.device)[None, :]
         keep = rank < torch.where(params.top_k > 0, params.top_k, scaled.shape[1])[:, None]
@@ -185,7 +186,7 @@ def _kept(scaled: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
         mass_before = probs.cumsum(dim=-1) - probs
         keep &= (mass_before < params.top_p[:, None]) | (params.top_p[:, None] >= 1)
         kept = torch.zeros_like(kept).scatter_(1, order, keep)
-    if bool((params.min_p > 0).any()):
+    if filters.min_p:
         logp = torch.log_softmax(scaled.masked_fill(~kept, float("-inf")), dim=-1)
         floor = torch.log(params.min_p)[:, None] + logp.max(dim=-1, keepdim=True).values
         kept &= logp >= floor
