@@ -15,13 +15,15 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+from benchmarks.serving.server import cpu_seconds
+from tokenmill.cli import server_subprocess
+from tokenmill.frontend.engine.cluster_layout import free_port
 
 CACHE = Path(os.environ.get("TOKENMILL_PEERS", Path.home() / ".cache" / "tokenmill-peers"))
 VLLM_PY = Path(os.environ.get("VLLM_PY", CACHE / "vllm" / "bin" / "python"))
@@ -45,12 +47,6 @@ class Server:
     proc: subprocess.Popen
     url: str
     log: Path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def cores() -> str:
@@ -143,14 +139,12 @@ def start_llamacpp(
 
 
 def start_tokenmill(model: Path, dtype: str, log: Path, extra: list[str] | None = None) -> Server:
-    """`tokenmill serve --model MODEL` (this python's tokenmill), once /health answers."""
-    port = free_port()
-    command = [sys.executable, "-m", "tokenmill.cli.main", "serve", "--model", str(model)]
-    command += ["--dtype", dtype, "--host", "127.0.0.1", "--port", str(port)]
-    command += ["--served-model-name", SERVED_NAME, "--max-model-len", str(MAX_MODEL_LEN)]
-    server = start("tokenmill", [*command, *(extra or [])], {}, port, log)
-    wait_health(server, 900.0)
-    return server
+    """`tokenmill serve --model MODEL` (this python's tokenmill, as its tests start it: in a
+    session of its own, on a free port), once /health answers."""
+    flags = ["--dtype", dtype, "--served-model-name", SERVED_NAME]
+    flags += ["--max-model-len", str(MAX_MODEL_LEN), *(extra or [])]
+    proc, url = server_subprocess.launch(model, flags, log, env=QUIET_ENV, timeout=900.0)
+    return Server("tokenmill", proc, url, log)
 
 
 @dataclass(frozen=True)
@@ -192,16 +186,5 @@ def bench_serve(
 
 def tree_cpu_seconds(root: int) -> float:
     """User + system CPU seconds of `root` and every process under it (Linux /proc)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total, pending = 0.0, [root]
-    while pending:
-        pid = pending.pop()
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-        except OSError:
-            continue  # NOTE: a process that exited between the reads
-        fields = stat.rpartition(")")[2].split()
-        total += (int(fields[11]) + int(fields[12])) / tick
-        pending.extend(int(child) for child in children)
-    return total
+    by_role = cpu_seconds(root)
+    return sum(seconds for role, seconds in by_role.items() if role != "client")
