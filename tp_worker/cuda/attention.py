@@ -109,8 +109,9 @@ class TritonAttention(TorchProjection):
 
     def plan(self, group_p: int, bytes_per_split: int) -> StepPlan:
         """The step's tiles and launches for a GQA group of group_p (padded) heads, whose
-        partials take bytes_per_split a token and split. NOTE: on the host, once a step
-        (one sync), shared by every layer."""
+        partials take bytes_per_split a token and split. NOTE: on the host, once a step,
+        shared by every layer; from the step's host rows where it has them (else a copy
+        back, a sync on a GPU)."""
         key = (group_p, bytes_per_split)
         if key not in self.made:
             rows, pos = self.host or (self.token_rows.cpu().numpy(), self.token_pos.cpu().numpy())
