@@ -30,16 +30,17 @@ class Filters:
     min_p: bool
 
     @staticmethod
-    def of(top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray) -> Filters:
+    def of(
+        top_k: np.ndarray | torch.Tensor,
+        top_p: np.ndarray | torch.Tensor,
+        min_p: np.ndarray | torch.Tensor,
+    ) -> Filters:
+        """From the rows' parameters: host arrays, or device tensors (three syncs on a GPU)."""
         return Filters(bool((top_k > 0).any()), bool((top_p < 1).any()), bool((min_p > 0).any()))
 
     @staticmethod
     def on_device(params: SamplingTensors) -> Filters:
-        return Filters(
-            bool((params.top_k > 0).any()),
-            bool((params.top_p < 1).any()),
-            bool((params.min_p > 0).any()),
-        )
+        return Filters.of(params.top_k, params.top_p, params.min_p)
 
 
 @dataclass(frozen=True)
