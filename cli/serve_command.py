@@ -62,6 +62,7 @@ def resolve(config: ServerConfig) -> tuple[ServerConfig, Path]:
         )
     if config.parallel.node_rank == 0:  # NOTE: the other nodes serve no HTTP
         check_rerank_prompt(config, model_dir)
+        check_chat_template(config)
     name = config.model.served_model_name or resolved.name
     model = replace(config.model, max_model_len=max_len, served_model_name=name)
     http = replace(config.http, api_key=config.http.api_key or os.environ.get(API_KEY_ENV, ""))
@@ -119,6 +120,20 @@ def check_rerank_prompt(config: ServerConfig, model_dir: Path) -> None:
         rerank_prompt(config.scoring, Tokenizer(model_dir))
     except ValueError as e:
         raise SystemExit(str(e)) from None
+
+
+def check_chat_template(config: ServerConfig) -> None:
+    """--chat-template read and compiled before any process starts."""
+    import jinja2
+
+    from tokenmill.frontend.api.chat_template import ChatTemplate, template_source
+
+    if not config.http.chat_template:
+        return
+    try:
+        ChatTemplate(template_source(config.http.chat_template, None) or "", None, None)
+    except (ValueError, jinja2.TemplateError) as e:
+        raise SystemExit(f"--chat-template: {e}") from None
 
 
 def check_tensor_parallel(raw: dict, tp: int) -> None:

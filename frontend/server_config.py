@@ -151,6 +151,17 @@ class HttpArgs:
     Qwen2.5, Qwen3, Hermes), llama3_json (`{"name", "parameters"}`: Llama 3.1 / 3.2), or
     auto (from the chat template: hermes where it shows <tool_call>, llama3_json where it
     shows <|python_tag|> or ipython)."""
+    reasoning_parser: str = ""
+    """Split a thinking model's answer into `reasoning_content` (also sent as `reasoning`)
+    and `content`, whole and streamed: qwen3 or deepseek_r1 (both read `<think>` ...
+    `</think>`; whether the answer starts thinking is read from the prompt). Empty: the
+    answer is all content."""
+    chat_template: str = ""
+    """A Jinja chat template (a file, or the template's text) to use instead of the
+    checkpoint's: for a model whose own template shows no tools, say."""
+    max_stored_responses: int = 1024
+    """Responses API answers kept in memory (newest first) for `previous_response_id` and
+    GET /v1/responses/{id}, while the process lives; 0: none kept."""
     drain_timeout: float = 30.0
     """On SIGTERM: seconds requests in flight may take to finish (new ones get 503) before
     they are aborted with an error."""
@@ -300,6 +311,18 @@ def validate(config: ServerConfig) -> None:
             "--tool-call-parser",
             h.tool_call_parser,
             "use auto, hermes or llama3_json",
+        ),
+        (
+            h.reasoning_parser in ("", "qwen3", "deepseek_r1"),
+            "--reasoning-parser",
+            h.reasoning_parser,
+            "use qwen3 or deepseek_r1 (or leave it empty)",
+        ),
+        (
+            h.max_stored_responses >= 0,
+            "--max-stored-responses",
+            h.max_stored_responses,
+            "use 0 or more",
         ),
         (s.max_queued_requests >= 1, "--max-queued-requests", s.max_queued_requests, "use 1+"),
         (s.queue_timeout >= 0, "--queue-timeout", s.queue_timeout, "use 0 (off) or seconds"),

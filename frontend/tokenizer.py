@@ -142,6 +142,11 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def token_piece(self, token_id: int) -> str:
+        """A token as the vocabulary spells it ("Ġthe"; transformers'
+        convert_ids_to_tokens)."""
+        return self._tok.id_to_token(token_id) or ""
+
     def token_text(self, token_id: int) -> str:
         """One token shown as text (special tokens included), for logprob entries the engine
         does not format (the first prompt token, `token_ids_logprob` ids)."""

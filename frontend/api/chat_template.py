@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
+from pathlib import Path
 from typing import Any, NoReturn
 
 import jinja2
@@ -43,22 +44,43 @@ class ChatTemplate:
         env.globals["strftime_now"] = _strftime_now
         # NOTE: a broken template fails here, at startup, not on the first request.
         self._template = env.from_string(source)
+        self.source = source
         self._bos_token = bos_token or ""
         self._eos_token = eos_token or ""
 
-    def render(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> str:
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict] | None = None,
+        variables: dict[str, Any] | None = None,
+    ) -> str:
         """tools: OpenAI's tool objects, for a template that shows them (transformers'
-        apply_chat_template(tools=...)); not passed at all when None."""
-        extra = {} if tools is None else {"tools": tools}
+        apply_chat_template(tools=...)); not passed at all when None. variables: more of
+        the template's variables (a request's chat_template_kwargs), as transformers takes
+        them; they may override add_generation_prompt, not messages or tools."""
+        extra: dict[str, Any] = {"add_generation_prompt": True, **(variables or {})}
+        if tools is not None:
+            extra["tools"] = tools
         try:
             return self._template.render(
                 messages=messages,
                 bos_token=self._bos_token,
                 eos_token=self._eos_token,
-                add_generation_prompt=True,
                 **extra,
             )
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template error: {e}") from e
         except (TypeError, ValueError, LookupError, AttributeError, RecursionError) as e:
             raise ChatTemplateError(f"chat template cannot render these messages: {e}") from e
+
+
+def template_source(flag: str, checkpoint_template: str | None) -> str | None:
+    """--chat-template (a file, or the template itself) or else the checkpoint's."""
+    if not flag:
+        return checkpoint_template
+    if "{{" in flag or "{%" in flag:
+        return flag
+    path = Path(flag)
+    if not path.is_file():
+        raise ValueError(f"--chat-template {flag!r}: no such file (nor a Jinja template)")
+    return path.read_text(encoding="utf-8")

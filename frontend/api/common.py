@@ -97,6 +97,7 @@ class RequestContext:
     grammar: Any = None  # constraints.GrammarValidator; None: no constraints (no tokenizer)
     tool_call_parser: str = "auto"  # --tool-call-parser
     logprobs_mode: str = "raw"  # --logprobs-mode: a request's without `logprobs_mode`
+    reasoning_parser: str = ""  # --reasoning-parser; "": answers are not split
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,9 @@ class ParsedRequest:
     batched: bool = False  # native: the response is a list (batch of prompts or n > 1)
     text_in_logprobs: bool = True  # native `return_text_in_logprobs`
     tool_parser: str | None = None  # chat with tools: the format its output is read in
+    named_tool: bool = False  # tool_choice named a function: the call ends with "stop"
+    # --reasoning-parser: whether the prompt left the model thinking; None: not split
+    thinking: bool | None = None
     return_token_ids: bool = False  # vLLM's: prompt_token_ids and each choice's token_ids
 
     @property

@@ -45,6 +45,7 @@ from tokenmill.frontend.api.constraints import (
     add_structured_outputs,
     json_schema_grammar,
 )
+from tokenmill.frontend.api.reasoning import prompt_opens_thought
 from tokenmill.frontend.api.sampling import (
     RepetitionPenalty,
     SamplingInput,
@@ -57,9 +58,32 @@ ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     include_usage: bool | None = None
+    include_obfuscation: bool | None = None  # ignored: no padding is added to chunks
 
 
-class _OpenAIFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class _IgnoredFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """OpenAI's request fields that change nothing here, taken so that the clients and
+    frameworks that set them work unchanged (docs/api.md lists them; tested one by one)."""
+
+    metadata: dict[str, str] | None = None
+    store: bool | None = None  # nothing is stored for later retrieval (chat, completions)
+    user: str | None = None
+    safety_identifier: str | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None  # the prefix cache needs no hint
+    prompt_cache_retention: str | None = None
+
+
+IGNORED_CHAT_FIELDS = (
+    *_IgnoredFields.__struct_fields__,
+    "verbosity",
+    "prediction",
+    "stream_options.include_obfuscation",
+)
+IGNORED_COMPLETION_FIELDS = ("user", "stream_options.include_obfuscation")
+
+
+class _OpenAIFields(_IgnoredFields, kw_only=True, forbid_unknown_fields=True):
     """Fields chat and completions share (with vLLM's extensions top_k, min_p, ...)."""
 
     model: str | None = None
@@ -81,7 +105,6 @@ class _OpenAIFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     presence_penalty: Penalty | None = None
     repetition_penalty: RepetitionPenalty | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
     # Output constraints (constraints.py): OpenAI's, vLLM's and SGLang's shapes.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -102,6 +125,7 @@ class _OpenAIFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class ContentPart(msgspec.Struct, kw_only=True):
     type: str
     text: str | None = None
+    refusal: str | None = None  # an assistant's "refusal" part
 
 
 class ChatMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -110,6 +134,17 @@ class ChatMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
+    # What the openai SDK keeps on an assistant message it returned, sent back as it is
+    # (`messages.append(completion.choices[0].message)`): a refusal stands for missing
+    # content; annotations change nothing; audio and function_call must be null.
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: Any = None
+    function_call: Any = None
+    # An earlier turn's reasoning (the `reasoning_content` / `reasoning` of our answers),
+    # rendered where the chat template shows it (Qwen3's does)
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatCompletionBody(_OpenAIFields, kw_only=True):
@@ -124,6 +159,16 @@ class ChatCompletionBody(_OpenAIFields, kw_only=True):
     # NOTE: OpenAI's deprecated function calling: asking for it is a 400, never ignored.
     functions: list[Any] | None = None
     function_call: Any = None
+    # Variables for the chat template (vLLM's), e.g. {"enable_thinking": false} for Qwen3
+    chat_template_kwargs: dict[str, Any] | None = None
+    # Given to the chat template as `reasoning_effort` (gpt-oss's reads it); else no effect
+    reasoning_effort: str | None = None
+    verbosity: str | None = None  # ignored: no model here reads it
+    prediction: dict[str, Any] | None = None  # ignored: a latency hint, the output is the same
+    # Output we cannot produce: a 400 when asked for (text is the only modality served)
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
 
 
 class CompletionBody(_OpenAIFields, kw_only=True):
@@ -191,25 +236,17 @@ def _message_dict(i: int, message: ChatMessage) -> dict[str, Any]:
         raise ApiError(
             f"unknown role {message.role!r}; use one of {sorted(ROLES)}", f"messages[{i}].role"
         )
-    content = message.content
-    if content is None:
-        if message.role != "assistant":
-            raise ApiError("message content is missing", f"messages[{i}].content")
-        content = ""
-    elif isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            if part.type != "text" or part.text is None:
-                raise ApiError(
-                    f"content part type {part.type!r} is not supported; only text parts are",
-                    f"messages[{i}].content[{j}].type",
-                )
-            texts.append(part.text)
-        # NOTE: parts are joined as they are, with nothing in between.
-        content = "".join(texts)
+    for name, value in (("audio", message.audio), ("function_call", message.function_call)):
+        if value is not None:
+            what = "audio is not served" if name == "audio" else "use tool_calls instead"
+            raise ApiError(f"a message's {name} must be null: {what}", f"messages[{i}].{name}")
+    content = _content_text(i, message)
     out: dict[str, Any] = {"role": message.role, "content": content}
     if message.name is not None:
         out["name"] = message.name
+    reasoning = message.reasoning_content or message.reasoning
+    if reasoning is not None:
+        out["reasoning_content"] = reasoning
     if message.tool_calls is not None:
         if message.role != "assistant":
             raise ApiError("only assistant messages carry tool_calls", f"messages[{i}].tool_calls")
@@ -220,6 +257,27 @@ def _message_dict(i: int, message: ChatMessage) -> dict[str, Any]:
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
     return out
+
+
+def _content_text(i: int, message: ChatMessage) -> str:
+    content = message.content
+    if content is None:
+        if message.role != "assistant":
+            raise ApiError("message content is missing", f"messages[{i}].content")
+        return message.refusal or ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        text = part.refusal if part.type == "refusal" else part.text
+        if part.type not in ("text", "refusal") or text is None:
+            raise ApiError(
+                f"content part type {part.type!r} is not supported; only text parts are",
+                f"messages[{i}].content[{j}].type",
+            )
+        texts.append(text)
+    # NOTE: parts are joined as they are, with nothing in between.
+    return "".join(texts)
 
 
 def _past_call(call: dict[str, Any], param: str) -> dict[str, Any]:
@@ -240,7 +298,11 @@ def _past_call(call: dict[str, Any], param: str) -> dict[str, Any]:
 
 
 def _tool_setup(
-    body: ChatCompletionBody, ctx: RequestContext, asked: Asked, messages: list[dict[str, Any]]
+    body: ChatCompletionBody,
+    ctx: RequestContext,
+    asked: Asked,
+    messages: list[dict[str, Any]],
+    variables: dict[str, Any],
 ) -> tuple[str | None, list[dict[str, Any]] | None]:
     """What the request's tools mean: the parser of its output (None: not read for calls),
     the tools to render, and (tool_choice required or named) the call grammar added to
@@ -259,10 +321,11 @@ def _tool_setup(
                 "tool parameters schema", json_schema_grammar(fn.parameters, param), param
             )
     rendered = [fn.spec for fn in functions]
-    _check_template_shows_tools(ctx, messages, rendered)
+    _check_template_shows_tools(ctx, messages, rendered, variables)
     if choice == "none":
         return None, rendered
-    parser = tool_calls.pick_parser(ctx.tool_call_parser, ctx.tokenizer.chat_template)
+    source = ctx.chat_template.source if ctx.chat_template else None
+    parser = tool_calls.pick_parser(ctx.tool_call_parser, source)
     if parser is None:
         raise ApiError(
             "no tool-call format is known for this model's chat template; start the server "
@@ -277,14 +340,14 @@ def _tool_setup(
 
 
 def _check_template_shows_tools(
-    ctx: RequestContext, messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+    ctx: RequestContext,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]],
+    variables: dict[str, Any],
 ) -> None:
-    if ctx.chat_template is None:
-        raise ApiError("this model has no chat template; use /v1/completions", "messages")
-    try:
-        shown = ctx.chat_template.render(messages, tools) != ctx.chat_template.render(messages)
-    except ChatTemplateError as e:
-        raise ApiError(str(e), "messages") from e
+    shown = render_chat(ctx, messages, tools, variables) != render_chat(
+        ctx, messages, None, variables
+    )
     if not shown:
         raise ApiError("this model's chat template does not render tools", "tools")
 
@@ -318,26 +381,70 @@ def _check_stream_options(body: _OpenAIFields) -> None:
         raise ApiError("`stream_options` is only allowed with `stream: true`", "stream_options")
 
 
+_RESERVED_VARIABLES = frozenset({"messages", "tools", "bos_token", "eos_token"})
+
+
+def template_variables(
+    kwargs: dict[str, Any] | None, reasoning_effort: str | None
+) -> dict[str, Any]:
+    """What a request adds to the chat template's variables."""
+    variables = dict(kwargs or {})
+    for key in variables:
+        if key in _RESERVED_VARIABLES:
+            raise ApiError(
+                f"chat_template_kwargs may not set {key!r}", f"chat_template_kwargs.{key}"
+            )
+    if reasoning_effort is not None:
+        variables.setdefault("reasoning_effort", reasoning_effort)
+    return variables
+
+
+def _check_text_output(body: ChatCompletionBody) -> None:
+    """Fields asking for output other than text: a 400, never ignored."""
+    others = sorted(set(body.modalities or ()) - {"text"})
+    if others:
+        raise ApiError(f"modalities {others} are not served; only text is", "modalities")
+    check_unsupported({"audio": body.audio, "web_search_options": body.web_search_options})
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Chat messages as the template reads them (checked; `messages[i]` in errors)."""
+    return [_message_dict(i, m) for i, m in enumerate(messages)]
+
+
+def render_chat(
+    ctx: RequestContext,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    variables: dict[str, Any] | None = None,
+) -> str:
+    """The prompt text of a conversation, through the chat template."""
+    if ctx.chat_template is None:
+        raise ApiError("this model has no chat template; use /v1/completions", "messages")
+    try:
+        return ctx.chat_template.render(messages, tools, variables)
+    except ChatTemplateError as e:
+        raise ApiError(str(e), "messages") from e
+
+
 def parse_chat(raw: bytes, ctx: RequestContext) -> ParsedRequest:
     body = decode_body(raw, ChatCompletionBody)
     model = check_model(body.model, ctx)
     _check_stream_options(body)
-    messages = [_message_dict(i, m) for i, m in enumerate(body.messages)]
+    _check_text_output(body)
+    messages = chat_messages(body.messages)
+    variables = template_variables(body.chat_template_kwargs, body.reasoning_effort)
     asked = _constraints(body)
-    tool_parser, rendered_tools = _tool_setup(body, ctx, asked, messages)
+    tool_parser, rendered_tools = _tool_setup(body, ctx, asked, messages, variables)
     constraint = asked.resolve(ctx.grammar)
     top = body.top_logprobs or 0
     if top > 0 and not body.logprobs:
         raise ApiError("top_logprobs requires logprobs to be true", "top_logprobs")
     if top > ctx.max_logprobs:
         raise ApiError(f"top_logprobs must be at most {ctx.max_logprobs}", "top_logprobs")
-    if ctx.chat_template is None:
-        raise ApiError("this model has no chat template; use /v1/completions", "messages")
-    try:
-        text = ctx.chat_template.render(messages, rendered_tools)
-    except ChatTemplateError as e:
-        raise ApiError(str(e), "messages") from e
+    text = render_chat(ctx, messages, rendered_tools, variables)
     ids = ctx.tokenizer.encode(text, add_special_tokens=False)
+    thinking = prompt_opens_thought(text) if ctx.reasoning_parser else None
     logprobs = LogprobParams(
         return_logprob=bool(body.logprobs),
         num_top=top,
@@ -355,6 +462,8 @@ def parse_chat(raw: bytes, ctx: RequestContext) -> ParsedRequest:
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         logprobs=bool(body.logprobs),
         tool_parser=tool_parser,
+        named_tool=isinstance(body.tool_choice, dict),
+        thinking=thinking,
         return_token_ids=bool(body.return_token_ids),
     )
 

@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 
 from tokenmill.frontend.api.common import Choice, ParsedRequest
+from tokenmill.frontend.api.reasoning import ReasoningStream, split_reasoning
 from tokenmill.frontend.api.tools import PARSERS, ToolStream
 from tokenmill.frontend.tokenizer import Tokenizer
 from tokenmill.protocol.outputs import DetokenizedOutput, PositionLogprobs, TokenEntry
@@ -182,6 +183,10 @@ class ChatResponder(Responder):
         super().__init__(parsed, tokenizer)
         self.parser = parsed.tool_parser
         self.tool_streams = [ToolStream(self.parser) for _ in self.states] if self.parser else []
+        thinking = parsed.thinking
+        self.reasoning_streams = (
+            [ReasoningStream(thinking) for _ in self.states] if thinking is not None else []
+        )
 
     def chunks(self, state: ChoiceState, out: DetokenizedOutput, first: bool) -> list[Any]:
         index = state.choice.index
@@ -191,20 +196,22 @@ class ChatResponder(Responder):
             role = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
             chunks.append(self._chunk(role))
         final = out.finish_reason is not None
-        text, calls, reason = out.text, [], out.finish_reason
+        reasoning, text = "", out.text
+        if self.reasoning_streams:
+            reasoning, text = self.reasoning_streams[index].feed(text, final)
+        calls, reason = [], out.finish_reason
         if self.tool_streams:
             stream = self.tool_streams[index]
-            text, calls = stream.feed(out.text, final)
-            reason = _finish_reason(reason, stream.num_calls)
+            text, calls = stream.feed(text, final)
+            reason = self._finish_reason(reason, stream.num_calls)
         # NOTE: text a tool call may begin is held back: a chunk then only carries logprobs
-        held = self.tool_streams and not text and not self.parsed.logprobs
-        if (text or out.token_ids or final) and not (held and not final):
+        held = self.tool_streams and not text and not reasoning and not self.parsed.logprobs
+        if (text or reasoning or out.token_ids or final) and not (held and not final):
             lp = chat_logprobs(out.logprobs) if self.parsed.logprobs else None
-            delta = {"content": text} if text or not final else {}
             last = final and not calls
             choice = {
                 "index": index,
-                "delta": delta,
+                "delta": _delta(text, reasoning, final),
                 "logprobs": lp,
                 "finish_reason": reason if last else None,
             }
@@ -225,15 +232,29 @@ class ChatResponder(Responder):
         return chunks
 
     def _message(self, state: ChoiceState) -> tuple[dict[str, Any], str | None]:
-        """The choice's message, its tool calls parsed out, and its finish reason."""
-        message: dict[str, Any] = {"role": "assistant", "content": state.text, "refusal": None}
-        if self.parser is None:
+        """The choice's message, its reasoning and tool calls parsed out, and its finish
+        reason."""
+        text: str | None = state.text
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        if self.parsed.thinking is not None:
+            reasoning, text = split_reasoning(state.text, self.parsed.thinking)
+            if reasoning is not None:
+                message["content"] = text = text or None
+                message["reasoning_content"] = message["reasoning"] = reasoning
+        if self.parser is None or not text:
             return message, state.finish_reason
-        content, calls = PARSERS[self.parser](state.text)
+        content, calls = PARSERS[self.parser](text)
         if calls:
             message["content"] = content
             message["tool_calls"] = [c.as_openai() for c in calls]
-        return message, _finish_reason(state.finish_reason, len(calls))
+        return message, self._finish_reason(state.finish_reason, len(calls))
+
+    def _finish_reason(self, reason: str | None, num_calls: int) -> str | None:
+        """OpenAI's: a choice that ends by calling tools ends with "tool_calls", unless
+        tool_choice named the function (then "stop", as OpenAI and vLLM answer)."""
+        if num_calls and reason == "stop" and not self.parsed.named_tool:
+            return "tool_calls"
+        return reason
 
     def response(self) -> dict[str, Any]:
         choices = []
@@ -254,9 +275,15 @@ class ChatResponder(Responder):
         return body
 
 
-def _finish_reason(reason: str | None, num_calls: int) -> str | None:
-    """OpenAI's: a choice that ends by calling tools ends with "tool_calls"."""
-    return "tool_calls" if num_calls and reason == "stop" else reason
+def _delta(text: str, reasoning: str, final: bool) -> dict[str, Any]:
+    """A chunk's delta: the reasoning under both names clients read (`reasoning_content`,
+    DeepSeek's and SGLang's; `reasoning`, vLLM's now), then the content."""
+    delta: dict[str, Any] = {}
+    if reasoning:
+        delta["reasoning_content"] = delta["reasoning"] = reasoning
+    if text or not (final or reasoning):
+        delta["content"] = text
+    return delta
 
 
 # --- completions ---------------------------------------------------------------------------

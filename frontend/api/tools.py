@@ -244,7 +244,7 @@ class ToolStream:
             pending = self.text[self.sent :]
             start = pending.find(_HERMES_OPEN)
             if start < 0:
-                keep = 0 if final else _partial_suffix(pending, _HERMES_OPEN)
+                keep = 0 if final else partial_suffix(pending, _HERMES_OPEN)
                 if self.num_calls and not pending[: len(pending) - keep].strip():
                     return content, deltas  # NOTE: whitespace between calls
                 content += pending[: len(pending) - keep]
@@ -292,7 +292,7 @@ class ToolStream:
         return [head, {"index": index, "function": {"arguments": call.arguments}}]
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest end of `text` that begins `marker`."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-n:]):

@@ -33,7 +33,9 @@ disable_created_metrics()
 
 
 class ApiMetrics:
-    def __init__(self, stats: Callable[[], EngineStats] | None = None) -> None:
+    def __init__(
+        self, stats: Callable[[], EngineStats] | None = None, model_name: str = ""
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r, p = self.registry, PREFIX
         self.requests_started = Counter(
@@ -68,6 +70,7 @@ class ApiMetrics:
         )  # fmt: skip
         if stats is not None:
             self.registry.register(EngineCollector(stats))
+            self.registry.register(VllmGauges(stats, model_name))
 
     def on_start(self, num_requests: int, wants_logprobs: bool) -> None:
         self.requests_started.inc(num_requests)
@@ -141,6 +144,32 @@ class EngineCollector(Collector):
             name = re.sub(r"[^a-zA-Z0-9_]", "_", key)
             values = each(lambda s, key=key: s.extra.get(key, 0.0))  # type: ignore[misc]
             yield _gauge(name, f"Engine report field {key}.", values)
+
+
+class VllmGauges(Collector):
+    """The gauges a gateway's endpoint picker reads under vLLM's names (the Gateway API
+    Inference Extension, llm-d): the same values as tokenmill_num_requests_waiting,
+    _running and _kv_cache_usage_perc, labelled as vLLM labels them (model_name, and
+    engine per replica)."""
+
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
+        self.stats = stats
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.stats()
+        replicas = list(enumerate(stats.per_replica())) if stats.replicas else [(None, stats)]
+        for name, help_text, value in (
+            ("vllm:num_requests_running", "Requests being decoded.", _running),
+            ("vllm:num_requests_waiting", "Requests waiting to be started.", _waiting),
+            ("vllm:kv_cache_usage_perc", "KV cache usage, 0 to 1.", _usage),
+        ):
+            labels = ["model_name"] if not stats.replicas else ["model_name", "engine"]
+            family = GaugeMetricFamily(name, help_text, labels=labels)
+            for d, replica in replicas:
+                engine = [] if d is None else [str(d)]
+                family.add_metric([self.model_name, *engine], value(replica))
+            yield family
 
 
 def _spec_metrics(stats: EngineStats, replicas: list[EngineStats]) -> Iterator[Metric]:

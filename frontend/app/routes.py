@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from tokenmill.frontend.api.chat_template import ChatTemplate
+from tokenmill.frontend.api.chat_template import ChatTemplate, template_source
 from tokenmill.frontend.api.common import ApiError, Choice, ParsedRequest, RequestContext
 from tokenmill.frontend.api.constraints import GrammarValidator
 from tokenmill.frontend.api.native_requests import parse_generate
@@ -43,6 +43,7 @@ from tokenmill.frontend.api.scoring import (
     rerank_response,
     score_response,
 )
+from tokenmill.frontend.api.tokenize import detokenize, tokenize
 from tokenmill.frontend.app.auth import auth_middleware
 from tokenmill.frontend.app.control_routes import ControlApi
 from tokenmill.frontend.app.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -175,7 +176,7 @@ class HttpApi:
         self.config = config
         self.engine = engine
         self.ctx = ctx
-        self.metrics = ApiMetrics(lambda: engine.stats)
+        self.metrics = ApiMetrics(lambda: engine.stats, ctx.served_model_name)
         self.created = int(time.time())
         self.openapi_json = msgspec.json.encode(openapi_document(config.http.enable_rl_control))
 
@@ -196,6 +197,12 @@ class HttpApi:
 
     async def rerank(self, request: web.Request) -> web.Response:
         return await self._score(request, parse_rerank, rerank_response)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        return json_response(await self._parse(request, tokenize))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        return json_response(await self._parse(request, detokenize))
 
     async def models(self, request: web.Request) -> web.Response:
         model = {
@@ -411,8 +418,9 @@ def build_app(
     """The aiohttp application; run it with `make_runner` (or `web.run_app(...,
     handler_cancellation=True)`) so that a client disconnect aborts its request."""
     template = None
-    if tokenizer.chat_template is not None:
-        template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token)
+    source = template_source(config.http.chat_template, tokenizer.chat_template)
+    if source is not None:
+        template = ChatTemplate(source, tokenizer.bos_token, tokenizer.eos_token)
     ctx = RequestContext(
         tokenizer=tokenizer,
         chat_template=template,
@@ -424,6 +432,7 @@ def build_app(
         grammar=grammar_validator(tokenizer),
         tool_call_parser=config.http.tool_call_parser,
         logprobs_mode=config.scheduler.logprobs_mode,
+        reasoning_parser=config.http.reasoning_parser,
     )
     api = HttpApi(config, engine, ctx)
     middlewares = [_error_middleware(api.metrics)]
@@ -438,6 +447,8 @@ def build_app(
     app.router.add_post("/generative_scoring", api.generative_scoring)
     app.router.add_post("/v1/rerank", api.rerank)
     app.router.add_post("/rerank", api.rerank)
+    app.router.add_post("/tokenize", api.tokenize)
+    app.router.add_post("/detokenize", api.detokenize)
     app.router.add_get("/v1/models", api.models)
     app.router.add_get("/health", api.health)
     app.router.add_get("/metrics", api.prometheus)
