@@ -285,3 +285,22 @@ def test_reasoning_is_split_from_the_content(reasoning_server) -> None:
     assert status == 200, body
     text = reasoning_server.post("/detokenize", {"tokens": body["tokens"]})[1]["prompt"]
     assert "<think>ab</think>cd" in text, json.dumps(text)
+
+
+def test_responses_return_the_reasoning_as_an_item(reasoning_server) -> None:
+    """The prompt opens the thought and a 6-token answer never closes it: all reasoning,
+    then an empty message, whole and streamed, as chat splits it."""
+    client = openai.OpenAI(base_url=reasoning_server.base_url + "/v1", api_key="x")
+    model = reasoning_server.model
+    chat = client.chat.completions.create(model=model, messages=HELLO, **GREEDY)
+    thought = chat.choices[0].message.model_extra["reasoning_content"]
+    kwargs = {"model": model, "input": "Hello there", "max_output_tokens": 6, "temperature": 0}
+    out = client.responses.create(**kwargs)
+    assert [item.type for item in out.output] == ["reasoning", "message"]
+    assert out.output[0].content[0].text == thought and out.output_text == ""
+    with client.responses.stream(**kwargs) as stream:
+        events = list(stream)
+    kinds = [e.type for e in events]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.done")
+    streamed = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert streamed == thought

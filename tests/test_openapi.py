@@ -74,6 +74,11 @@ BODIES = [
     ("/v1/score", {"query": "a b", "items": ["c", "d"], "label_token_ids": [5, 6]}),
     ("/generative_scoring", {"query": [5, 6], "items": [[7]], "label_token_ids": [5]}),
     ("/v1/rerank", {"query": "a", "documents": ["b", "c"], "top_n": 1}),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 3,
+                       "include": ["message.output_text.logprobs"], "top_logprobs": 2}),
+    ("/tokenize", {"prompt": "hello", "return_token_strs": True}),
+    ("/tokenize", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("/detokenize", {"tokens": [5, 6, 7]}),
 ]  # fmt: skip
 
 
@@ -97,6 +102,14 @@ def test_real_errors_and_other_routes_fit_the_document(server) -> None:
         status, text = server.get(path)
         assert status == 200
         response_schema(path).validate(json.loads(text))
+    stored = server.post("/v1/responses", {"input": "hi", "max_output_tokens": 2})[1]
+    status, text = server.get(f"/v1/responses/{stored['id']}")
+    assert status == 200
+    validator(
+        DOC["paths"]["/v1/responses/{response_id}"]["get"]["responses"]["200"]["content"][
+            "application/json"
+        ]["schema"]
+    ).validate(json.loads(text))
 
 
 def test_streamed_completion_chunks_fit_the_document(server) -> None:

@@ -428,7 +428,11 @@ def render_chat(
 
 
 def parse_chat(raw: bytes, ctx: RequestContext) -> ParsedRequest:
-    body = decode_body(raw, ChatCompletionBody)
+    return chat_request(decode_body(raw, ChatCompletionBody), ctx, new_id("chatcmpl"))
+
+
+def chat_request(body: ChatCompletionBody, ctx: RequestContext, response_id: str) -> ParsedRequest:
+    """A chat body (decoded, or built from another API's) checked and expanded."""
     model = check_model(body.model, ctx)
     _check_stream_options(body)
     _check_text_output(body)
@@ -452,7 +456,6 @@ def parse_chat(raw: bytes, ctx: RequestContext) -> ParsedRequest:
     )
     max_tokens = body.max_completion_tokens or body.max_tokens
     opts = _options(body, ctx, max_tokens, 1, "messages", logprobs, constraint)
-    response_id = new_id("chatcmpl")
     return ParsedRequest(
         api="chat",
         response_id=response_id,

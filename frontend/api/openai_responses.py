@@ -106,6 +106,11 @@ class Responder:
 
     object_name = ""
     chunk_object_name = ""
+    done_marker: bytes | None = SSE_DONE  # the stream's last bytes
+
+    def encode(self, chunk: Any) -> bytes:
+        """One streamed chunk as a server-sent event."""
+        return sse(chunk)
 
     def __init__(self, parsed: ParsedRequest, tokenizer: Tokenizer) -> None:
         self.parsed = parsed

@@ -15,7 +15,9 @@ import msgspec
 from tokenmill.frontend import VERSION
 from tokenmill.frontend.api.native_requests import GenerateBody
 from tokenmill.frontend.api.openai_requests import ChatCompletionBody, CompletionBody
+from tokenmill.frontend.api.responses_requests import ResponsesBody
 from tokenmill.frontend.api.scoring import RerankBody, ScoreBody
+from tokenmill.frontend.api.tokenize import DetokenizeBody, TokenizeBody
 from tokenmill.frontend.app.control_routes import CONTROL_ROUTES, ControlResponse
 
 # --- response shapes -------------------------------------------------------------------
@@ -98,6 +100,9 @@ class ChatMessageOut(Shape):
     role: str
     content: str | None
     refusal: None = None
+    tool_calls: list[dict[str, Any]] | None = None  # with tools
+    reasoning_content: str | None = None  # with --reasoning-parser
+    reasoning: str | None = None  # the same, under vLLM's name
 
 
 class ChatChoice(Shape):
@@ -186,28 +191,131 @@ class Health(Shape):
     status: str
 
 
+class TokenizeResponse(Shape):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None
+
+
+class DetokenizeResponse(Shape):
+    prompt: str
+
+
+class OutputText(Shape):
+    type: str  # "output_text"
+    text: str
+    annotations: list[Any]
+    logprobs: list[ChatTokenLogprob]
+
+
+class ReasoningText(Shape):
+    type: str  # "reasoning_text"
+    text: str
+
+
+class MessageItem(Shape, tag_field="type", tag="message"):
+    id: str
+    status: str
+    role: str
+    content: list[OutputText]
+
+
+class ReasoningItem(Shape, tag_field="type", tag="reasoning"):
+    id: str
+    summary: list[Any]
+    content: list[ReasoningText]
+    encrypted_content: None
+    status: str
+
+
+class FunctionCallItem(Shape, tag_field="type", tag="function_call"):
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: str
+
+
+class ResponsesUsage(Shape):
+    input_tokens: int
+    input_tokens_details: PromptTokensDetails
+    output_tokens: int
+    output_tokens_details: dict[str, int]
+    total_tokens: int
+
+
+class ResponseObject(Shape):
+    """Also in each streamed event's `response` (events: `event: <type>` and `data: {"type",
+    ..., "sequence_number"}` in OpenAI's order; no [DONE])."""
+
+    id: str
+    object: str
+    created_at: int
+    status: str
+    background: bool
+    error: None
+    incomplete_details: dict[str, str] | None
+    instructions: str | None
+    max_output_tokens: int | None
+    max_tool_calls: None
+    model: str
+    output: list[MessageItem | ReasoningItem | FunctionCallItem]
+    parallel_tool_calls: bool
+    previous_response_id: str | None
+    reasoning: dict[str, str | None]
+    store: bool
+    temperature: float | None
+    text: dict[str, Any]
+    tool_choice: Any
+    tools: list[dict[str, Any]]
+    top_logprobs: int
+    top_p: float | None
+    truncation: str
+    usage: ResponsesUsage | None
+    user: str | None
+    metadata: dict[str, str]
+    weight_version: str | None = None
+
+
+class Deleted(Shape):
+    id: str
+    object: str
+    deleted: bool
+
+
 # --- the routes ------------------------------------------------------------------------
 
-# path -> (method, summary, request type or None, 200 response type, streams)
-ROUTES: dict[str, tuple[str, str, type | None, Any, bool]] = {
-    "/v1/chat/completions": ("post", "Chat completion (OpenAI)", ChatCompletionBody,
-                             ChatCompletionResponse, True),
-    "/v1/completions": ("post", "Text completion (OpenAI)", CompletionBody,
-                        CompletionResponse, True),
-    "/generate": ("post", "Generation (SGLang's native API)", GenerateBody,
-                  GenerateResponse | list[GenerateResponse], True),
-    "/v1/score": ("post", "Label probabilities per item (SGLang)", ScoreBody, ScoreResponse,
-                  False),
-    "/generative_scoring": ("post", "First label's probability per item (vLLM)", ScoreBody,
-                            GenerativeScoringResponse, False),
-    "/v1/rerank": ("post", "Rerank documents (Cohere, Jina, vLLM)", RerankBody, RerankResponse,
-                   False),
-    "/rerank": ("post", "Rerank documents (alias of /v1/rerank)", RerankBody, RerankResponse,
-                False),
-    "/v1/models": ("get", "The served model", None, ModelList, False),
-    "/health": ("get", "200 while the engine steps; 503 when it does not or on drain", None,
-                Health, False),
-}  # fmt: skip
+# (path, method, summary, request type or None, 200 response type, streams)
+Route = tuple[str, str, str, type | None, Any, bool]
+ROUTES: list[Route] = [
+    ("/v1/chat/completions", "post", "Chat completion (OpenAI)", ChatCompletionBody,
+     ChatCompletionResponse, True),
+    ("/v1/completions", "post", "Text completion (OpenAI)", CompletionBody, CompletionResponse,
+     True),
+    ("/v1/responses", "post", "A response (OpenAI's Responses API)", ResponsesBody,
+     ResponseObject, True),
+    ("/v1/responses/{response_id}", "get", "A stored response (without its logprobs)", None,
+     ResponseObject, False),
+    ("/v1/responses/{response_id}", "delete", "Forget a stored response", None, Deleted, False),
+    ("/generate", "post", "Generation (SGLang's native API)", GenerateBody,
+     GenerateResponse | list[GenerateResponse], True),
+    ("/v1/score", "post", "Label probabilities per item (SGLang)", ScoreBody, ScoreResponse,
+     False),
+    ("/generative_scoring", "post", "First label's probability per item (vLLM)", ScoreBody,
+     GenerativeScoringResponse, False),
+    ("/v1/rerank", "post", "Rerank documents (Cohere, Jina, vLLM)", RerankBody, RerankResponse,
+     False),
+    ("/rerank", "post", "Rerank documents (alias of /v1/rerank)", RerankBody, RerankResponse,
+     False),
+    ("/tokenize", "post", "A text or a conversation as the token ids served (vLLM)",
+     TokenizeBody, TokenizeResponse, False),
+    ("/detokenize", "post", "Token ids as text (vLLM)", DetokenizeBody, DetokenizeResponse,
+     False),
+    ("/v1/models", "get", "The served model", None, ModelList, False),
+    ("/health", "get", "200 while the engine steps; 503 when it does not or on drain", None,
+     Health, False),
+]  # fmt: skip
 ERRORS = {
     "400": "Invalid request (the error names the param)",
     "401": "Missing or wrong API key (with --api-key)",
@@ -220,21 +328,21 @@ ERRORS = {
 
 def openapi_document(rl_control: bool = False) -> dict[str, Any]:
     """The routes served; with `rl_control` (--enable-rl-control), the control routes too."""
-    routes = dict(ROUTES)
+    routes = list(ROUTES)
     if rl_control:
-        routes.update(
-            {path: (method, summary, body, ControlResponse, False)
-             for path, (method, summary, body) in CONTROL_ROUTES.items()}
-        )  # fmt: skip
+        routes += [
+            (path, method, summary, body, ControlResponse, False)
+            for path, (method, summary, body) in CONTROL_ROUTES.items()
+        ]
     types: list[Any] = [ErrorResponse]
-    for _, _, body, response, _ in routes.values():
+    for _, _, _, body, response, _ in routes:
         types += [t for t in (body, response) if t is not None]
     schemas, components = msgspec.json.schema_components(
         types, ref_template="#/components/schemas/{name}"
     )
     error_ref, refs = schemas[0], iter(schemas[1:])
     paths: dict[str, Any] = {}
-    for path, (method, summary, body, _, streams) in routes.items():
+    for path, method, summary, body, _, streams in routes:
         operation: dict[str, Any] = {"summary": summary}
         if body is not None:
             operation["requestBody"] = {
@@ -246,7 +354,7 @@ def openapi_document(rl_control: bool = False) -> dict[str, Any]:
             content["text/event-stream"] = {
                 "schema": {"type": "string"},
                 "description": "with `stream: true`: `data: <chunk JSON>` events, then "
-                "`data: [DONE]`",
+                "`data: [DONE]` (/v1/responses: OpenAI's typed events, no [DONE])",
             }
         responses: dict[str, Any] = {"200": {"description": "OK", "content": content}}
         for status, text in ERRORS.items():
@@ -255,7 +363,7 @@ def openapi_document(rl_control: bool = False) -> dict[str, Any]:
         operation["responses"] = responses
         if path != "/health":
             operation["security"] = [{"bearer": []}, {}]  # NOTE: needed with --api-key only
-        paths[path] = {method: operation}
+        paths.setdefault(path, {})[method] = operation
     paths["/metrics"] = {
         "get": {
             "summary": "Prometheus metrics",

@@ -24,15 +24,16 @@ from tokenmill.frontend.api.common import ApiError, Choice, ParsedRequest, Reque
 from tokenmill.frontend.api.constraints import GrammarValidator
 from tokenmill.frontend.api.native_requests import parse_generate
 from tokenmill.frontend.api.native_responses import NativeResponder
-from tokenmill.frontend.api.openai_requests import parse_chat, parse_completion
+from tokenmill.frontend.api.openai_requests import ChatMessage, parse_chat, parse_completion
 from tokenmill.frontend.api.openai_responses import (
-    SSE_DONE,
     ChatResponder,
     CompletionResponder,
     Responder,
     sse,
 )
 from tokenmill.frontend.api.rerank_prompt import rerank_prompt
+from tokenmill.frontend.api.responses_output import ResponsesResponder
+from tokenmill.frontend.api.responses_requests import ResponsesJob, parse_responses
 from tokenmill.frontend.api.scoring import (
     ScoredItems,
     ScoringJob,
@@ -49,6 +50,7 @@ from tokenmill.frontend.app.control_routes import ControlApi
 from tokenmill.frontend.app.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from tokenmill.frontend.app.metrics import ApiMetrics
 from tokenmill.frontend.app.openapi import openapi_document
+from tokenmill.frontend.app.response_store import ResponseStore
 from tokenmill.frontend.engine.client import EngineClient, EngineDeadError
 from tokenmill.frontend.server_config import ServerConfig
 from tokenmill.frontend.tokenizer import Tokenizer
@@ -179,6 +181,7 @@ class HttpApi:
         self.metrics = ApiMetrics(lambda: engine.stats, ctx.served_model_name)
         self.created = int(time.time())
         self.openapi_json = msgspec.json.encode(openapi_document(config.http.enable_rl_control))
+        self.stored = ResponseStore(config.http.max_stored_responses)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, parse_chat, ChatResponder)
@@ -260,12 +263,42 @@ class HttpApi:
                 )
         return json_response(respond(job, scored))
 
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        def parse(raw: bytes, ctx: RequestContext) -> ResponsesJob:
+            return parse_responses(raw, ctx, self._history)
+
+        job: ResponsesJob = await self._parse(request, parse)
+
+        def on_done(response: dict[str, Any], conversation: list[ChatMessage]) -> None:
+            if job.body.store is not False:
+                self.stored.put(response, conversation)
+
+        return await self._run(
+            request, job.parsed, ResponsesResponder(job, self.ctx.tokenizer, on_done)
+        )
+
+    def _history(self, response_id: str) -> list[ChatMessage]:
+        return self.stored.get(response_id, "previous_response_id").conversation
+
+    async def stored_response(self, request: web.Request) -> web.Response:
+        stored = self.stored.get(request.match_info["response_id"])
+        return json_response(stored.response)
+
+    async def delete_response(self, request: web.Request) -> web.Response:
+        response_id = request.match_info["response_id"]
+        self.stored.delete(response_id)
+        return json_response({"id": response_id, "object": "response", "deleted": True})
+
     async def _serve(
         self, request: web.Request, parse: Parser, responder_cls: type[Responder]
     ) -> web.StreamResponse:
         parsed: ParsedRequest = await self._parse(request, parse)
+        return await self._run(request, parsed, responder_cls(parsed, self.ctx.tokenizer))
+
+    async def _run(
+        self, request: web.Request, parsed: ParsedRequest, responder: Responder
+    ) -> web.StreamResponse:
         self.metrics.on_start(len(parsed.choices), parsed.wants_logprobs)
-        responder = responder_cls(parsed, self.ctx.tokenizer)
         stats = self.engine.stats
         responder.weight_version = lambda: stats.weight_version
         if parsed.stream:
@@ -307,7 +340,8 @@ class HttpApi:
             await response.prepare(request)
             try:
                 await self._stream_body(response, first, outputs, responder, parsed.response_id)
-                await response.write(SSE_DONE)
+                if responder.done_marker is not None:
+                    await response.write(responder.done_marker)
                 await response.write_eof()
             except ConnectionResetError:
                 logger.info("client of %s went away; request aborted", parsed.response_id)
@@ -326,12 +360,12 @@ class HttpApi:
         try:
             if first is not None:
                 for chunk in responder.add(*first):
-                    await response.write(sse(chunk))
+                    await response.write(responder.encode(chunk))
                 async for index, out in outputs:
                     for chunk in responder.add(index, out):
-                        await response.write(sse(chunk))
+                        await response.write(responder.encode(chunk))
             for chunk in responder.final_chunks():
-                await response.write(sse(chunk))
+                await response.write(responder.encode(chunk))
         except ApiError as e:
             error = e
         except EngineDeadError as e:
@@ -447,6 +481,9 @@ def build_app(
     app.router.add_post("/generative_scoring", api.generative_scoring)
     app.router.add_post("/v1/rerank", api.rerank)
     app.router.add_post("/rerank", api.rerank)
+    app.router.add_post("/v1/responses", api.responses)
+    app.router.add_get("/v1/responses/{response_id}", api.stored_response)
+    app.router.add_delete("/v1/responses/{response_id}", api.delete_response)
     app.router.add_post("/tokenize", api.tokenize)
     app.router.add_post("/detokenize", api.detokenize)
     app.router.add_get("/v1/models", api.models)
