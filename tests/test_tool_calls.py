@@ -270,6 +270,17 @@ def test_calls_and_results_go_back_to_the_model(qwen2_server, qwen2_client) -> N
     assert out.usage.prompt_tokens > first.usage.prompt_tokens
 
 
+def test_a_forced_call_takes_response_format_and_ignores_it(qwen2_server, qwen2_client) -> None:
+    """OpenAI takes both; the call's grammar decides, as there is no text to shape."""
+    out = _call(
+        qwen2_client,
+        qwen2_server.model,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        response_format={"type": "json_object"},
+    )
+    _check_calls(out.choices[0].message, {"get_time"})
+
+
 def test_tool_choice_none_reads_no_calls(qwen2_server, qwen2_client) -> None:
     out = _call(qwen2_client, qwen2_server.model, tool_choice="none", max_tokens=5)
     assert out.choices[0].message.tool_calls is None
@@ -292,7 +303,7 @@ def test_bad_tool_requests_are_400s(qwen2_server, qwen2_client, client, server) 
             },
             "tools[0].function.parameters",
         ),
-        ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"tool_choice": "required", "extra_body": {"regex": "[a-z]+"}}, "tool_choice"),
     ):
         body = {"tools": TOOLS, **kwargs}
         with pytest.raises(openai.BadRequestError) as e:

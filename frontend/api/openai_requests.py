@@ -333,6 +333,9 @@ def _tool_setup(
             "tools",
         )
     if choice in ("required", "named"):
+        # NOTE: a forced call leaves no text for response_format to shape: taken and ignored,
+        # as OpenAI takes both (instructor's Responses mode sends both, the same schema)
+        asked.items = [item for item in asked.items if item[0] != "response_format"]
         parallel = choice == "required" and body.parallel_tool_calls is not False
         grammar = tool_calls.call_grammar(parser, chosen, parallel, _literal(ctx))
         asked.add("tool_choice", "tool_call", grammar)
