@@ -61,6 +61,22 @@ def test_instructions_are_a_system_message(qwen2_server, qwen2_client) -> None:
     assert out.instructions == "Be brief."
 
 
+def test_an_empty_tools_list_is_no_tools(qwen2_server, qwen2_client) -> None:
+    """openai-agents sends `tools: []` (and tool_choice auto) to an agent without tools: the
+    prompt and the answer are those of a request without them, on both routes."""
+    model = qwen2_server.model
+    plain = _chat(qwen2_client, model, max_tokens=6, temperature=0)
+    empty = _chat(qwen2_client, model, max_tokens=6, temperature=0, tools=[], tool_choice="auto")
+    assert empty.choices[0].message.content == plain.choices[0].message.content
+    assert empty.usage.prompt_tokens == plain.usage.prompt_tokens
+    out = qwen2_client.responses.create(
+        model=model, input=ASK, max_output_tokens=6, temperature=0, tools=[], tool_choice="auto"
+    )
+    assert out.output_text == plain.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="needs `tools`"):
+        _chat(qwen2_client, model, max_tokens=6, tools=[], tool_choice="required")
+
+
 def test_cut_short_is_incomplete(qwen2_server, qwen2_client) -> None:
     out = qwen2_client.responses.create(
         model=qwen2_server.model, input=ASK, max_output_tokens=1, temperature=0

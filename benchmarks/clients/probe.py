@@ -48,7 +48,13 @@ MODEL_ERRORS = (
     "ValidationError",
     "OutputParserException",
     "IncompleteOutputException",
+    "ModelBehaviorError",
+    "OutOfTokens",
 )
+
+
+class OutOfTokens(Exception):
+    """A well-formed answer the model cut short at max_tokens."""
 
 
 class City(pydantic.BaseModel):
@@ -339,8 +345,13 @@ def langchain_structured_json_schema(base: str, model: str) -> None:
 
 @case("langchain-openai")
 def langchain_structured_function_calling(base: str, model: str) -> None:
-    out = _chat_model(base, model).with_structured_output(City, method="function_calling")
-    assert isinstance(out.invoke("Plan a weather trip."), City)
+    chain = _chat_model(base, model).with_structured_output(
+        City, method="function_calling", include_raw=True
+    )
+    out = chain.invoke("Plan a weather trip.")
+    if out["parsed"] is None and out["raw"].response_metadata.get("finish_reason") == "length":
+        raise OutOfTokens("the forced call's arguments (extra keys allowed) ran past max_tokens")
+    assert isinstance(out["parsed"], City), out
 
 
 @case("langchain-openai")
@@ -525,7 +536,7 @@ def _inspect(base: str, model: str, tools: bool) -> None:
         max_tokens=48,
         display="none",
         log_dir="/tmp/probe-inspect-logs",
-        max_messages=6,
+        message_limit=6,
     )
     assert log.status == "success", log.error
 

@@ -308,8 +308,8 @@ def _tool_setup(
     the tools to render, and (tool_choice required or named) the call grammar added to
     `asked`."""
     check_unsupported({"functions": body.functions, "function_call": body.function_call})
-    if body.tools is None:
-        if body.tool_choice not in (None, "none"):
+    if not body.tools:  # NOTE: `tools: []` too (openai-agents sends it), as vLLM takes it
+        if body.tool_choice not in (None, "none", "auto"):
             raise ApiError("`tool_choice` needs `tools`", "tool_choice")
         return None, None
     functions = tool_calls.parse_tools(body.tools)

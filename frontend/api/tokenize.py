@@ -49,7 +49,7 @@ def _conversation_text(body: TokenizeBody, ctx: RequestContext) -> str:
     if body.add_generation_prompt is not None:
         variables["add_generation_prompt"] = body.add_generation_prompt
     tools = None
-    if body.tools is not None:
+    if body.tools:
         tools = [fn.spec for fn in tool_calls.parse_tools(body.tools)]
     return render_chat(ctx, messages, tools, variables)
 
