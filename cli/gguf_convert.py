@@ -18,22 +18,25 @@ Exit status 2, with one line on stderr, for a file tokenmill cannot serve.
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 # NOTE: the file's `general.architecture`: llama.cpp writes Mistral checkpoints as llama
-# (transformers' config tells them apart by `general.name`), Qwen2 as qwen2.
-ARCHITECTURES = ("llama", "qwen2")
+# (transformers' config tells them apart by `general.name`), Qwen2 as qwen2, Qwen3 as qwen3.
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
 MODEL_CLASSES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
 # NOTE: llama.cpp permutes q and k rows for its llama architecture only (its rotary takes
 # adjacent pairs; Hugging Face's takes halves), as transformers' GGUF loader undoes them.
@@ -54,11 +57,22 @@ _LAYER_PARTS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
 # NOTE: llama.cpp writes a scaled RoPE as `rope_freqs.weight` (Llama 3.1 / 3.2's per-frequency
 # factors) or `<arch>.rope.scaling.*` metadata; transformers' GGUF config reads neither, so the
-# checkpoint it builds would rotate with plain RoPE: refused rather than served wrong.
+# checkpoint it builds would rotate with plain RoPE: rope.py's scaling is recovered from them
+# (rope_scaling), or the file is refused rather than served wrong.
 _ROPE_FACTORS = "rope_freqs.weight"
+# NOTE: the llama3 settings tried against a file's rope_freqs (Llama 3.1 / 3.2 use factor 8 or
+# 32, low 1, high 4, 8,192); the factor itself is the file's largest.
+_LLAMA3_GRID = [
+    (low, high, old)
+    for old in (8192, 4096, 2048, 16384, 32768)
+    for low in (1.0, 2.0)
+    for high in (4.0, 2.0, 8.0)
+]
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -72,7 +86,9 @@ def hf_name(name: str) -> str:
         return _GLOBAL[name]
     match = _LAYER.fullmatch(name)
     if match is None or match[2] not in _LAYER_PARTS:
-        raise Unservable(f"tensor {name!r} is not part of a Llama / Qwen2 / Mistral decoder")
+        raise Unservable(
+            f"tensor {name!r} is not part of a Llama / Qwen2 / Qwen3 / Mistral decoder"
+        )
     return f"model.layers.{match[1]}.{_LAYER_PARTS[match[2]]}.{match[3]}"
 
 
@@ -91,20 +107,71 @@ def check_architecture(architecture: str) -> None:
         )
 
 
-def check_rope(reader, architecture: str) -> None:
-    """A scaled RoPE (see _ROPE_FACTORS) is refused, naming what the file holds."""
-    scaling = reader.fields.get(f"{architecture}.rope.scaling.type")
-    kind = str(scaling.contents()) if scaling is not None else "none"
-    if kind != "none":
-        raise Unservable(
-            f"the file scales RoPE ({architecture}.rope.scaling.type = {kind!r}), which "
-            "transformers' GGUF loader ignores; serve the Hugging Face checkpoint instead"
+def rope_scaling(reader, architecture: str, head_dim: int, theta: float) -> dict[str, Any]:
+    """The file's RoPE scaling in config.json's terms ({} for none), from its metadata or its
+    rope_freqs; a scaling this cannot name exactly is refused."""
+    field = reader.fields.get(f"{architecture}.rope.scaling.type")
+    kind = str(field.contents()) if field is not None else "none"
+    factors = next((t for t in reader.tensors if t.name == _ROPE_FACTORS), None)
+    if factors is not None:
+        return _llama3_from_factors(np.array(factors.data, dtype=np.float32), head_dim, theta)
+    if kind == "none":
+        return {}
+
+    def value(key: str) -> Any:
+        found = reader.fields.get(f"{architecture}.rope.scaling.{key}")
+        return None if found is None else found.contents()
+
+    if kind == "linear" and value("factor"):
+        return {"rope_type": "linear", "factor": float(value("factor"))}
+    attn_factor = value("attn_factor")
+    if kind == "yarn" and value("factor") and value("original_context_length"):
+        if attn_factor not in (None, 1.0):
+            raise Unservable(
+                f"the file's YaRN attn_factor {attn_factor} is not one tokenmill reads"
+            )
+        scaling = {
+            "rope_type": "yarn",
+            "factor": float(value("factor")),
+            "original_max_position_embeddings": int(value("original_context_length")),
+        }
+        for ours, theirs in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
+            if value(theirs) is not None:
+                scaling[ours] = float(value(theirs))
+        return scaling
+    raise Unservable(
+        f"the file scales RoPE ({architecture}.rope.scaling.type = {kind!r}) in a way tokenmill "
+        "does not read from GGUF (linear and yarn it does); serve the Hugging Face checkpoint"
+    )
+
+
+def _llama3_from_factors(factors: np.ndarray, head_dim: int, theta: float) -> dict[str, Any]:
+    """Llama 3's rope_scaling that llama.cpp's converter turned into these per-frequency
+    factors (its LlamaModel's rope_freqs), found by trying the usual settings."""
+    if np.all(factors == 1.0):
+        return {}
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    wavelen = (2 * math.pi / inv_freq).double().numpy()
+    factor = float(factors.max())
+    for low, high, old in _LLAMA3_GRID:
+        smooth = (old / wavelen - low) / (high - low)
+        expected = np.where(
+            wavelen < old / high,
+            1.0,
+            np.where(wavelen > old / low, factor, 1 / ((1 - smooth) / factor + smooth)),
         )
-    if any(t.name == _ROPE_FACTORS for t in reader.tensors):
-        raise Unservable(
-            f"the file scales RoPE by per-frequency factors ({_ROPE_FACTORS}: Llama 3.1 / 3.2), "
-            "which transformers' GGUF loader ignores; serve the Hugging Face checkpoint instead"
-        )
+        if len(expected) == len(factors) and np.allclose(expected, factors, rtol=1e-5, atol=0):
+            return {
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": low,
+                "high_freq_factor": high,
+                "original_max_position_embeddings": old,
+            }
+    raise Unservable(
+        f"the file scales RoPE by per-frequency factors ({_ROPE_FACTORS}) that no Llama 3 "
+        "setting reproduces; serve the Hugging Face checkpoint instead"
+    )
 
 
 def check_tensor_types(reader) -> dict[str, int]:
@@ -146,6 +213,8 @@ def hf_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, tensor) for each tensor of the file, one at a time."""
     for tensor in reader.tensors:
+        if tensor.name == _ROPE_FACTORS:
+            continue  # NOTE: in config.json's rope scaling (rope_scaling)
         name = hf_name(tensor.name)
         values = dequantized(tensor)
         if architecture in PERMUTED and ".self_attn.q_proj." in name:
@@ -190,8 +259,10 @@ def _save(shard: dict[str, torch.Tensor], path: Path) -> list[str]:
     return list(shard)
 
 
-def write_config_and_tokenizer(path: Path, out: Path) -> dict:
-    """transformers' config and tokenizer for the file, saved as a checkpoint's files."""
+def write_config_and_tokenizer(path: Path, out: Path, reader, architecture: str) -> dict:
+    """transformers' config and tokenizer for the file, saved as a checkpoint's files, with
+    what transformers' GGUF config leaves out put back: the head width (`key_length`; Qwen3's
+    heads are wider than hidden / heads) and the RoPE scaling (rope_scaling)."""
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
@@ -199,9 +270,21 @@ def write_config_and_tokenizer(path: Path, out: Path) -> dict:
         raise Unservable(f"model type {config.model_type!r} is not one tokenmill serves")
     config.architectures = [MODEL_CLASSES[config.model_type]]
     config.save_pretrained(out)
+    raw = json.loads((out / "config.json").read_text())
+    key_length = reader.fields.get(f"{architecture}.attention.key_length")
+    if key_length is not None:
+        raw["head_dim"] = int(key_length.contents())
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    params = dict(raw.get("rope_parameters") or {})
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    scaling = rope_scaling(reader, architecture, head_dim, theta)
+    if scaling:
+        raw["rope_parameters"] = {**params, "rope_theta": theta, **scaling}
+        raw.pop("rope_scaling", None)
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     tokenizer.save_pretrained(out)
-    return config.to_dict()
+    return raw
 
 
 def convert(path: Path, out: Path) -> None:
@@ -214,9 +297,8 @@ def convert(path: Path, out: Path) -> None:
         raise Unservable(f"not a GGUF file the gguf package can read ({e})") from None
     architecture = str(reader.fields["general.architecture"].contents())
     check_architecture(architecture)
-    check_rope(reader, architecture)
     types = check_tensor_types(reader)
-    config = write_config_and_tokenizer(path, out)
+    config = write_config_and_tokenizer(path, out, reader, architecture)
     num_heads, num_kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     total = write_shards(hf_tensors(reader, architecture, num_heads, num_kv_heads), out)
     source = {"file": str(path), "architecture": architecture, "tensor_types": types}

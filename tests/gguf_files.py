@@ -12,6 +12,7 @@ transformers does, which the tests check bit for bit).
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,8 @@ _LAYER_NAMES = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
 }
 
 
@@ -62,6 +65,36 @@ def permute(rows: np.ndarray, heads: int) -> np.ndarray:
         .swapaxes(1, 2)
         .reshape(rows.shape)
     )
+
+
+def llama3_rope_freqs(config: dict[str, Any]) -> np.ndarray:
+    """The per-frequency factors llama.cpp's converter writes as rope_freqs.weight for a Llama
+    3.1 / 3.2 checkpoint (its LlamaModel.generate_extra_tensors, as that file computes them)."""
+    scaling = config["rope_scaling"]
+    dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    freqs = 1.0 / (config["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def _rope_metadata(writer: gguf.GGUFWriter, config: dict[str, Any]) -> None:
+    """A YaRN rope_scaling as llama.cpp's converter writes it for Qwen models."""
+    scaling = config.get("rope_scaling") or {}
+    if scaling.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(scaling["factor"])
+        writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
 
 
 def encode(values: np.ndarray, kind: Q, rng: np.random.Generator) -> tuple[np.ndarray, Q]:
@@ -122,12 +155,14 @@ def hf_to_gguf(
     name: str | None = None,
     seed: int = 0,
     norm_noise: float = 0.0,
+    rope_freqs: bool = False,
 ) -> Path:
-    """A Hugging Face checkpoint (Llama / Qwen2 / Mistral) as one GGUF file of `kind`; with
-    `norm_noise`, every norm's weight times 1 + that much noise (make-model's norms are all
-    ones, so a test could not tell one norm's name from another's)."""
+    """A Hugging Face checkpoint (Llama / Qwen2 / Qwen3 / Mistral) as one GGUF file of `kind`;
+    with `norm_noise`, every norm's weight times 1 + that much noise (make-model's norms are
+    all ones, so a test could not tell one norm's name from another's); with `rope_freqs`, a
+    Llama 3 rope_scaling as llama.cpp writes it (which transformers' GGUF loader ignores)."""
     config: dict[str, Any] = json.loads((model_dir / "config.json").read_text())
-    arch = architecture or {"qwen2": "qwen2"}.get(config["model_type"], "llama")
+    arch = architecture or {"qwen2": "qwen2", "qwen3": "qwen3"}.get(config["model_type"], "llama")
     tensors: dict[str, torch.Tensor] = {}
     for path in sorted(model_dir.glob("*.safetensors")):
         tensors.update(load_file(str(path)))
@@ -142,7 +177,11 @@ def hf_to_gguf(
     writer.add_head_count_kv(num_kv_heads)
     writer.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
-    writer.add_rope_dimension_count(config.get("head_dim") or config["hidden_size"] // num_heads)
+    head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    _rope_metadata(writer, config)
     writer.add_vocab_size(config["vocab_size"])
     tokenizer_metadata(writer, model_dir, config["vocab_size"])
     rng = np.random.default_rng(seed)
@@ -158,6 +197,8 @@ def hf_to_gguf(
             values = permute(values, num_kv_heads)
         data, used = encode(values, kind, rng)
         writer.add_tensor(gguf_name(hf_name), data, raw_dtype=used)
+    if rope_freqs:
+        writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(config), raw_dtype=Q.F32)
     finish(writer)
     return out
 

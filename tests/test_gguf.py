@@ -62,12 +62,14 @@ def _converted(file: Path, tmp: Path) -> Path:
     return out
 
 
-def _assert_loads_as_transformers(file: Path, out: Path) -> None:
+def _assert_loads_as_transformers(file: Path, out: Path, own_config: bool = False) -> None:
+    """own_config: transformers given the converted config (where its GGUF config is wrong)."""
     ours = load_file(str(out / "model.safetensors"))
     norms = [t for name, t in ours.items() if name.endswith("norm.weight")]
     assert norms and all(not torch.equal(n, torch.ones_like(n)) for n in norms)
+    extra = {"config": transformers.AutoConfig.from_pretrained(out)} if own_config else {}
     hf = transformers.AutoModelForCausalLM.from_pretrained(
-        file.parent, gguf_file=file.name, dtype=torch.float32
+        file.parent, gguf_file=file.name, dtype=torch.float32, **extra
     )
     theirs = hf.state_dict()
     if hf.config.tie_word_embeddings:
@@ -128,6 +130,51 @@ def test_a_qwen2_file(tiny_checkpoint, tmp_path: Path) -> None:
     out = _converted(file, tmp_path)
     _assert_loads_as_transformers(file, out)
     assert json.loads((out / "config.json").read_text())["model_type"] == "qwen2"
+
+
+def _assert_served_as(model_dir: Path, source: Path) -> None:
+    """The engine on a converted file: prompt logprobs and 16 greedy tokens (float32) as
+    transformers computes them on the Hugging Face checkpoint the file was written from."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    prompt = Tokenizer(model_dir).encode(TEXTS[1])
+    request = OfflineRequest(prompt, max_tokens=16, num_top=5, prompt_logprob_start=0)
+    out = make_engine(model_dir).generate([request])[0]
+    assert len(out.output_ids) == 16
+    assert_matches_oracle(out, prompt, hf, 1e-4)
+
+
+def test_a_qwen3_file(tiny_checkpoint, tmp_path: Path) -> None:
+    """Qwen3: per-head q/k norms (attn_q_norm, attn_k_norm), heads wider than hidden / heads
+    (`key_length`, which transformers' GGUF config does not read) and YaRN from the file's
+    rope.scaling metadata (nor that): in Q8_0 the weights transformers loads from the file, in
+    F32 the numbers of the checkpoint it was written from. NOTE: transformers 5.25 builds
+    heads of 128 (Qwen3Config's default) from any qwen3 file, so its weights are compared
+    under the converted config."""
+    source = tiny_checkpoint("qwen3")
+    file = hf_to_gguf(source, tmp_path / "tiny-qwen3.gguf", Q.Q8_0, norm_noise=0.1)
+    out = _converted(file, tmp_path)
+    _assert_loads_as_transformers(file, out, own_config=True)
+    config = json.loads((out / "config.json").read_text())
+    original = json.loads((source / "config.json").read_text())
+    assert config["head_dim"] == original["head_dim"] != config["hidden_size"] // 4
+    scaling = config["rope_parameters"]
+    assert scaling["rope_type"] == "yarn"
+    assert scaling["factor"] == original["rope_scaling"]["factor"]
+    exact = hf_to_gguf(source, tmp_path / "tiny-qwen3-f32.gguf", Q.F32)
+    _assert_served_as(gguf_checkpoint.gguf_checkpoint(exact), source)
+
+
+def test_a_llama_31_file_rotates_by_its_rope_freqs(tiny_checkpoint, tmp_path: Path) -> None:
+    """Llama 3.1 / 3.2 files carry their rope_scaling as per-frequency factors
+    (rope_freqs.weight): the settings that give those factors are found again, and the file
+    serves the checkpoint it was written from."""
+    source = tiny_checkpoint("llama")
+    file = hf_to_gguf(source, tmp_path / "tiny-llama31.gguf", Q.F32, rope_freqs=True)
+    model_dir = gguf_checkpoint.gguf_checkpoint(file)
+    config = json.loads((model_dir / "config.json").read_text())
+    wanted = json.loads((source / "config.json").read_text())["rope_scaling"]
+    assert {k: config["rope_parameters"][k] for k in wanted} == wanted
+    _assert_served_as(model_dir, source)
 
 
 def test_a_mistral_file_gives_back_the_checkpoint_it_was_made_from(
@@ -242,17 +289,23 @@ def test_a_tensor_type_the_gguf_package_cannot_read_is_named(tiny_checkpoint, tm
         gguf_checkpoint.gguf_checkpoint(bad)
 
 
-def test_a_scaled_rope_is_refused_not_served_plain(tiny_checkpoint, tmp_path: Path) -> None:
-    """Llama 3.1 / 3.2's per-frequency factors (rope_freqs.weight) and rope.scaling metadata:
-    transformers' GGUF config reads neither, so the checkpoint would rotate with plain RoPE."""
+def test_a_rope_scaling_it_cannot_name_is_refused_not_served_plain(
+    tiny_checkpoint, tmp_path: Path
+) -> None:
+    """rope_freqs of ones are plain RoPE; factors no Llama 3 setting gives, and a
+    rope.scaling.type it does not read, are refused rather than served with plain RoPE."""
     file = hf_to_gguf(tiny_checkpoint("llama"), tmp_path / "plain.gguf", Q.F32)
-    factors = np.ones(8, dtype=np.float32)  # head_dim 16 / 2
-    llama3 = edited(file, tmp_path / "llama3.gguf", tensors={"rope_freqs.weight": (factors, Q.F32)})
-    with pytest.raises(ValueError, match=r"per-frequency factors \(rope_freqs.weight"):
+    ones = np.ones(8, dtype=np.float32)  # head_dim 16 / 2
+    plain = edited(file, tmp_path / "ones.gguf", tensors={"rope_freqs.weight": (ones, Q.F32)})
+    config = json.loads((gguf_checkpoint.gguf_checkpoint(plain) / "config.json").read_text())
+    assert config.get("rope_parameters", {}).get("rope_type", "default") == "default"
+    odd = np.linspace(1.0, 3.0, 8, dtype=np.float32)
+    llama3 = edited(file, tmp_path / "odd.gguf", tensors={"rope_freqs.weight": (odd, Q.F32)})
+    with pytest.raises(ValueError, match="no Llama 3 setting reproduces"):
         gguf_checkpoint.gguf_checkpoint(llama3)
-    linear = edited(file, tmp_path / "linear.gguf", strings={"llama.rope.scaling.type": "linear"})
-    with pytest.raises(ValueError, match="llama.rope.scaling.type = 'linear'"):
-        gguf_checkpoint.gguf_checkpoint(linear)
+    longrope = edited(file, tmp_path / "su.gguf", strings={"llama.rope.scaling.type": "longrope"})
+    with pytest.raises(ValueError, match="llama.rope.scaling.type = 'longrope'"):
+        gguf_checkpoint.gguf_checkpoint(longrope)
 
 
 def test_without_the_package_the_demo_is_served_and_the_log_says_why(

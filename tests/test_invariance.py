@@ -53,11 +53,14 @@ def _assert_same(a: OfflineOutput, b: OfflineOutput, atol: float) -> None:
 DTYPES = ["float32", "bfloat16"]
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
-def test_batch_of_8_equals_each_alone(tiny_checkpoint, sampled: bool, dtype: str) -> None:
+def test_batch_of_8_equals_each_alone(
+    tiny_checkpoint, sampled: bool, dtype: str, arch: str
+) -> None:
     """Alone on a cold engine, and alone again on the warm one (a prefix-cache hit)."""
-    model = tiny_checkpoint("llama")
+    model = tiny_checkpoint(arch)
     warm = make_engine(model, dtype=dtype)
     requests = _requests(sampled)
     batched = warm.generate(requests)
@@ -100,12 +103,13 @@ def test_the_same_tokens_whether_or_not_a_batch_reads_logprobs(
     assert [m.output_ids for m in mixed] == [b.output_ids for b in with_them]
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("max_prefill_tokens", "decode_steps"), [(7, 1), (4096, 4), (16, 3)])
 def test_chunked_prefill_and_multi_step(
-    tiny_checkpoint, max_prefill_tokens: int, decode_steps: int, dtype: str
+    tiny_checkpoint, max_prefill_tokens: int, decode_steps: int, dtype: str, arch: str
 ) -> None:
-    model = tiny_checkpoint("qwen2")
+    model = tiny_checkpoint(arch)
     requests = _requests(sampled=True)
     reference = make_engine(model, prefix_cache=False, dtype=dtype).generate(requests)
     other = make_engine(
@@ -191,14 +195,15 @@ def test_prompt_logprobs_from_start_position(tiny_checkpoint) -> None:
         )
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_last_layer_of_the_tokens_read_equals_one_of_every_token(
-    tiny_checkpoint, dtype: str, monkeypatch: pytest.MonkeyPatch
+    tiny_checkpoint, dtype: str, monkeypatch: pytest.MonkeyPatch, arch: str
 ) -> None:
     """Prefill steps compute the last layer only for the states they read (each row's last,
     its scored prompt positions): every token's keys and values, the rest (q included) for
     those alone; computing it for every token gives the same bits."""
-    model = tiny_checkpoint("llama")
+    model = tiny_checkpoint(arch)
     requests = _requests(sampled=True)
     requests += [OfflineRequest(list(range(3, 90)), max_tokens=3, prompt_logprob_start=0)]
     engine = make_engine(model, max_prefill_tokens=40, dtype=dtype)

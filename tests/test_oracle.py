@@ -25,7 +25,8 @@ ATOL = 1e-4
 @pytest.mark.parametrize(
     ("arch", "kind", "cpu_kernels"),
     [(arch, "auto", True) for arch in ARCHS]
-    + [("llama", "auto", False), ("mistral", "sentencepiece", True), ("qwen2", "byte-level", True)],
+    + [("llama", "auto", False), ("qwen3", "auto", False)]
+    + [("mistral", "sentencepiece", True), ("qwen2", "byte-level", True)],
 )
 def test_matches_transformers(arch: str, kind: str, cpu_kernels: bool, tiny_checkpoint) -> None:
     """cpu_kernels=False: the torch path (SDPA over gathered keys) that CUDA takes. The

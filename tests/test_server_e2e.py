@@ -625,6 +625,38 @@ def test_tensor_parallel_2_matches_1(server, tiny_checkpoint, tmp_path) -> None:
         assert tp2.stop() == 0
 
 
+def test_tensor_parallel_2_on_qwen3_matches_transformers(tiny_checkpoint, tmp_path) -> None:
+    """Qwen3 at TP 2: each rank norms its own q and k heads (the norms' weights are every
+    rank's); prompt and greedy logprobs as transformers computes them (float32)."""
+    from helpers import oracle
+    from server_process import start_server
+
+    model = tiny_checkpoint("qwen3")
+    tp2 = start_server(
+        model, tmp_path / "log", "--tensor-parallel-size", "2", "--max-model-len", "1024"
+    )
+    prompt = list(range(90, 140))
+    body = {
+        "input_ids": prompt,
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "sampling_params": {"max_new_tokens": 12, "temperature": 0},
+    }
+    try:
+        status, answer = tp2.post("/generate", body)
+        assert status == 200, answer
+    finally:
+        assert tp2.stop() == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    ids = prompt + answer["output_ids"]
+    ref = oracle(hf, ids)
+    positions = np.arange(len(ids) - 1)
+    meta = answer["meta_info"]
+    ours = [e[0] for e in meta["input_token_logprobs"][1:] + meta["output_token_logprobs"]]
+    np.testing.assert_allclose(ours, ref.of(positions, ids[1:]), atol=1e-4, rtol=0)
+    assert answer["output_ids"] == ref.logprobs[len(prompt) - 1 :].argmax(-1).tolist()
+
+
 def children_of_server(proc) -> list[int]:
     from test_server_faults import children_of
 

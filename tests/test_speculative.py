@@ -113,14 +113,16 @@ def test_drafts_change_no_token_and_no_logprob_bit(
         {"cpu_kernels": False},  # NOTE: torch's SDPA: drafts attend one query each
         {"logprobs_mode": "processed"},
         {"decode_steps": 4},
+        {"arch": "qwen3", "dtype": "bfloat16"},
     ],
-    ids=["bfloat16", "sdpa", "processed", "decode-steps-4"],
+    ids=["bfloat16", "sdpa", "processed", "decode-steps-4", "qwen3"],
 )
 def test_the_same_bits_on_every_path(
     tiny_checkpoint, oracle_drafts, settings: dict, cpu_kernel: str
 ) -> None:
     """cpu_kernel: on a CPU with AMX, the tile kernels' bfloat16 run too."""
-    model = tiny_checkpoint("qwen2")
+    settings = dict(settings)
+    model = tiny_checkpoint(settings.pop("arch", "qwen2"))
     requests = _requests(sampled=True)
     reference = make_engine(model, prefix_cache=False, **settings).generate(requests)
     oracle_drafts(requests, reference)

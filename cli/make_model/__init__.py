@@ -1,4 +1,4 @@
-"""Builds small Hugging Face checkpoints (Llama, Qwen2, Mistral) from nothing.
+"""Builds small Hugging Face checkpoints (Llama, Qwen2, Mistral, Qwen3) from nothing.
 
 Run by the frontend for `tokenmill serve` with no model (the cached demo checkpoint) and
 by tests and benchmarks. The result is a standard HF directory that `transformers` loads;

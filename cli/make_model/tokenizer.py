@@ -44,6 +44,10 @@ _BYTE_PIECES = tuple(f"<0x{b:02X}>" for b in range(256))
 _CHARS_PER_VOCAB = 300
 _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test"})
 
+# NOTE: the families whose tokenizer is Qwen2's: no bos, its own pre-tokenizer split, a
+# template that shows tools (Qwen3 ships Qwen2's tokenizer).
+QWEN_ARCHS = ("qwen2", "qwen3")
+
 # NOTE: one approach to bos, used by every arch that has one: the template itself emits
 # {{ bos_token }}, and callers encode the rendered chat with add_special_tokens=False (as
 # transformers' apply_chat_template and vLLM do), so the post-processor does not double it.
@@ -150,14 +154,14 @@ def _post_processor(add_bos: bool) -> processors.PostProcessor:
 def train_tokenizer(vocab_target: int, arch: str, kind: str = "auto") -> Tokenizer:
     """Train a BPE of at most `vocab_target` tokens (fewer if the text runs out).
 
-    Llama and Mistral add bos in the post-processor; Qwen2 adds nothing, as upstream.
+    Llama and Mistral add bos in the post-processor; Qwen2 and Qwen3 add nothing, as upstream.
     `kind`: auto (byte-level, with Qwen2's own split for qwen2), byte-level (plain, every
     arch), sentencepiece.
     """
     if kind == "sentencepiece":
-        return _train_sentencepiece_style(vocab_target, add_bos=arch != "qwen2")
+        return _train_sentencepiece_style(vocab_target, add_bos=arch not in QWEN_ARCHS)
     tokenizer = Tokenizer(models.BPE())
-    _set_pre_tokenization(tokenizer, qwen2_style=arch == "qwen2" and kind == "auto")
+    _set_pre_tokenization(tokenizer, qwen2_style=arch in QWEN_ARCHS and kind == "auto")
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_target,
@@ -166,7 +170,7 @@ def train_tokenizer(vocab_target: int, arch: str, kind: str = "auto") -> Tokeniz
         show_progress=False,
     )
     tokenizer.train_from_iterator(training_texts(vocab_target), trainer)
-    tokenizer.post_processor = _post_processor(add_bos=arch != "qwen2")
+    tokenizer.post_processor = _post_processor(add_bos=arch not in QWEN_ARCHS)
     return tokenizer
 
 
@@ -235,16 +239,16 @@ def tokenizer_config(
             "eos_token": EOS,
             "pad_token": PAD,
             "unk_token": UNK,
-            "add_bos_token": arch != "qwen2",
+            "add_bos_token": arch not in QWEN_ARCHS,
             "add_eos_token": False,
             "legacy": False,
             "model_max_length": max_len,
             "clean_up_tokenization_spaces": False,
             "added_tokens_decoder": _added_tokens(tokenizer, names),
-            "chat_template": ("" if arch == "qwen2" else "{{- bos_token }}") + CHAT_TEMPLATE,
+            "chat_template": ("" if arch in QWEN_ARCHS else "{{- bos_token }}") + CHAT_TEMPLATE,
         }
     added = _added_tokens(tokenizer, SPECIAL_TOKENS)
-    template = QWEN2_TOOLS_TEMPLATE if arch == "qwen2" else "{{- bos_token }}" + CHAT_TEMPLATE
+    template = QWEN2_TOOLS_TEMPLATE if arch in QWEN_ARCHS else "{{- bos_token }}" + CHAT_TEMPLATE
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS,

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save_file
 
-ARCHS = ("llama", "qwen2", "mistral")
+ARCHS = ("llama", "qwen2", "mistral", "qwen3")
 PRESETS = ("tiny", "small", "medium")
 
 # Above this many bytes of weights, write HF-style shards plus an index file.
@@ -33,8 +33,12 @@ QK_GAIN = 2.0
 # embeddings (qwen2) a token's own logit does not dominate and the model does not just repeat.
 OUT_GAIN = 3.0
 BIAS_STD = 0.1
+# NOTE: per-head q/k norm weights (Qwen3) spread around 1 by this much: weights of ones would
+# hide a norm loaded into the wrong place or not applied at all.
+NORM_STD = 0.2
 
-# (tensor name, shape, init std); std 0 means a norm weight of ones.
+# (tensor name, shape, init std); std 0 means a norm weight of ones, a norm with a std
+# spreads around 1.
 TensorSpec = tuple[str, tuple[int, ...], float]
 
 
@@ -70,6 +74,7 @@ _ARCH_CLASSES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
 _LLAMA3_ROPE_SCALING = {
     "rope_type": "llama3",
@@ -81,7 +86,7 @@ _LLAMA3_ROPE_SCALING = {
 
 
 def _arch_fields(arch: str) -> dict[str, Any]:
-    """The config keys in which the three families differ."""
+    """The config keys in which the families differ."""
     if arch == "llama":
         return {
             "rms_norm_eps": 1e-5,
@@ -107,6 +112,22 @@ def _arch_fields(arch: str) -> dict[str, Any]:
             "max_window_layers": 0,
             "tie_word_embeddings": True,
         }
+    if arch == "qwen3":
+        return {
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0,
+            # NOTE: YaRN as Qwen3's model cards enable it for long context (factor 4 over
+            # 4,096): it rescales every frequency and cos / sin, so short prompts test it too.
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": MAX_POSITION_EMBEDDINGS // 4,
+            },
+            "attention_bias": False,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "tie_word_embeddings": True,
+        }
     raise ValueError(f"arch={arch!r} is not one of {ARCHS}")
 
 
@@ -130,7 +151,12 @@ def make_config(arch: str, shape: ModelShape, token_ids: dict[str, int]) -> dict
         **token_ids,
         **_arch_fields(arch),
     }
-    if arch != "qwen2":
+    if arch == "qwen3":
+        # NOTE: heads wider than hidden / heads, as on Qwen3-0.6B (1,024 = 16 x 64, heads of
+        # 128): the q width and the o_proj's input are not the hidden size.
+        config["head_dim"] = 2 * shape.head_dim
+        config["max_window_layers"] = shape.num_hidden_layers
+    elif arch != "qwen2":
         config["head_dim"] = shape.head_dim
     return config
 
@@ -138,8 +164,9 @@ def make_config(arch: str, shape: ModelShape, token_ids: dict[str, int]) -> dict
 def _layer_specs(config: dict[str, Any], i: int) -> list[TensorSpec]:
     """(name, shape, init std) of decoder layer `i`; std 0 means a norm weight of ones."""
     hidden, inter = config["hidden_size"], config["intermediate_size"]
-    q_dim = config["num_attention_heads"] * (hidden // config["num_attention_heads"])
-    kv_dim = config["num_key_value_heads"] * (hidden // config["num_attention_heads"])
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q_dim = config["num_attention_heads"] * head_dim
+    kv_dim = config["num_key_value_heads"] * head_dim
     std, p = 1.0 / math.sqrt(hidden), f"model.layers.{i}."
     specs: list[TensorSpec] = [
         (p + "input_layernorm.weight", (hidden,), 0.0),
@@ -155,6 +182,8 @@ def _layer_specs(config: dict[str, Any], i: int) -> list[TensorSpec]:
     if config["model_type"] == "qwen2":
         for name, dim in (("q", q_dim), ("k", kv_dim), ("v", kv_dim)):
             specs.append((p + f"self_attn.{name}_proj.bias", (dim,), BIAS_STD))
+    if config["model_type"] == "qwen3":
+        specs += [(p + f"self_attn.{name}_norm.weight", (head_dim,), NORM_STD) for name in "qk"]
     return specs
 
 
@@ -180,6 +209,8 @@ def _make_tensor(
         return np.ones(shape, dtype=np.float32)
     tensor = rng.standard_normal(shape, dtype=np.float32)
     tensor *= np.float32(std)
+    if name.endswith("_norm.weight"):
+        tensor += np.float32(1.0)
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         # Padding rows past the tokenizer: logit 0, far below the top tokens, never sampled
         # in practice, like the padded vocab of real checkpoints.

@@ -144,6 +144,9 @@ def load(path: Path) -> ctypes.CDLL:
     lib.tm_amx_ready.restype = ctypes.c_int
     lib.tm_rms_norm.argtypes = [_P, _P, _P, _I, _I, _I, ctypes.c_float, ctypes.c_int, ctypes.c_int]
     lib.tm_rms_norm.restype = ctypes.c_int
+    if hasattr(lib, "tm_head_norm"):  # NOTE: as the two above
+        lib.tm_head_norm.argtypes = [_P, *[_I] * 5, _P, _P, ctypes.c_float, ctypes.c_int]
+        lib.tm_head_norm.restype = ctypes.c_int
     lib.tm_silu_mul.argtypes = [_P, _P, _I, _I, ctypes.c_int, ctypes.c_int]
     lib.tm_silu_mul.restype = ctypes.c_int
     lib.tm_rope_store.argtypes = [*[_P] * 7, *[_I] * 6, ctypes.c_int]

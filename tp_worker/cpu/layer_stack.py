@@ -32,8 +32,20 @@ if TYPE_CHECKING:
     from tokenmill.tp_worker.model.decoder import DecoderLayer
 
 # NOTE: a layer's row of the weights table, csrc/layer_stack.cpp's Field order.
-FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down", "k", "v")
-K_COLUMN, V_COLUMN = FIELDS.index("k"), FIELDS.index("v")
+FIELDS = (
+    "input_norm",
+    "qkv",
+    "qkv_bias",
+    "o",
+    "post_norm",
+    "gate_up",
+    "down",
+    "k",
+    "v",
+    "q_norm",
+    "k_norm",
+)
+K_COLUMN, V_COLUMN, Q_NORM_COLUMN = FIELDS.index("k"), FIELDS.index("v"), FIELDS.index("q_norm")
 # NOTE: steps of at most this many tokens keep their scratch rows for the next step (decode
 # steps come one after another with the same count); a prefill chunk's are freed with it.
 KEEP_SCRATCH_TOKENS = 64
@@ -73,6 +85,10 @@ class LayerStack:
                     _kernel(layer.down_proj).packed.data_ptr(),
                 ]
             )
+            if layer.q_norm is not None and layer.k_norm is not None:
+                row[Q_NORM_COLUMN:] = torch.tensor(
+                    [layer.q_norm.weight.data_ptr(), layer.k_norm.weight.data_ptr()]
+                )
         # NOTE: the cache the table's K and V columns point into, known by its first tensor
         # (held weakly: a released cache must be freed, and a new one is a new tensor).
         self._cache_key: ReferenceType[torch.Tensor] | None = None

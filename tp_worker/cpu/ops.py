@@ -214,6 +214,33 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return out.view(*x.shape[:-1], hidden)
 
 
+def head_norm_cpu(
+    rows: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+) -> None:
+    """In place, through csrc/rms_norm.cpp: each row [T, width] (contiguous) holds heads side
+    by side, the first `heads` normed by q_weight [D], the next `kv_heads` by k_weight [D]."""
+    assert rows.is_contiguous() and rows.dtype == q_weight.dtype == k_weight.dtype
+    dim = q_weight.shape[0]
+    status = library().tm_head_norm(
+        rows.data_ptr(),
+        rows.shape[0],
+        rows.shape[1],
+        heads,
+        kv_heads,
+        dim,
+        q_weight.data_ptr(),
+        k_weight.data_ptr(),
+        eps,
+        DTYPE_CODES[rows.dtype],
+    )
+    assert status == 0, f"tm_head_norm: unsupported {rows.dtype}"
+
+
 def silu_mul_cpu(gate_up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """silu(gate) * up for gate_up [N, 2 * inter] through csrc/activation.cpp -> [N, inter]
     in out_dtype (default gate_up's), computed in float32 and rounded once."""

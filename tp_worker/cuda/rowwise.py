@@ -43,7 +43,8 @@ def block_for(width: int) -> int:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [T, H] (the float32 residual stream) -> [T, H] in the weight's dtype:
+    """x [T, H] (the float32 residual stream, or q/k heads in the model's dtype) -> [T, H] in
+    the weight's dtype:
     weight * (x * rsqrt(mean(x^2) + eps)), in float32 and rounded once."""
     assert triton is not None, "Triton is not installed"
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -85,12 +86,12 @@ if triton is not None:
         squares = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, hidden, BLOCK):
             inside = start + cols < hidden
-            x = tl.load(X + row * stride_x + start + cols, mask=inside, other=0.0)
+            x = tl.load(X + row * stride_x + start + cols, mask=inside, other=0.0).to(tl.float32)
             squares += x * x
         scale = 1.0 / tl.sqrt_rn(tl.sum(squares, 0) / hidden + eps)
         for start in range(0, hidden, BLOCK):
             inside = start + cols < hidden
-            x = tl.load(X + row * stride_x + start + cols, mask=inside, other=0.0)
+            x = tl.load(X + row * stride_x + start + cols, mask=inside, other=0.0).to(tl.float32)
             w = tl.load(W + start + cols, mask=inside, other=0.0).to(tl.float32)
             y = w * (x * scale)
             at = Y + row * stride_y + start + cols

@@ -32,6 +32,7 @@ class ModelConfig:
     attention_bias: bool
     sliding_window: int | None
     rope_theta: float
+    qk_norm: bool = False
     rope_scaling: dict[str, Any] = field(default_factory=dict)
     checkpoint_dtype: str = "float32"
     eos_token_ids: tuple[int, ...] = ()
@@ -70,6 +71,7 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
         attention_bias=family.qkv_bias or bool(raw.get("attention_bias", False)),
         sliding_window=_sliding_window(raw, family),
         rope_theta=rope_theta,
+        qk_norm=family.qk_norm,
         rope_scaling=rope_scaling,
         checkpoint_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
         eos_token_ids=_ids(raw.get("eos_token_id")),

@@ -1,7 +1,7 @@
-"""The decoder shared by Llama, Qwen2 and Mistral checkpoints (tp_worker).
+"""The decoder shared by the Llama-shaped families (tp_worker): Llama, Mistral, Qwen2, Qwen3.
 
-The three families differ only in fields of ModelConfig (q/k/v bias, tied embeddings,
-sliding window, RoPE scaling), so one module runs them all. Layers are tensor-parallel
+The families differ only in fields of ModelConfig (q/k/v bias, per-head q/k norms, tied
+embeddings, sliding window, RoPE scaling), so one module runs them all. Layers are tensor-parallel
 (parallel.py); q/k/v and gate/up projections are fused into one matmul each.
 """
 
@@ -12,7 +12,7 @@ from torch import nn
 
 from tokenmill.tp_worker.cpu.attention import PagedAttention
 from tokenmill.tp_worker.cpu.layer_stack import LayerStack
-from tokenmill.tp_worker.cpu.ops import PackedLinear, rms_norm_cpu
+from tokenmill.tp_worker.cpu.ops import PackedLinear, head_norm_cpu, rms_norm_cpu
 from tokenmill.tp_worker.cuda import rowwise as rowwise_triton
 from tokenmill.tp_worker.cuda.linear import triton_linear
 from tokenmill.tp_worker.model.attention import Attention
@@ -80,6 +80,10 @@ class DecoderLayer(nn.Module):
             hidden, 2 * inter, False, False, group, dtype, device, glu=True
         )
         self.down_proj = ShardedLinear(inter, hidden, False, True, group, dtype, device)
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype, device)
         # NOTE: the last layer's keys and values alone (use_kv_kernel), for the steps where
         # it attends from a few tokens only: their q/k/v then go through qkv_proj, and every
         # other token's q is never computed.
@@ -95,6 +99,23 @@ class DecoderLayer(nn.Module):
             self.qkv_proj.weight.data[q_out:], None if bias is None else bias.data[q_out:]
         )
 
+    def norm_heads(self, rows: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+        """rows [T, width], heads side by side from the first column: the first `heads` (q)
+        and the next `kv_heads` (k) through q_norm and k_norm (Qwen3), or rows as they are."""
+        if self.q_norm is None or self.k_norm is None:
+            return rows
+        if self.q_norm.cpu_kernel:
+            rows = rows.contiguous()
+            head_norm_cpu(
+                rows, heads, kv_heads, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+            )
+            return rows
+        dim, tokens = self.head_dim, rows.shape[0]
+        q_end, k_end = heads * dim, (heads + kv_heads) * dim
+        q = self.q_norm(rows[:, :q_end].reshape(-1, dim)).view(tokens, q_end)
+        k = self.k_norm(rows[:, q_end:k_end].reshape(-1, dim)).view(tokens, k_end - q_end)
+        return torch.cat((q, k, rows[:, k_end:]), dim=1)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -109,10 +130,12 @@ class DecoderLayer(nn.Module):
         rest = (cos_sin, kv, self.num_heads, self.num_kv_heads, self.scale)
         if keep is not None and self.kv_kernel is not None:
             assert isinstance(attention, PagedAttention)
-            kept = self.qkv_proj(normed[keep])
-            attended = attention.attend_projection(kept, *rest, kv_rows=self.kv_kernel(normed))
+            kept = self.norm_heads(self.qkv_proj(normed[keep]), self.num_heads, 0)
+            kv_rows = self.norm_heads(self.kv_kernel(normed), 0, self.num_kv_heads)
+            attended = attention.attend_projection(kept, *rest, kv_rows=kv_rows)
         else:
-            attended = attention.attend_projection(self.qkv_proj(normed), *rest)
+            qkv = self.norm_heads(self.qkv_proj(normed), self.num_heads, self.num_kv_heads)
+            attended = attention.attend_projection(qkv, *rest)
         if keep is not None:
             x = x[keep]
         x = self.o_proj(attended, residual=x)

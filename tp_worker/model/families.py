@@ -19,10 +19,13 @@ class Family:
     # NOTE: a config.json key that must be true for `sliding_window` to apply (Qwen2 writes
     # a window it does not use unless `use_sliding_window`); None: the window applies
     sliding_window_switch: str | None = None
+    # NOTE: an RMSNorm over each head's q and k (head_dim wide) before RoPE (Qwen3)
+    qk_norm: bool = False
 
 
 FAMILIES: dict[str, Family] = {  # the Hugging Face architecture name -> its switches
     "LlamaForCausalLM": Family("llama"),
     "MistralForCausalLM": Family("mistral"),
     "Qwen2ForCausalLM": Family("qwen2", qkv_bias=True, sliding_window_switch="use_sliding_window"),
+    "Qwen3ForCausalLM": Family("qwen3", sliding_window_switch="use_sliding_window", qk_norm=True),
 }

@@ -87,6 +87,8 @@ def _expected_names(model: CausalLM) -> set[str]:
     per_layer += [f"self_attn.{p}_proj.weight" for p in "qkv"]
     if model.config.attention_bias:
         per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
+    if model.config.qk_norm:
+        per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
     for i in range(model.config.num_layers):
         names.update(f"model.layers.{i}.{p}" for p in per_layer)
     return names
@@ -113,6 +115,9 @@ def _load_layer(model: CausalLM, layer: DecoderLayer, part: str, tensor: torch.T
     group, config = model.group, model.config
     if part in ("input_layernorm.weight", "post_attention_layernorm.weight"):
         return _copy(getattr(layer, part.split(".")[0]).weight, tensor)
+    if part in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
+        norm = layer.q_norm if part.startswith("self_attn.q") else layer.k_norm
+        return norm is not None and _copy(norm.weight, tensor)  # NOTE: head_dim wide, every rank
     if part == "self_attn.o_proj.weight":
         start, end = group.shard(tensor.shape[1], "num_attention_heads * head_dim")
         return _copy(layer.o_proj.weight, tensor[:, start:end])

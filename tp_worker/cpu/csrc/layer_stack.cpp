@@ -2,9 +2,9 @@
 //
 // The same kernels, in the same order, on the same operands as model/decoder.py's DecoderLayer runs
 // them through ctypes one by one, so every bit is the one the Python loop computes: RMSNorm,
-// the fused q/k/v product, RoPE and the KV write, paged attention, the output product added
-// to the float32 residual stream in its epilogue, RMSNorm, silu(gate) x up in the gate/up
-// product's epilogue, the down product added in its epilogue. What goes is what lay between
+// the fused q/k/v product, the per-head q/k norms where the model has them, RoPE and the KV
+// write, paged attention, the output product added to the float32 residual stream in its
+// epilogue, RMSNorm, silu(gate) x up in the gate/up product's epilogue, the down product added in its epilogue. What goes is what lay between
 // them: at one decode row, a layer's eight calls cost more in Python and ctypes (argument
 // conversion, torch's allocations and views) than RMSNorm, RoPE and attention take to run.
 //
@@ -21,7 +21,10 @@
 namespace {
 
 // A layer's row of the weights table (int64 addresses; 0 for no bias), cpu/layer_stack.py's order.
-enum Field { INPUT_NORM, QKV, QKV_BIAS, O, POST_NORM, GATE_UP, DOWN, K_CACHE, V_CACHE, FIELDS };
+// Q_NORM and K_NORM: the per-head norms of q and k before RoPE (Qwen3), or both 0.
+enum Field {
+  INPUT_NORM, QKV, QKV_BIAS, O, POST_NORM, GATE_UP, DOWN, K_CACHE, V_CACHE, Q_NORM, K_NORM, FIELDS
+};
 
 // The model's shape, cpu/layer_stack.py's order.
 struct Shape {
@@ -79,6 +82,9 @@ int run_layer(const int64_t* w, const Shape& s, const Plan& p, const Scratch& b,
   status |= linear(b.normed, tokens, s.hidden, normed_lda, at<void>(w[QKV]), qkv_n,
                    static_cast<const float*>(at<float>(w[QKV_BIAS])), b.qkv, qkv_n, dtype, dtype,
                    nullptr, 0, at<void>(w[O]), s.hidden, q_width);
+  if (w[Q_NORM] != 0)
+    status |= tm_head_norm(b.qkv, tokens, qkv_n, s.heads, s.kv_heads, s.head_dim,
+                           at<void>(w[Q_NORM]), at<void>(w[K_NORM]), eps, dtype);
   status |= tm_rope_store(b.qkv, cos, sin, slots, b.q, mutable_at(w[K_CACHE]),
                           mutable_at(w[V_CACHE]), tokens, s.heads, s.kv_heads, s.head_dim,
                           s.head_stride, s.slot_stride, dtype);

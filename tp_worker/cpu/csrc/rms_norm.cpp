@@ -52,6 +52,24 @@ float sum_of_squares(const T* x, int64_t hidden) {
   return tokenmill::tree_sum16(lane);
 }
 
+// One row of `hidden` elements: out = weight * (x * r), in float32, rounded once. `out` may
+// be `x` (every element is read before it is written, after the sum of squares is taken).
+template <typename In, typename T>
+inline void norm_row(const In* row, const T* weight, T* o, int64_t hidden, float eps) {
+  const float inv = 1.0f / std::sqrt(sum_of_squares(row, hidden) / static_cast<float>(hidden) + eps);
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  // NOTE: the loop below in 16 lanes, the same operations per element.
+  const __m512 inv16 = _mm512_set1_ps(inv);
+  for (; d + LANES <= hidden; d += LANES) {
+    const __m512 n = _mm512_mul_ps(load16(row + d), inv16);
+    store16(o + d, _mm512_mul_ps(load16(weight + d), n));
+  }
+#endif
+  for (; d < hidden; ++d)
+    store(o + d, load(weight + d) * (load(row + d) * inv));
+}
+
 template <typename In, typename T>
 void rms_norm(const In* x, const T* weight, T* out, int64_t rows, int64_t hidden,
               int64_t out_stride, float eps) {
@@ -59,21 +77,20 @@ void rms_norm(const In* x, const T* weight, T* out, int64_t rows, int64_t hidden
   // thread and 11 on two with the vector loop below (a 2-core Xeon, kernel_ab.py --only
   // small), where the old bound of 256K elements left them on one.
 #pragma omp parallel for schedule(static) if (rows * hidden >= (1 << 14))
-  for (int64_t r = 0; r < rows; ++r) {
-    const In* row = x + r * hidden;
-    const float inv = 1.0f / std::sqrt(sum_of_squares(row, hidden) / static_cast<float>(hidden) + eps);
-    T* o = out + r * out_stride;
-    int64_t d = 0;
-#if defined(__AVX512F__)
-    // NOTE: the loop below in 16 lanes, the same operations per element.
-    const __m512 inv16 = _mm512_set1_ps(inv);
-    for (; d + LANES <= hidden; d += LANES) {
-      const __m512 n = _mm512_mul_ps(load16(row + d), inv16);
-      store16(o + d, _mm512_mul_ps(load16(weight + d), n));
-    }
-#endif
-    for (; d < hidden; ++d)
-      store(o + d, load(weight + d) * (load(row + d) * inv));
+  for (int64_t r = 0; r < rows; ++r) norm_row(x + r * hidden, weight, out + r * out_stride, hidden, eps);
+}
+
+// Each token's first `heads` heads normed by q_weight and the next `kv_heads` by k_weight, in
+// place: rows [tokens, width] hold heads of `dim` elements side by side (Qwen3's q/k norms).
+template <typename T>
+void head_norm(T* rows, int64_t tokens, int64_t width, int64_t heads, int64_t kv_heads,
+               int64_t dim, const T* q_weight, const T* k_weight, float eps) {
+#pragma omp parallel for schedule(static) if (tokens * (heads + kv_heads) * dim >= (1 << 14))
+  for (int64_t t = 0; t < tokens; ++t) {
+    T* row = rows + t * width;
+    for (int64_t h = 0; h < heads; ++h) norm_row(row + h * dim, q_weight, row + h * dim, dim, eps);
+    for (int64_t h = heads; h < heads + kv_heads; ++h)
+      norm_row(row + h * dim, k_weight, row + h * dim, dim, eps);
   }
 }
 
@@ -95,6 +112,23 @@ int tm_rms_norm(const void* x, const void* weight, void* out, int64_t rows, int6
   } else if (dtype == 1 && x_dtype == 1) {
     rms_norm(static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(weight),
              static_cast<uint16_t*>(out), rows, hidden, out_stride, eps);
+  } else {
+    return -1;
+  }
+  return 0;
+}
+
+// rows [tokens, width] in dtype (0 = float32, 1 = bfloat16), each token's heads side by side
+// from its first element: the first `heads` normed with q_weight [dim], the next `kv_heads`
+// with k_weight [dim], in place, by RMSNorm's rule above. Returns 0, or -1 for an unknown dtype.
+int tm_head_norm(void* rows, int64_t tokens, int64_t width, int64_t heads, int64_t kv_heads,
+                 int64_t dim, const void* q_weight, const void* k_weight, float eps, int dtype) {
+  if (dtype == 0) {
+    head_norm(static_cast<float*>(rows), tokens, width, heads, kv_heads, dim,
+              static_cast<const float*>(q_weight), static_cast<const float*>(k_weight), eps);
+  } else if (dtype == 1) {
+    head_norm(static_cast<uint16_t*>(rows), tokens, width, heads, kv_heads, dim,
+              static_cast<const uint16_t*>(q_weight), static_cast<const uint16_t*>(k_weight), eps);
   } else {
     return -1;
   }
