@@ -31,12 +31,13 @@ import torch
 
 # NOTE: the file's `general.architecture`: llama.cpp writes Mistral checkpoints as llama
 # (transformers' config tells them apart by `general.name`), Qwen2 as qwen2, Qwen3 as qwen3.
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
 MODEL_CLASSES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 # NOTE: llama.cpp permutes q and k rows for its llama architecture only (its rotary takes
 # adjacent pairs; Hugging Face's takes halves), as transformers' GGUF loader undoes them.
@@ -59,12 +60,17 @@ _LAYER_PARTS = {
     "ffn_down": "mlp.down_proj",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
+    "attn_qkv": "self_attn.qkv_proj",
 }
+# NOTE: phi3 files hold gate and up as one ffn_up (Phi-3's gate_up_proj)
+_FUSED_FFN_UP = ("phi3",)
 # NOTE: llama.cpp writes a scaled RoPE as `rope_freqs.weight` (Llama 3.1 / 3.2's per-frequency
 # factors) or `<arch>.rope.scaling.*` metadata; transformers' GGUF config reads neither, so the
 # checkpoint it builds would rotate with plain RoPE: rope.py's scaling is recovered from them
 # (rope_scaling), or the file is refused rather than served wrong.
 _ROPE_FACTORS = "rope_freqs.weight"
+# NOTE: LongRoPE's two factor lists, as llama.cpp's converter writes Phi-3's
+_LONGROPE = ("rope_factors_long.weight", "rope_factors_short.weight")
 # NOTE: the llama3 settings tried against a file's rope_freqs (Llama 3.1 / 3.2 use factor 8 or
 # 32, low 1, high 4, 8,192); the factor itself is the file's largest.
 _LLAMA3_GRID = [
@@ -80,16 +86,19 @@ class Unservable(ValueError):
     """A file tokenmill cannot serve; the message names what and why."""
 
 
-def hf_name(name: str) -> str:
+def hf_name(name: str, architecture: str = "llama") -> str:
     """The Hugging Face name of a GGUF tensor."""
     if name in _GLOBAL:
         return _GLOBAL[name]
     match = _LAYER.fullmatch(name)
     if match is None or match[2] not in _LAYER_PARTS:
         raise Unservable(
-            f"tensor {name!r} is not part of a Llama / Qwen2 / Qwen3 / Mistral decoder"
+            f"tensor {name!r} is not part of a Llama / Qwen2 / Qwen3 / Phi-3 / Mistral decoder"
         )
-    return f"model.layers.{match[1]}.{_LAYER_PARTS[match[2]]}.{match[3]}"
+    part = _LAYER_PARTS[match[2]]
+    if match[2] == "ffn_up" and architecture in _FUSED_FFN_UP:
+        part = "mlp.gate_up_proj"
+    return f"model.layers.{match[1]}.{part}.{match[3]}"
 
 
 def unpermute(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -112,15 +121,25 @@ def rope_scaling(reader, architecture: str, head_dim: int, theta: float) -> dict
     rope_freqs; a scaling this cannot name exactly is refused."""
     field = reader.fields.get(f"{architecture}.rope.scaling.type")
     kind = str(field.contents()) if field is not None else "none"
-    factors = next((t for t in reader.tensors if t.name == _ROPE_FACTORS), None)
-    if factors is not None:
-        return _llama3_from_factors(np.array(factors.data, dtype=np.float32), head_dim, theta)
-    if kind == "none":
-        return {}
+    tensors = {t.name: t for t in reader.tensors}
 
     def value(key: str) -> Any:
         found = reader.fields.get(f"{architecture}.rope.scaling.{key}")
         return None if found is None else found.contents()
+
+    if _ROPE_FACTORS in tensors:
+        factors = np.array(tensors[_ROPE_FACTORS].data, dtype=np.float32)
+        return _llama3_from_factors(factors, head_dim, theta)
+    if all(name in tensors for name in _LONGROPE):
+        long, short = (np.array(tensors[n].data, dtype=np.float32).tolist() for n in _LONGROPE)
+        scaling = {"rope_type": "longrope", "long_factor": long, "short_factor": short}
+        if value("original_context_length"):
+            scaling["original_max_position_embeddings"] = int(value("original_context_length"))
+        if value("attn_factor"):
+            scaling["attention_factor"] = float(value("attn_factor"))
+        return scaling
+    if kind == "none":
+        return {}
 
     if kind == "linear" and value("factor"):
         return {"rope_type": "linear", "factor": float(value("factor"))}
@@ -213,9 +232,9 @@ def hf_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, tensor) for each tensor of the file, one at a time."""
     for tensor in reader.tensors:
-        if tensor.name == _ROPE_FACTORS:
+        if tensor.name in (_ROPE_FACTORS, *_LONGROPE):
             continue  # NOTE: in config.json's rope scaling (rope_scaling)
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, architecture)
         values = dequantized(tensor)
         if architecture in PERMUTED and ".self_attn.q_proj." in name:
             values = unpermute(values, num_heads)
@@ -271,10 +290,25 @@ def write_config_and_tokenizer(path: Path, out: Path, reader, architecture: str)
     config.architectures = [MODEL_CLASSES[config.model_type]]
     config.save_pretrained(out)
     raw = json.loads((out / "config.json").read_text())
+    pad = reader.fields.get("tokenizer.ggml.padding_token_id")
+    if pad is not None:
+        raw["pad_token_id"] = int(pad.contents())
+    elif (raw.get("pad_token_id") or 0) >= raw["vocab_size"]:
+        raw["pad_token_id"] = None  # NOTE: Phi3Config's default 32,000, past a smaller vocab
+    window = reader.fields.get(f"{architecture}.attention.sliding_window")
+    if window is not None and not raw.get("sliding_window"):
+        raw["sliding_window"] = int(window.contents())  # NOTE: Phi-3-mini's 2,047
     key_length = reader.fields.get(f"{architecture}.attention.key_length")
     if key_length is not None:
         raw["head_dim"] = int(key_length.contents())
     head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    rotated = reader.fields.get(f"{architecture}.rope.dimension_count")
+    if rotated is not None and int(rotated.contents()) < head_dim:
+        partial = int(rotated.contents()) / head_dim  # NOTE: Phi-4-mini rotates 3/4
+        raw["partial_rotary_factor"] = partial
+        if isinstance(raw.get("rope_parameters"), dict):
+            raw["rope_parameters"]["partial_rotary_factor"] = partial
+        head_dim = int(rotated.contents())  # NOTE: the frequencies are over the rotated part
     params = dict(raw.get("rope_parameters") or {})
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     scaling = rope_scaling(reader, architecture, head_dim, theta)

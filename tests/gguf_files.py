@@ -40,6 +40,8 @@ _LAYER_NAMES = {
     "mlp.down_proj": "ffn_down",
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
+    "self_attn.qkv_proj": "attn_qkv",
+    "mlp.gate_up_proj": "ffn_up",
 }
 
 
@@ -89,8 +91,18 @@ def llama3_rope_freqs(config: dict[str, Any]) -> np.ndarray:
 
 
 def _rope_metadata(writer: gguf.GGUFWriter, config: dict[str, Any]) -> None:
-    """A YaRN rope_scaling as llama.cpp's converter writes it for Qwen models."""
+    """A YaRN rope_scaling as llama.cpp's converter writes it for Qwen models, LongRoPE as it
+    writes Phi-3's (the factor lists as tensors, the attention factor computed)."""
     scaling = config.get("rope_scaling") or {}
+    if scaling.get("rope_type") == "longrope":
+        original = config["original_max_position_embeddings"]
+        scale = config["max_position_embeddings"] / original
+        attn_factor = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+        writer.add_rope_scaling_attn_factors(attn_factor)
+        writer.add_rope_scaling_orig_ctx_len(original)
+        for name in ("long", "short"):
+            factors = np.array(scaling[f"{name}_factor"], dtype=np.float32)
+            writer.add_tensor(f"rope_factors_{name}.weight", factors, raw_dtype=Q.F32)
     if scaling.get("rope_type") == "yarn":
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(scaling["factor"])
@@ -162,7 +174,9 @@ def hf_to_gguf(
     all ones, so a test could not tell one norm's name from another's); with `rope_freqs`, a
     Llama 3 rope_scaling as llama.cpp writes it (which transformers' GGUF loader ignores)."""
     config: dict[str, Any] = json.loads((model_dir / "config.json").read_text())
-    arch = architecture or {"qwen2": "qwen2", "qwen3": "qwen3"}.get(config["model_type"], "llama")
+    arch = architecture or {"qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}.get(
+        config["model_type"], "llama"
+    )
     tensors: dict[str, torch.Tensor] = {}
     for path in sorted(model_dir.glob("*.safetensors")):
         tensors.update(load_file(str(path)))
@@ -178,7 +192,7 @@ def hf_to_gguf(
     writer.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
     head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
-    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_dimension_count(int(head_dim * config.get("partial_rotary_factor", 1.0)))
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     _rope_metadata(writer, config)

@@ -164,6 +164,26 @@ def test_a_qwen3_file(tiny_checkpoint, tmp_path: Path) -> None:
     _assert_served_as(gguf_checkpoint.gguf_checkpoint(exact), source)
 
 
+def test_a_phi3_file(tiny_checkpoint, tmp_path: Path) -> None:
+    """Phi-3 (Phi-4-mini's shape): q/k/v as one attn_qkv and gate/up as one ffn_up, RoPE on
+    `rope.dimension_count` of each head (3/4 here; transformers' GGUF config drops it) and
+    LongRoPE's factor lists as tensors: in Q8_0 the weights transformers loads from the file,
+    in F32 the numbers of the checkpoint it was written from. NOTE: transformers 5.25's own
+    config for the file pads with id 32,000 (Phi3Config's default), past this vocabulary."""
+    source = tiny_checkpoint("phi3")
+    file = hf_to_gguf(source, tmp_path / "tiny-phi3.gguf", Q.Q8_0, norm_noise=0.1)
+    out = _converted(file, tmp_path)
+    _assert_loads_as_transformers(file, out, own_config=True)
+    config = json.loads((out / "config.json").read_text())
+    original = json.loads((source / "config.json").read_text())
+    assert config["partial_rotary_factor"] == original["partial_rotary_factor"]
+    scaling = config["rope_parameters"]
+    assert scaling["rope_type"] == "longrope"
+    assert scaling["long_factor"] == pytest.approx(original["rope_scaling"]["long_factor"])
+    exact = hf_to_gguf(source, tmp_path / "tiny-phi3-f32.gguf", Q.F32)
+    _assert_served_as(gguf_checkpoint.gguf_checkpoint(exact), source)
+
+
 def test_a_llama_31_file_rotates_by_its_rope_freqs(tiny_checkpoint, tmp_path: Path) -> None:
     """Llama 3.1 / 3.2 files carry their rope_scaling as per-frequency factors
     (rope_freqs.weight): the settings that give those factors are found again, and the file
@@ -255,7 +275,7 @@ def test_a_directory_with_two_files_names_them(tiny_checkpoint, tmp_path: Path) 
 
 
 def _unservable_architecture(path: Path) -> Path:
-    writer = gguf.GGUFWriter(path, "phi3")
+    writer = gguf.GGUFWriter(path, "gemma2")
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
     finish(writer)
@@ -263,8 +283,8 @@ def _unservable_architecture(path: Path) -> Path:
 
 
 def test_an_architecture_tokenmill_cannot_serve_fails_at_start(tmp_path: Path) -> None:
-    file = _unservable_architecture(tmp_path / "phi.gguf")
-    with pytest.raises(ValueError, match="GGUF architecture 'phi3' is not one tokenmill serves"):
+    file = _unservable_architecture(tmp_path / "gemma.gguf")
+    with pytest.raises(ValueError, match="GGUF architecture 'gemma2' is not one tokenmill serves"):
         gguf_checkpoint.gguf_checkpoint(file)
     started = subprocess.run(
         [sys.executable, "-m", "tokenmill.cli.main", "serve", "--model", str(file)],
@@ -273,7 +293,9 @@ def test_an_architecture_tokenmill_cannot_serve_fails_at_start(tmp_path: Path) -
         timeout=120,
     )
     assert started.returncode != 0
-    assert "'phi3' is not one tokenmill serves (it serves llama, qwen2)" in started.stderr
+    assert "'gemma2' is not one tokenmill serves (it serves llama, qwen2, qwen3, phi3)" in (
+        started.stderr
+    )
     assert f"--model {file}:" in started.stderr
     cache = gguf_checkpoint.cache_dir() / "gguf"
     assert cache.is_dir() and not list(cache.glob("*.tmp"))

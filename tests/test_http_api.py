@@ -460,7 +460,7 @@ INVALID = [
     (CHAT, _chat(stream="yes"), 400, "stream"),
     (CHAT, _chat(frequency_penalty=2.5), 400, "frequency_penalty"),
     (CHAT, _chat(tools=[{"type": "function"}]), 400, "tools[0].function"),
-    (CHAT, _chat(tools=[]), 400, "tools"),
+    (CHAT, _chat(tools=[], tool_choice="required"), 400, "tool_choice"),
     (CHAT, _chat(model="gpt-4"), 404, "model"),
     (CHAT, _chat(stop_token_ids=[10**6]), 400, "stop_token_ids"),
     (CMPL, _cmpl(prompt=""), 400, "prompt"),

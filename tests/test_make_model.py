@@ -22,6 +22,7 @@ from tokenizers import Tokenizer  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from tokenmill.cli.make_model import ARCHS, build_checkpoint  # noqa: E402
+from tokenmill.cli.make_model.tokenizer import QWEN_ARCHS  # noqa: E402
 from tokenmill.cli.make_model.weights import (  # noqa: E402
     PRESET_SHAPES,
     make_config,
@@ -101,6 +102,22 @@ def test_arch_specifics(checkpoints: dict[str, Path]) -> None:
     with safe_open(str(checkpoints["llama"] / "model.safetensors"), "np") as f:
         assert "lm_head.weight" in set(f.keys())
         assert f.metadata() == {"format": "pt"}
+    qwen3 = AutoConfig.from_pretrained(checkpoints["qwen3"])
+    assert qwen3.head_dim == 2 * qwen3.hidden_size // qwen3.num_attention_heads
+    assert qwen3.rope_parameters["rope_type"] == "yarn"
+    with safe_open(str(checkpoints["qwen3"] / "model.safetensors"), "pt") as f:
+        norm = f.get_tensor("model.layers.0.self_attn.q_norm.weight")
+        assert norm.shape == (qwen3.head_dim,) and not torch.equal(norm, torch.ones_like(norm))
+    phi3 = AutoConfig.from_pretrained(checkpoints["phi3"])
+    assert phi3.rope_parameters["rope_type"] == "longrope" and phi3.partial_rotary_factor < 1
+    with safe_open(str(checkpoints["phi3"] / "model.safetensors"), "np") as f:
+        assert {
+            "model.layers.0.self_attn.qkv_proj.weight",
+            "model.layers.0.mlp.gate_up_proj.weight",
+        } <= set(f.keys())
+    granite = AutoConfig.from_pretrained(checkpoints["granite"])
+    multipliers = ("embedding_multiplier", "attention_multiplier", "residual_multiplier")
+    assert all(getattr(granite, m) != 1.0 for m in multipliers) and granite.logits_scaling != 1
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -112,9 +129,9 @@ def test_tokenizers_agree_and_bos(checkpoints: dict[str, Path], arch: str) -> No
     for text in SAMPLES:
         ids = raw.encode(text).ids
         assert auto(text).input_ids == ids, text
-        assert (ids[0] == auto.bos_token_id) == (arch != "qwen2"), text
+        assert (ids[0] == auto.bos_token_id) == (arch not in QWEN_ARCHS), text
         # Qwen2's pipeline starts with NFC, as upstream; decoding skips special tokens.
-        expected = unicodedata.normalize("NFC", text) if arch == "qwen2" else text
+        expected = unicodedata.normalize("NFC", text) if arch in QWEN_ARCHS else text
         for special in ("<|im_start|>", "<|im_end|>"):
             expected = expected.replace(special, "")
         assert raw.decode(ids) == expected
@@ -155,10 +172,10 @@ def test_chat_template(checkpoints: dict[str, Path], arch: str) -> None:
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n"
         "<|im_start|>assistant\n"
     )
-    assert text == ("" if arch == "qwen2" else "<|begin_of_text|>") + body
+    assert text == ("" if arch in QWEN_ARCHS else "<|begin_of_text|>") + body
     ids = auto.apply_chat_template(messages, add_generation_prompt=True)
     ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-    assert ids.count(auto.bos_token_id) == (0 if arch == "qwen2" else 1)
+    assert ids.count(auto.bos_token_id) == (0 if arch in QWEN_ARCHS else 1)
     prompt = auto("<|im_start|>assistant\n", add_special_tokens=False).input_ids
     assert ids[-len(prompt) :] == prompt
 

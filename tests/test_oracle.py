@@ -3,6 +3,9 @@ with their logprobs and top-20, for every supported architecture (float32, CPU).
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -25,7 +28,7 @@ ATOL = 1e-4
 @pytest.mark.parametrize(
     ("arch", "kind", "cpu_kernels"),
     [(arch, "auto", True) for arch in ARCHS]
-    + [("llama", "auto", False), ("qwen3", "auto", False)]
+    + [("llama", "auto", False), ("qwen3", "auto", False), ("phi3", "auto", False)]
     + [("mistral", "sentencepiece", True), ("qwen2", "byte-level", True)],
 )
 def test_matches_transformers(arch: str, kind: str, cpu_kernels: bool, tiny_checkpoint) -> None:
@@ -48,6 +51,29 @@ def test_matches_transformers(arch: str, kind: str, cpu_kernels: bool, tiny_chec
             assert_top_close(
                 out.prompt_top_ids[i], out.prompt_top_logprobs[i], ref.logprobs[pos], ATOL
             )
+
+
+def test_longrope_past_its_original_length_takes_the_long_factors(
+    tiny_checkpoint, tmp_path
+) -> None:
+    """A server that takes sequences longer than LongRoPE's original length rotates every
+    one by the long factors (config.py's longrope_factors): a sequence longer than that gets
+    transformers' numbers, as transformers computes one forward call of it. (The tiny phi3's
+    own 4,096 are past the tests' max_model_len of 512: the short factors, tested above.)"""
+    model_dir = tmp_path / "phi3-long"
+    shutil.copytree(tiny_checkpoint("phi3"), model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    # NOTE: a factor of 4 (128 / 32), as Phi-3.5-mini's 131,072 / 4,096 is 32: not 16,384 / 32,
+    # whose attention factor of 1.67 leaves logprobs of -30 a relative 4e-6 apart
+    config.update(original_max_position_embeddings=32, max_position_embeddings=128)
+    (model_dir / "config.json").write_text(json.dumps(config))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompt = list(range(5, 53))
+    request = OfflineRequest(prompt, max_tokens=16, num_top=5, prompt_logprob_start=0)
+    out = make_engine(model_dir).generate([request])[0]
+    assert_matches_oracle(out, prompt, hf, ATOL)
+    short = make_engine(tiny_checkpoint("phi3")).generate([request])[0]
+    assert short.prompt_logprobs != out.prompt_logprobs
 
 
 def test_distributions_are_peaked(tiny_checkpoint) -> None:

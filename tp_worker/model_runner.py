@@ -52,7 +52,7 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.group = TpGroup.current()
-        self.model_config: ModelConfig = load_model_config(config.model)
+        self.model_config: ModelConfig = load_model_config(config.model, config.max_model_len)
         self.model = CausalLM(self.model_config, self.group, self.dtype, self.device)
         if config.load_format == "dummy":
             dummy_weights(self.model)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save_file
 
-ARCHS = ("llama", "qwen2", "mistral", "qwen3")
+ARCHS = ("llama", "qwen2", "mistral", "qwen3", "phi3", "granite")
 PRESETS = ("tiny", "small", "medium")
 
 # Above this many bytes of weights, write HF-style shards plus an index file.
@@ -75,6 +76,8 @@ _ARCH_CLASSES = {
     "qwen2": "Qwen2ForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "granite": "GraniteForCausalLM",
 }
 _LLAMA3_ROPE_SCALING = {
     "rope_type": "llama3",
@@ -128,6 +131,34 @@ def _arch_fields(arch: str) -> dict[str, Any]:
             "sliding_window": None,
             "tie_word_embeddings": True,
         }
+    if arch == "phi3":
+        # NOTE: Phi-4-mini's way: RoPE on 3/4 of each head, LongRoPE over 4,096 positions
+        # (rope_scaling's factor lists are filled in by make_config, one per rotated pair)
+        return {
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.75,
+            "original_max_position_embeddings": MAX_POSITION_EMBEDDINGS // 4,
+            "sliding_window": None,
+            "tie_word_embeddings": False,
+            "attention_bias": False,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+        }
+    if arch == "granite":
+        # NOTE: Granite 3's multipliers, none of them 1 (its own: 12, 1 / 64, 0.22, 8), milder
+        # so that the tiny model's distributions stay peaked
+        return {
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+            "embedding_multiplier": 4.0,
+            "attention_multiplier": 0.125,
+            "residual_multiplier": 0.5,
+            "logits_scaling": 2.0,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "tie_word_embeddings": True,
+        }
     raise ValueError(f"arch={arch!r} is not one of {ARCHS}")
 
 
@@ -158,6 +189,13 @@ def make_config(arch: str, shape: ModelShape, token_ids: dict[str, int]) -> dict
         config["max_window_layers"] = shape.num_hidden_layers
     elif arch != "qwen2":
         config["head_dim"] = shape.head_dim
+    if arch == "phi3":
+        pairs = int(shape.head_dim * config["partial_rotary_factor"]) // 2
+        config["rope_scaling"] = {
+            "rope_type": "longrope",
+            "short_factor": [1.0 + 0.05 * i for i in range(pairs)],
+            "long_factor": [1.0 + 1.5 * i for i in range(pairs)],
+        }
     return config
 
 
@@ -184,6 +222,11 @@ def _layer_specs(config: dict[str, Any], i: int) -> list[TensorSpec]:
             specs.append((p + f"self_attn.{name}_proj.bias", (dim,), BIAS_STD))
     if config["model_type"] == "qwen3":
         specs += [(p + f"self_attn.{name}_norm.weight", (head_dim,), NORM_STD) for name in "qk"]
+    if config["model_type"] == "phi3":
+        # NOTE: Phi-3's layout: q/k/v as one qkv_proj, gate/up as one gate_up_proj
+        specs = [spec for spec in specs if not re.search(r"\.(q|k|v|gate|up)_proj\.", spec[0])]
+        specs.append((p + "self_attn.qkv_proj.weight", (q_dim + 2 * kv_dim, hidden), QK_GAIN * std))
+        specs.append((p + "mlp.gate_up_proj.weight", (2 * inter, hidden), std))
     return specs
 
 

@@ -151,6 +151,9 @@ def load(path: Path) -> ctypes.CDLL:
     lib.tm_silu_mul.restype = ctypes.c_int
     lib.tm_rope_store.argtypes = [*[_P] * 7, *[_I] * 6, ctypes.c_int]
     lib.tm_rope_store.restype = ctypes.c_int
+    if hasattr(lib, "tm_rope_store_partial"):
+        lib.tm_rope_store_partial.argtypes = [*[_P] * 7, *[_I] * 7, ctypes.c_int]
+        lib.tm_rope_store_partial.restype = ctypes.c_int
     lib.tm_log_softmax_stats.argtypes = [_P, _I, _I, _I, _P, _P, _P, _I, _P, _P]
     lib.tm_log_softmax_stats.restype = None
     lib.tm_row_argmax.argtypes = [_P, _I, _I, _I, _P, _P]

@@ -65,6 +65,7 @@ class LayerStack:
         self.hidden = _kernel(first.qkv_proj).in_features
         self.heads, self.kv_heads = first.num_heads, first.num_kv_heads
         self.head_dim = first.head_dim
+        self.rotary_dim = first.rotary_dim
         gate_up = _kernel(first.gate_up_proj)
         self.inter = gate_up.out_features // 2
         self.eps = first.input_layernorm.eps
@@ -128,7 +129,7 @@ class LayerStack:
             return
         k_cache = kv_cache[0][0]
         self._point_at(kv_cache)
-        cos, sin = (c.reshape(tokens, self.head_dim).contiguous() for c in cos_sin)
+        cos, sin = (c.reshape(tokens, self.rotary_dim).contiguous() for c in cos_sin)
         slots = attention.out_slots.contiguous()
         scratch = self._scratch_for(tokens)  # NOTE: held until the call returns
         status = library().tm_layer_stack(
@@ -170,6 +171,7 @@ class LayerStack:
             attention.sliding_window,
             k_cache.stride(0),
             k_cache.stride(1),
+            self.rotary_dim,
         )
         if self._shape is None or self._shape[0] != fields:
             self._shape = (fields, (ctypes.c_int64 * len(fields))(*fields))

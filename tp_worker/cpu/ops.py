@@ -270,16 +270,17 @@ def rope_store_cpu(
 ) -> torch.Tensor:
     """The fused projection qkv [T, (heads + 2 kv_heads) * D] -> rotated q [T, heads, D];
     the rotated keys and the values go straight into the layer's cache [Hkv, slots, D] at
-    `slots` [T] (csrc/rope.cpp: the torch path's numbers, without its temporaries)."""
-    tokens, dim = qkv.shape[0], cos_sin[0].shape[-1]
+    `slots` [T] (csrc/rope.cpp: the torch path's numbers, without its temporaries). cos and
+    sin are [T, 1, R]: the first R of each head's D rotate (R < D: partial rotary)."""
     k_cache, v_cache = kv
+    tokens, dim, rot = qkv.shape[0], k_cache.shape[2], cos_sin[0].shape[-1]
     assert qkv.shape[1] == (heads + 2 * kv_heads) * dim and qkv.dtype == k_cache.dtype
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(2) == 1
     assert slots.dtype == torch.int64 and slots.shape[0] == tokens
     qkv, slots = qkv.contiguous(), slots.contiguous()
-    cos, sin = (c.reshape(tokens, dim).contiguous() for c in cos_sin)
+    cos, sin = (c.reshape(tokens, rot).contiguous() for c in cos_sin)
     q = qkv.new_empty(tokens, heads, dim)
-    status = library().tm_rope_store(
+    status = library().tm_rope_store_partial(
         qkv.data_ptr(),
         cos.data_ptr(),
         sin.data_ptr(),
@@ -291,9 +292,10 @@ def rope_store_cpu(
         heads,
         kv_heads,
         dim,
+        rot,
         k_cache.stride(0),
         k_cache.stride(1),
         DTYPE_CODES[qkv.dtype],
     )
-    assert status == 0, f"tm_rope_store: unsupported {qkv.dtype}"
+    assert status == 0, f"tm_rope_store_partial: unsupported {qkv.dtype} or rotary width {rot}"
     return q

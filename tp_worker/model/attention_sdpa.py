@@ -56,7 +56,7 @@ class TorchProjection:
     ) -> torch.Tensor:
         """RoPE on q and k of the fused projection, the new keys and values into the layer's
         cache [Hkv, slots, D] at `out_slots`, then `attend` (see attention.Attention)."""
-        dim = cos_sin[0].shape[-1]
+        dim = kv[0].shape[2]
         q, k, v = qkv.split([num_heads * dim, num_kv_heads * dim, num_kv_heads * dim], dim=-1)
         q = apply_rotary(q.view(-1, num_heads, dim), *cos_sin)
         k = apply_rotary(k.view(-1, num_kv_heads, dim), *cos_sin)

@@ -33,18 +33,27 @@ class ModelConfig:
     sliding_window: int | None
     rope_theta: float
     qk_norm: bool = False
+    fused_checkpoint: bool = False
+    # NOTE: how many of each head's head_dim elements RoPE rotates (partial_rotary_factor)
+    rotary_dim: int = 0
+    # NOTE: Granite's multipliers (1, or None for head_dim ** -0.5, in every other family)
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_scale: float | None = None
+    logits_scaling: float = 1.0
     rope_scaling: dict[str, Any] = field(default_factory=dict)
     checkpoint_dtype: str = "float32"
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
 
 
-def load_model_config(model_dir: str | Path) -> ModelConfig:
+def load_model_config(model_dir: str | Path, max_model_len: int | None = None) -> ModelConfig:
+    """max_model_len: the longest sequence served (see longrope_factors)."""
     raw = json.loads((Path(model_dir) / "config.json").read_text())
-    return parse_model_config(raw)
+    return parse_model_config(raw, max_model_len)
 
 
-def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
+def parse_model_config(raw: dict[str, Any], max_model_len: int | None = None) -> ModelConfig:
     architectures = raw.get("architectures") or []
     arch = next((a for a in architectures if a in FAMILIES), None)
     if arch is None:
@@ -55,7 +64,11 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
     family = FAMILIES[arch]
     num_heads = int(raw["num_attention_heads"])
     hidden = int(raw["hidden_size"])
-    rope_theta, rope_scaling = _rope(raw)
+    head_dim = int(raw.get("head_dim") or hidden // num_heads)
+    rope_theta, rope_scaling = _rope(raw, max_model_len)
+    partial = raw.get("partial_rotary_factor") or (raw.get("rope_parameters") or {}).get(
+        "partial_rotary_factor", 1.0
+    )
     return ModelConfig(
         architecture=family.name,
         vocab_size=int(raw["vocab_size"]),
@@ -64,7 +77,7 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
         num_layers=int(raw["num_hidden_layers"]),
         num_heads=num_heads,
         num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-        head_dim=int(raw.get("head_dim") or hidden // num_heads),
+        head_dim=head_dim,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
@@ -72,6 +85,12 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
         sliding_window=_sliding_window(raw, family),
         rope_theta=rope_theta,
         qk_norm=family.qk_norm,
+        fused_checkpoint=family.fused_checkpoint,
+        rotary_dim=int(head_dim * float(partial)),
+        embedding_multiplier=float(raw.get("embedding_multiplier", 1.0)),
+        residual_multiplier=float(raw.get("residual_multiplier", 1.0)),
+        attention_scale=raw.get("attention_multiplier"),
+        logits_scaling=float(raw.get("logits_scaling", 1.0)),
         rope_scaling=rope_scaling,
         checkpoint_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
         eos_token_ids=_ids(raw.get("eos_token_id")),
@@ -79,16 +98,44 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
     )
 
 
-def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+def _rope(raw: dict[str, Any], max_model_len: int | None) -> tuple[float, dict[str, Any]]:
     params = dict(raw.get("rope_parameters") or {})
     scaling = dict(raw.get("rope_scaling") or {})
     theta = float(params.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+    params.pop("partial_rotary_factor", None)
     merged = {**scaling, **params}
     if "type" in merged and "rope_type" not in merged:
         merged["rope_type"] = merged.pop("type")
     if merged.get("rope_type") in (None, "default"):
-        merged = {}
+        return theta, {}
+    if merged["rope_type"] in ("longrope", "su"):
+        merged = longrope_factors(merged, raw, max_model_len)
     return theta, merged
+
+
+def longrope_factors(
+    scaling: dict[str, Any], raw: dict[str, Any], max_model_len: int | None
+) -> dict[str, Any]:
+    """LongRoPE with its factor set chosen once per server. NOTE: transformers switches
+    between short and long factors by the longest position of each forward call, so one
+    token's numbers would follow the schedule it ran in; here the short factors serve every
+    sequence when the server takes none longer than the original length (what transformers
+    computes for each of them), else the long ones serve every sequence (what transformers
+    computes for any longer than that)."""
+    original = int(
+        scaling.get("original_max_position_embeddings")
+        or raw.get("original_max_position_embeddings")
+        or raw["max_position_embeddings"]
+    )
+    longest = max_model_len or int(raw["max_position_embeddings"])
+    factor = scaling.get("factor") or int(raw["max_position_embeddings"]) / original
+    return {
+        **scaling,
+        "rope_type": "longrope",
+        "original_max_position_embeddings": original,
+        "factor": float(factor),
+        "use_long_factor": longest > original,
+    }
 
 
 def _sliding_window(raw: dict[str, Any], family: Family) -> int | None:

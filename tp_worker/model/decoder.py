@@ -64,7 +64,8 @@ class DecoderLayer(nn.Module):
         self.num_heads = config.num_heads // group.size
         self.num_kv_heads = local_kv_heads(config, group)
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        self.rotary_dim = config.rotary_dim or head_dim
+        self.scale = config.attention_scale or head_dim**-0.5
         self.sliding_window = config.sliding_window
         qkv_out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         inter = config.intermediate_size // group.size
@@ -163,7 +164,9 @@ class CausalLM(nn.Module):
             if config.tie_word_embeddings
             else VocabEmbedding(config.vocab_size, config.hidden_size, group, dtype, device)
         )
-        self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling, device)
+        self.rotary = Rotary(
+            config.rotary_dim or config.head_dim, config.rope_theta, config.rope_scaling, device
+        )
         self.lm_head_kernel: PackedLinear | None = None
         self.layer_stack: LayerStack | None = None  # csrc/layer_stack.cpp, use_cpu_kernels
         self.triton_lm_head = False
@@ -222,6 +225,8 @@ class CausalLM(nn.Module):
         # adds rounded it again, 30 layers deep on SmolLM2; float32 took tokenmill bfloat16's
         # mean logprob error against float64 from 0.020 to 0.016 there (float64_distance.py).
         x = self.embed_tokens(input_ids).float()
+        if self.config.embedding_multiplier != 1.0:  # NOTE: Granite's, in float32 as transformers
+            x = x * self.config.embedding_multiplier
         cos_sin = self.rotary.cos_sin(positions, self.dtype)
         count = len(self.layers)
         native = self._native_layers(attention, last)
@@ -255,4 +260,7 @@ class CausalLM(nn.Module):
             local = triton_linear(hidden, self.lm_head.weight, None, torch.float32)
         else:
             local = invariant_linear(hidden, self.lm_head.weight).float()
-        return self.group.all_gather_last_dim(local)[:, : self.config.vocab_size]
+        logits = self.group.all_gather_last_dim(local)[:, : self.config.vocab_size]
+        if self.config.logits_scaling != 1.0:  # NOTE: Granite's divisor, as transformers divides
+            logits = logits / self.config.logits_scaling
+        return logits

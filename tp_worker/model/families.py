@@ -21,6 +21,9 @@ class Family:
     sliding_window_switch: str | None = None
     # NOTE: an RMSNorm over each head's q and k (head_dim wide) before RoPE (Qwen3)
     qk_norm: bool = False
+    # NOTE: the checkpoint holds q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`
+    # (Phi-3); the layers fuse them the same way whatever the checkpoint holds
+    fused_checkpoint: bool = False
 
 
 FAMILIES: dict[str, Family] = {  # the Hugging Face architecture name -> its switches
@@ -28,4 +31,7 @@ FAMILIES: dict[str, Family] = {  # the Hugging Face architecture name -> its swi
     "MistralForCausalLM": Family("mistral"),
     "Qwen2ForCausalLM": Family("qwen2", qkv_bias=True, sliding_window_switch="use_sliding_window"),
     "Qwen3ForCausalLM": Family("qwen3", sliding_window_switch="use_sliding_window", qk_norm=True),
+    "Phi3ForCausalLM": Family("phi3", fused_checkpoint=True),
+    # NOTE: its multipliers are config.json fields (ModelConfig's, default 1 for the rest)
+    "GraniteForCausalLM": Family("granite"),
 }

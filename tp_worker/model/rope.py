@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-SCALINGS = ("default", "linear", "llama3", "yarn")
+SCALINGS = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
@@ -34,8 +34,11 @@ def rope_parameters(
         return _llama3(inv_freq, scaling), 1.0
     if kind == "yarn":
         return _yarn(head_dim, theta, scaling)
-    # NOTE: transformers' dynamic NTK and LongRoPE pick their frequencies from the longest
-    # position of each forward call, so a token's numbers would follow its schedule.
+    if kind == "longrope":
+        return _longrope(head_dim, theta, scaling)
+    # NOTE: transformers' dynamic NTK picks its frequencies from the longest position of each
+    # forward call, so a token's numbers would follow its schedule (LongRoPE's choice is made
+    # once per server instead: config.py's longrope_factors).
     raise ValueError(f"rope_type {kind!r} is not supported (supported: {', '.join(SCALINGS)})")
 
 
@@ -81,6 +84,21 @@ def _yarn(head_dim: int, theta: float, scaling: dict[str, Any]) -> tuple[torch.T
     extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
     keep = 1 - ramp
     return interpolation * (1 - keep) + extrapolation * keep, float(attention_factor)
+
+
+def _longrope(head_dim: int, theta: float, scaling: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """LongRoPE as transformers' _compute_longrope_parameters computes it, with the factor set
+    config.py's longrope_factors chose."""
+    factor, original = float(scaling["factor"]), float(scaling["original_max_position_embeddings"])
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        )
+    chosen = scaling["long_factor" if scaling.get("use_long_factor") else "short_factor"]
+    ext = torch.tensor(chosen, dtype=torch.float32)
+    shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (ext * theta**shape), float(attention_factor)
 
 
 def _yarn_mscale(scale: float, mscale: float) -> float:
@@ -140,7 +158,11 @@ def float32_cos_sin(
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D]."""
+    """x [T, H, D], cos and sin [T, 1, R]: the first R of each head rotated, the rest as they
+    are (R < D: partial rotary, transformers' apply_rotary_pos_emb)."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from tokenmill.tp_worker.model.config import ModelConfig
 from tokenmill.tp_worker.model.decoder import CausalLM, DecoderLayer, local_kv_heads
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,9 @@ def _expected_names(model: CausalLM) -> set[str]:
         "self_attn.o_proj.weight",
     ]
     per_layer += [f"self_attn.{p}_proj.weight" for p in "qkv"]
+    if model.config.fused_checkpoint:
+        per_layer = [p for p in per_layer if not re.search(r"\.(q|k|v|gate|up)_proj\.", p)]
+        per_layer += ["self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"]
     if model.config.attention_bias:
         per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
     if model.config.qk_norm:
@@ -113,6 +117,8 @@ def load_tensor(model: CausalLM, name: str, tensor: torch.Tensor) -> bool:
 
 def _load_layer(model: CausalLM, layer: DecoderLayer, part: str, tensor: torch.Tensor) -> bool:
     group, config = model.group, model.config
+    if part in ("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"):
+        return _load_fused(model, layer, part, tensor)
     if part in ("input_layernorm.weight", "post_attention_layernorm.weight"):
         return _copy(getattr(layer, part.split(".")[0]).weight, tensor)
     if part in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
@@ -120,10 +126,10 @@ def _load_layer(model: CausalLM, layer: DecoderLayer, part: str, tensor: torch.T
         return norm is not None and _copy(norm.weight, tensor)  # NOTE: head_dim wide, every rank
     if part == "self_attn.o_proj.weight":
         start, end = group.shard(tensor.shape[1], "num_attention_heads * head_dim")
-        return _copy(layer.o_proj.weight, tensor[:, start:end])
+        return _copy(layer.o_proj.weight, _residual_scaled(config, tensor[:, start:end]))
     if part == "mlp.down_proj.weight":
         start, end = group.shard(tensor.shape[1], "intermediate_size")
-        return _copy(layer.down_proj.weight, tensor[:, start:end])
+        return _copy(layer.down_proj.weight, _residual_scaled(config, tensor[:, start:end]))
     if part in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
         start, end = group.shard(tensor.shape[0], "intermediate_size")
         offset = 0 if "gate" in part else end - start
@@ -141,6 +147,30 @@ def _load_layer(model: CausalLM, layer: DecoderLayer, part: str, tensor: torch.T
         )
     ]
     return _copy(getattr(layer.qkv_proj, proj[2])[rows], shard)
+
+
+def _load_fused(model: CausalLM, layer: DecoderLayer, part: str, tensor: torch.Tensor) -> bool:
+    """Phi-3's one q/k/v tensor (q rows, k rows, v rows) and one gate/up tensor (gate rows,
+    then up rows), loaded as the separate tensors they hold."""
+    config = model.config
+    if part.startswith("mlp."):
+        pieces = dict(zip(("gate", "up"), tensor.chunk(2), strict=True))
+        names = {n: f"mlp.{n}_proj.weight" for n in pieces}
+    else:
+        q_rows, kv_rows = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        pieces = dict(zip("qkv", tensor.split([q_rows, kv_rows, kv_rows]), strict=True))
+        names = {n: f"self_attn.{n}_proj.weight" for n in pieces}
+    return all(_load_layer(model, layer, names[n], t) for n, t in pieces.items())
+
+
+def _residual_scaled(config: ModelConfig, tensor: torch.Tensor) -> torch.Tensor:
+    """The products added to the residual stream times Granite's residual_multiplier, folded
+    into their weights (in float32, rounded once to the serving dtype by the copy): free at
+    run time, and the same in every path that loads weights (start, RL updates). NOTE: in
+    float32 it moves a product by float32 rounding only (transformers multiplies after it)."""
+    if config.residual_multiplier == 1.0:
+        return tensor
+    return tensor.float() * config.residual_multiplier
 
 
 def _qkv_rows(model: CausalLM, which: str) -> slice:

@@ -30,6 +30,11 @@ int tm_rope_store(const void* qkv, const void* cos, const void* sin, const int64
                   void* q_out, void* k_cache, void* v_cache, int64_t tokens, int64_t heads,
                   int64_t kv_heads, int64_t dim, int64_t head_stride, int64_t slot_stride,
                   int dtype);
+int tm_rope_store_partial(const void* qkv, const void* cos, const void* sin,
+                          const int64_t* slots, void* q_out, void* k_cache, void* v_cache,
+                          int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim,
+                          int64_t rotary_dim, int64_t head_stride, int64_t slot_stride,
+                          int dtype);
 int tm_paged_attention(const void* q, const void* k_cache, const void* v_cache,
                        const int32_t* table, const int64_t* rows, const int64_t* token_starts,
                        const int64_t* num_tokens, const int64_t* first_pos, void* out,

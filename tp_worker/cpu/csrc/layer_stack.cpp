@@ -29,7 +29,7 @@ enum Field {
 // The model's shape, cpu/layer_stack.py's order.
 struct Shape {
   int64_t hidden, heads, kv_heads, head_dim, inter, dtype, linear_amx, attention_amx, window,
-      head_stride, slot_stride;
+      head_stride, slot_stride, rotary_dim;
 };
 
 // The step's attention plan (cpu/attention.py's PagedAttention's tensors).
@@ -85,9 +85,9 @@ int run_layer(const int64_t* w, const Shape& s, const Plan& p, const Scratch& b,
   if (w[Q_NORM] != 0)
     status |= tm_head_norm(b.qkv, tokens, qkv_n, s.heads, s.kv_heads, s.head_dim,
                            at<void>(w[Q_NORM]), at<void>(w[K_NORM]), eps, dtype);
-  status |= tm_rope_store(b.qkv, cos, sin, slots, b.q, mutable_at(w[K_CACHE]),
-                          mutable_at(w[V_CACHE]), tokens, s.heads, s.kv_heads, s.head_dim,
-                          s.head_stride, s.slot_stride, dtype);
+  status |= tm_rope_store_partial(b.qkv, cos, sin, slots, b.q, mutable_at(w[K_CACHE]),
+                                  mutable_at(w[V_CACHE]), tokens, s.heads, s.kv_heads,
+                                  s.head_dim, s.rotary_dim, s.head_stride, s.slot_stride, dtype);
   status |= attention(b.q, at<void>(w[K_CACHE]), at<void>(w[V_CACHE]), p.table, p.rows,
                       p.token_starts, p.num_tokens, p.first_pos, b.attended, p.num_rows, s.heads,
                       s.kv_heads, s.head_dim, s.head_stride, s.slot_stride, p.table_stride,
@@ -122,7 +122,7 @@ extern "C" {
 
 // Runs `num_layers` decoder layers (rows of `weights`, FIELDS int64 each) over the float32
 // residual stream x [tokens, hidden] (contiguous, updated in place). shape: Shape's fields;
-// cos, sin [tokens, head_dim] in the model's dtype; slots [tokens] the KV slot each token
+// cos, sin [tokens, rotary_dim] in the model's dtype; slots [tokens] the KV slot each token
 // writes; the attention plan's table and rows as tm_paged_attention takes them; scratch: the
 // Scratch fields in order (addresses and strides, int64). Returns 0, or nonzero where a
 // kernel refused its dtypes.
@@ -132,7 +132,7 @@ int tm_layer_stack(const int64_t* weights, int64_t num_layers, const int64_t* sh
                    const int64_t* rows, const int64_t* token_starts, const int64_t* num_tokens,
                    const int64_t* first_pos, int64_t num_rows, const int64_t* scratch) {
   const Shape s{shape[0], shape[1], shape[2], shape[3], shape[4],  shape[5],
-                shape[6], shape[7], shape[8], shape[9], shape[10]};
+                shape[6], shape[7], shape[8], shape[9], shape[10], shape[11]};
   const Plan p{table, table_stride, rows, token_starts, num_tokens, first_pos, num_rows};
   const Scratch b{mutable_at(scratch[0]), scratch[1], mutable_at(scratch[2]),
                   mutable_at(scratch[3]), mutable_at(scratch[4]), mutable_at(scratch[5]),

@@ -34,10 +34,12 @@ inline float rotate(float x, float rot, float c, float s, const T* tag) {
   return a + b;
 }
 
-// One head of head_dim elements, rotated into dst (which may lie in the KV cache).
+// One head of `dim` elements into dst (which may lie in the KV cache): its first `rot` rotated
+// (pairs i, i + rot / 2), the rest copied as they are (partial rotary, as Phi-4-mini's).
 template <typename T>
-void rope_head(const T* src, const T* cos, const T* sin, int64_t dim, T* dst) {
-  const int64_t half = dim / 2;
+void rope_head(const T* src, const T* cos, const T* sin, int64_t rot, int64_t dim, T* dst) {
+  for (int64_t i = rot; i < dim; ++i) dst[i] = src[i];
+  const int64_t half = rot / 2;
   int64_t i = 0;
 #if defined(__AVX512F__)
   for (; i + 16 <= half; i += 16) {
@@ -67,20 +69,20 @@ void copy_head(const T* src, int64_t dim, T* dst) {
 template <typename T>
 void rope_store(const T* qkv, const T* cos, const T* sin, const int64_t* slots, T* q_out,
                 T* k_cache, T* v_cache, int64_t tokens, int64_t heads, int64_t kv_heads,
-                int64_t dim, int64_t head_stride, int64_t slot_stride) {
+                int64_t dim, int64_t rot, int64_t head_stride, int64_t slot_stride) {
   const int64_t width = (heads + 2 * kv_heads) * dim;
   // NOTE: threads from ~8K elements (a few tokens): 32 decode tokens of 1,280 took 28-50 us
   // on one thread and 24-25 on two (a 2-core Xeon, kernel_ab.py --only small).
 #pragma omp parallel for schedule(static) if (tokens * width >= (1 << 13))
   for (int64_t t = 0; t < tokens; ++t) {
     const T* row = qkv + t * width;
-    const T* c = cos + t * dim;
-    const T* s = sin + t * dim;
+    const T* c = cos + t * rot;
+    const T* s = sin + t * rot;
     for (int64_t h = 0; h < heads; ++h)
-      rope_head(row + h * dim, c, s, dim, q_out + (t * heads + h) * dim);
+      rope_head(row + h * dim, c, s, rot, dim, q_out + (t * heads + h) * dim);
     const int64_t at = slots[t] * slot_stride;
     for (int64_t h = 0; h < kv_heads; ++h) {
-      rope_head(row + (heads + h) * dim, c, s, dim, k_cache + h * head_stride + at);
+      rope_head(row + (heads + h) * dim, c, s, rot, dim, k_cache + h * head_stride + at);
       copy_head(row + (heads + kv_heads + h) * dim, dim, v_cache + h * head_stride + at);
     }
   }
@@ -91,27 +93,39 @@ void rope_store(const T* qkv, const T* cos, const T* sin, const int64_t* slots, 
 extern "C" {
 
 // qkv [tokens, (heads + 2 * kv_heads) * dim]: q heads, then k heads, then v heads;
-// cos, sin [tokens, dim]; q_out [tokens, heads, dim]; token t's k and v heads go to slot
-// slots[t] of k_cache and v_cache (head h of slot s at h * head_stride + s * slot_stride).
-// dtype 0 = float32, 1 = bfloat16 (every tensor alike). Returns 0, or -1 for an unknown dtype.
-int tm_rope_store(const void* qkv, const void* cos, const void* sin, const int64_t* slots,
-                  void* q_out, void* k_cache, void* v_cache, int64_t tokens, int64_t heads,
-                  int64_t kv_heads, int64_t dim, int64_t head_stride, int64_t slot_stride,
-                  int dtype) {
+// cos, sin [tokens, rotary_dim]: each head's first rotary_dim elements are rotated, the rest
+// copied; q_out [tokens, heads, dim]; token t's k and v heads go to slot slots[t] of k_cache
+// and v_cache (head h of slot s at h * head_stride + s * slot_stride). dtype 0 = float32,
+// 1 = bfloat16 (every tensor alike). Returns 0, or -1 for an unknown dtype or rotary_dim.
+int tm_rope_store_partial(const void* qkv, const void* cos, const void* sin,
+                          const int64_t* slots, void* q_out, void* k_cache, void* v_cache,
+                          int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim,
+                          int64_t rotary_dim, int64_t head_stride, int64_t slot_stride,
+                          int dtype) {
+  if (rotary_dim <= 0 || rotary_dim > dim || rotary_dim % 2 != 0) return -1;
   if (dtype == 0) {
     rope_store(static_cast<const float*>(qkv), static_cast<const float*>(cos),
                static_cast<const float*>(sin), slots, static_cast<float*>(q_out),
                static_cast<float*>(k_cache), static_cast<float*>(v_cache), tokens, heads,
-               kv_heads, dim, head_stride, slot_stride);
+               kv_heads, dim, rotary_dim, head_stride, slot_stride);
   } else if (dtype == 1) {
     rope_store(static_cast<const uint16_t*>(qkv), static_cast<const uint16_t*>(cos),
                static_cast<const uint16_t*>(sin), slots, static_cast<uint16_t*>(q_out),
                static_cast<uint16_t*>(k_cache), static_cast<uint16_t*>(v_cache), tokens,
-               heads, kv_heads, dim, head_stride, slot_stride);
+               heads, kv_heads, dim, rotary_dim, head_stride, slot_stride);
   } else {
     return -1;
   }
   return 0;
+}
+
+// tm_rope_store_partial with every element of each head rotated (rotary_dim = dim).
+int tm_rope_store(const void* qkv, const void* cos, const void* sin, const int64_t* slots,
+                  void* q_out, void* k_cache, void* v_cache, int64_t tokens, int64_t heads,
+                  int64_t kv_heads, int64_t dim, int64_t head_stride, int64_t slot_stride,
+                  int dtype) {
+  return tm_rope_store_partial(qkv, cos, sin, slots, q_out, k_cache, v_cache, tokens, heads,
+                               kv_heads, dim, dim, head_stride, slot_stride, dtype);
 }
 
 }  // extern "C"
