@@ -1,8 +1,8 @@
 """The decoder layers as one native call (tp_worker/cpu/layer_stack.py, csrc/layer_stack.cpp)
 give the Python loop's bits: tokens, logprobs, top-k and prompt logprobs, greedy and seeded,
 prefill chunks and decode steps, with q/k/v biases (qwen2), per-head q/k norms (qwen3),
-partial rotary (phi3), a sliding window, in float32 and bfloat16 and on each kind of bfloat16
-kernel the machine has."""
+partial rotary (phi3), norms after each sublayer and over whole projections (olmo2), a
+sliding window, in float32 and bfloat16 and on each kind of bfloat16 kernel the machine has."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def _same(native: OfflineEngine, python: OfflineEngine) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "granite"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "granite", "olmo2"])
 def test_native_layers_give_the_python_loops_bits(
     tiny_checkpoint, monkeypatch: pytest.MonkeyPatch, arch: str, dtype: str
 ) -> None:

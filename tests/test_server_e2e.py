@@ -657,6 +657,21 @@ def test_tensor_parallel_2_on_qwen3_matches_transformers(tiny_checkpoint, tmp_pa
     assert answer["output_ids"] == ref.logprobs[len(prompt) - 1 :].argmax(-1).tolist()
 
 
+def test_olmo2_at_tensor_parallel_2_is_refused_at_start(tiny_checkpoint) -> None:
+    """OLMo 2's q/k norms span every head (a rank holds half): refused, naming why, rather
+    than served with each rank's half normed alone."""
+    import subprocess
+    import sys
+
+    started = subprocess.run(
+        [sys.executable, "-m", "tokenmill.cli.main", "serve", "--model",
+         str(tiny_checkpoint("olmo2")), "--tensor-parallel-size", "2", "--port", "0"],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert started.returncode != 0
+    assert "olmo2's q/k norms span every head" in started.stderr
+
+
 def children_of_server(proc) -> list[int]:
     from test_server_faults import children_of
 

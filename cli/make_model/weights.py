@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save_file
 
-ARCHS = ("llama", "qwen2", "mistral", "qwen3", "phi3", "granite")
+ARCHS = ("llama", "qwen2", "mistral", "qwen3", "phi3", "granite", "olmo2")
 PRESETS = ("tiny", "small", "medium")
 
 # Above this many bytes of weights, write HF-style shards plus an index file.
@@ -78,6 +78,7 @@ _ARCH_CLASSES = {
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
 }
 _LLAMA3_ROPE_SCALING = {
     "rope_type": "llama3",
@@ -159,6 +160,13 @@ def _arch_fields(arch: str) -> dict[str, Any]:
             "mlp_bias": False,
             "tie_word_embeddings": True,
         }
+    if arch == "olmo2":
+        return {
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 500000.0,
+            "attention_bias": False,
+            "tie_word_embeddings": False,
+        }
     raise ValueError(f"arch={arch!r} is not one of {ARCHS}")
 
 
@@ -222,6 +230,16 @@ def _layer_specs(config: dict[str, Any], i: int) -> list[TensorSpec]:
             specs.append((p + f"self_attn.{name}_proj.bias", (dim,), BIAS_STD))
     if config["model_type"] == "qwen3":
         specs += [(p + f"self_attn.{name}_norm.weight", (head_dim,), NORM_STD) for name in "qk"]
+    if config["model_type"] == "olmo2":
+        # NOTE: OLMo 2's norms: after attention and after the MLP (not before them), and over
+        # all of q and all of k before RoPE
+        specs = [spec for spec in specs if not spec[0].endswith("layernorm.weight")]
+        specs += [
+            (p + "post_attention_layernorm.weight", (hidden,), NORM_STD),
+            (p + "post_feedforward_layernorm.weight", (hidden,), NORM_STD),
+            (p + "self_attn.q_norm.weight", (q_dim,), NORM_STD),
+            (p + "self_attn.k_norm.weight", (kv_dim,), NORM_STD),
+        ]
     if config["model_type"] == "phi3":
         # NOTE: Phi-3's layout: q/k/v as one qkv_proj, gate/up as one gate_up_proj
         specs = [spec for spec in specs if not re.search(r"\.(q|k|v|gate|up)_proj\.", spec[0])]
@@ -252,7 +270,7 @@ def _make_tensor(
         return np.ones(shape, dtype=np.float32)
     tensor = rng.standard_normal(shape, dtype=np.float32)
     tensor *= np.float32(std)
-    if name.endswith("_norm.weight"):
+    if name.endswith("norm.weight"):
         tensor += np.float32(1.0)
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         # Padding rows past the tokenizer: logit 0, far below the top tokens, never sampled

@@ -145,8 +145,12 @@ def load(path: Path) -> ctypes.CDLL:
     lib.tm_rms_norm.argtypes = [_P, _P, _P, _I, _I, _I, ctypes.c_float, ctypes.c_int, ctypes.c_int]
     lib.tm_rms_norm.restype = ctypes.c_int
     if hasattr(lib, "tm_head_norm"):  # NOTE: as the two above
-        lib.tm_head_norm.argtypes = [_P, *[_I] * 5, _P, _P, ctypes.c_float, ctypes.c_int]
+        lib.tm_head_norm.argtypes = [_P, *[_I] * 6, _P, _P, ctypes.c_float, ctypes.c_int]
         lib.tm_head_norm.restype = ctypes.c_int
+        lib.tm_norm_add.argtypes = [_P, _P, _P, _I, _I, _I, ctypes.c_float, ctypes.c_int]
+        lib.tm_norm_add.restype = ctypes.c_int
+        lib.tm_cast_rows.argtypes = [_P, _P, _I, _I, _I, ctypes.c_int]
+        lib.tm_cast_rows.restype = ctypes.c_int
     lib.tm_silu_mul.argtypes = [_P, _P, _I, _I, ctypes.c_int, ctypes.c_int]
     lib.tm_silu_mul.restype = ctypes.c_int
     lib.tm_rope_store.argtypes = [*[_P] * 7, *[_I] * 6, ctypes.c_int]

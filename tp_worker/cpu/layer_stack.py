@@ -44,8 +44,12 @@ FIELDS = (
     "v",
     "q_norm",
     "k_norm",
+    "attn_out_norm",
+    "mlp_out_norm",
 )
-K_COLUMN, V_COLUMN, Q_NORM_COLUMN = FIELDS.index("k"), FIELDS.index("v"), FIELDS.index("q_norm")
+K_COLUMN, V_COLUMN = FIELDS.index("k"), FIELDS.index("v")
+# NOTE: csrc/layer_stack.cpp's Shape.qk_norm
+QK_NORM_CODES = {"": 0, "head": 1, "projection": 2}
 # NOTE: steps of at most this many tokens keep their scratch rows for the next step (decode
 # steps come one after another with the same count); a prefill chunk's are freed with it.
 KEEP_SCRATCH_TOKENS = 64
@@ -68,28 +72,29 @@ class LayerStack:
         self.rotary_dim = first.rotary_dim
         gate_up = _kernel(first.gate_up_proj)
         self.inter = gate_up.out_features // 2
-        self.eps = first.input_layernorm.eps
+        self.eps = first.eps
         self.scale = first.scale
         self.linear_amx = _kernel(first.qkv_proj).amx
         self.attention_amx = uses_amx(dtype, self.head_dim)  # NOTE: as PagedAttention.attend
         self.table = torch.zeros(len(layers), len(FIELDS), dtype=torch.int64)
         for row, layer in zip(self.table, layers, strict=True):
             bias = _kernel(layer.qkv_proj).bias
-            row[:K_COLUMN] = torch.tensor(
-                [
-                    layer.input_layernorm.weight.data_ptr(),
-                    _kernel(layer.qkv_proj).packed.data_ptr(),
-                    0 if bias is None else bias.data_ptr(),
-                    _kernel(layer.o_proj).packed.data_ptr(),
-                    layer.post_attention_layernorm.weight.data_ptr(),
-                    _kernel(layer.gate_up_proj).packed.data_ptr(),
-                    _kernel(layer.down_proj).packed.data_ptr(),
-                ]
-            )
-            if layer.q_norm is not None and layer.k_norm is not None:
-                row[Q_NORM_COLUMN:] = torch.tensor(
-                    [layer.q_norm.weight.data_ptr(), layer.k_norm.weight.data_ptr()]
-                )
+            addresses = {
+                "input_norm": _address(layer.input_layernorm),
+                "qkv": _kernel(layer.qkv_proj).packed.data_ptr(),
+                "qkv_bias": 0 if bias is None else bias.data_ptr(),
+                "o": _kernel(layer.o_proj).packed.data_ptr(),
+                "post_norm": _address(layer.post_attention_layernorm),
+                "gate_up": _kernel(layer.gate_up_proj).packed.data_ptr(),
+                "down": _kernel(layer.down_proj).packed.data_ptr(),
+                "q_norm": _address(layer.q_norm),
+                "k_norm": _address(layer.k_norm),
+                "attn_out_norm": _address(layer.attn_out_norm),
+                "mlp_out_norm": _address(layer.mlp_out_norm),
+            }
+            for name, address in addresses.items():
+                row[FIELDS.index(name)] = address
+        self.qk_norm = QK_NORM_CODES[first.qk_norm_scope]
         # NOTE: the cache the table's K and V columns point into, known by its first tensor
         # (held weakly: a released cache must be freed, and a new one is a new tensor).
         self._cache_key: ReferenceType[torch.Tensor] | None = None
@@ -172,6 +177,7 @@ class LayerStack:
             k_cache.stride(0),
             k_cache.stride(1),
             self.rotary_dim,
+            self.qk_norm,
         )
         if self._shape is None or self._shape[0] != fields:
             self._shape = (fields, (ctypes.c_int64 * len(fields))(*fields))
@@ -224,6 +230,15 @@ class Scratch:
     tokens: int
     addresses: ctypes.Array[ctypes.c_int64]  # csrc/layer_stack.cpp's Scratch fields
     tensors: list[torch.Tensor]  # what the addresses point into
+
+
+def _address(norm: torch.nn.Module | None) -> int:
+    """A norm's weight, or 0 where the layer has none there."""
+    if norm is None:
+        return 0
+    weight = norm.weight
+    assert isinstance(weight, torch.Tensor)
+    return int(weight.data_ptr())
 
 
 def _kernel(linear: torch.nn.Module) -> PackedLinear:

@@ -216,29 +216,58 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 
 def head_norm_cpu(
     rows: torch.Tensor,
-    heads: int,
-    kv_heads: int,
+    q: tuple[int, int],
+    k: tuple[int, int],
     q_weight: torch.Tensor,
     k_weight: torch.Tensor,
     eps: float,
 ) -> None:
-    """In place, through csrc/rms_norm.cpp: each row [T, width] (contiguous) holds heads side
-    by side, the first `heads` normed by q_weight [D], the next `kv_heads` by k_weight [D]."""
+    """In place, through csrc/rms_norm.cpp: rows [T, width] (contiguous) hold, from their
+    first column, q = (count, dim) slices normed by q_weight [dim], then k = (count, dim)
+    slices normed by k_weight [dim] (Qwen3: heads; OLMo 2: one slice of all of q, of all of k)."""
     assert rows.is_contiguous() and rows.dtype == q_weight.dtype == k_weight.dtype
-    dim = q_weight.shape[0]
     status = library().tm_head_norm(
         rows.data_ptr(),
         rows.shape[0],
         rows.shape[1],
-        heads,
-        kv_heads,
-        dim,
+        *q,
+        *k,
         q_weight.data_ptr(),
         k_weight.data_ptr(),
         eps,
         DTYPE_CODES[rows.dtype],
     )
     assert status == 0, f"tm_head_norm: unsupported {rows.dtype}"
+
+
+def norm_add_cpu(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """x [T, hidden] float32 += RMSNorm(y [T, hidden], weight) rounded to weight's dtype, in
+    place (csrc/rms_norm.cpp's tm_norm_add: a norm after a sublayer, before its residual add)."""
+    assert x.dtype == torch.float32 and x.is_contiguous() and y.dtype == weight.dtype
+    assert y.stride(-1) == 1 and y.shape == x.shape
+    status = library().tm_norm_add(
+        y.data_ptr(),
+        weight.data_ptr(),
+        x.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        row_stride(y),
+        eps,
+        DTYPE_CODES[y.dtype],
+    )
+    assert status == 0, f"tm_norm_add: unsupported {y.dtype}"
+
+
+def cast_rows_cpu(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x [T, hidden] float32 in `dtype`, into rows laid out for the products that read it
+    (product_rows): a sublayer's input where no norm comes before it (OLMo 2)."""
+    x = x.contiguous()
+    out = product_rows(x.shape[0], x.shape[1], dtype)
+    status = library().tm_cast_rows(
+        x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], row_stride(out), DTYPE_CODES[dtype]
+    )
+    assert status == 0, f"tm_cast_rows: unsupported {dtype}"
+    return out
 
 
 def silu_mul_cpu(gate_up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -32,7 +32,8 @@ class ModelConfig:
     attention_bias: bool
     sliding_window: int | None
     rope_theta: float
-    qk_norm: bool = False
+    qk_norm: str = ""  # NOTE: families.py's Family.qk_norm
+    norms: str = "pre"  # NOTE: families.py's Family.norms
     fused_checkpoint: bool = False
     # NOTE: how many of each head's head_dim elements RoPE rotates (partial_rotary_factor)
     rotary_dim: int = 0
@@ -85,6 +86,7 @@ def parse_model_config(raw: dict[str, Any], max_model_len: int | None = None) ->
         sliding_window=_sliding_window(raw, family),
         rope_theta=rope_theta,
         qk_norm=family.qk_norm,
+        norms=family.norms,
         fused_checkpoint=family.fused_checkpoint,
         rotary_dim=int(head_dim * float(partial)),
         embedding_multiplier=float(raw.get("embedding_multiplier", 1.0)),

@@ -1,8 +1,10 @@
-"""The decoder shared by the Llama-shaped families (tp_worker): Llama, Mistral, Qwen2, Qwen3.
+"""The decoder shared by the Llama-shaped families (tp_worker): Llama, Mistral, Qwen2, Qwen3,
+Phi-3, Granite, OLMo 2.
 
-The families differ only in fields of ModelConfig (q/k/v bias, per-head q/k norms, tied
-embeddings, sliding window, RoPE scaling), so one module runs them all. Layers are tensor-parallel
-(parallel.py); q/k/v and gate/up projections are fused into one matmul each.
+The families differ only in fields of ModelConfig (q/k/v bias, q/k norms, where the norms sit,
+tied embeddings, sliding window, RoPE scaling, multipliers), so one module runs them all.
+Layers are tensor-parallel (parallel.py); q/k/v and gate/up projections are fused into one
+matmul each.
 """
 
 from __future__ import annotations
@@ -12,7 +14,13 @@ from torch import nn
 
 from tokenmill.tp_worker.cpu.attention import PagedAttention
 from tokenmill.tp_worker.cpu.layer_stack import LayerStack
-from tokenmill.tp_worker.cpu.ops import PackedLinear, head_norm_cpu, rms_norm_cpu
+from tokenmill.tp_worker.cpu.ops import (
+    PackedLinear,
+    cast_rows_cpu,
+    head_norm_cpu,
+    norm_add_cpu,
+    rms_norm_cpu,
+)
 from tokenmill.tp_worker.cuda import rowwise as rowwise_triton
 from tokenmill.tp_worker.cuda.linear import triton_linear
 from tokenmill.tp_worker.model.attention import Attention
@@ -69,22 +77,36 @@ class DecoderLayer(nn.Module):
         self.sliding_window = config.sliding_window
         qkv_out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         inter = config.intermediate_size // group.size
-        self.input_layernorm = RMSNorm(hidden, config.rms_norm_eps, dtype, device)
+        pre, eps = config.norms == "pre", config.rms_norm_eps
+        self.eps = eps  # NOTE: every norm's of the layer (cpu/layer_stack.py)
+        # NOTE: None where the family has no norm there (OLMo 2 norms outputs, not inputs)
+        self.input_layernorm = RMSNorm(hidden, eps, dtype, device) if pre else None
         self.qkv_proj = ShardedLinear(
             hidden, qkv_out, config.attention_bias, False, group, dtype, device
         )
         self.o_proj = ShardedLinear(
             self.num_heads * head_dim, hidden, False, True, group, dtype, device
         )
-        self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, device) if pre else None
+        self.attn_out_norm = None if pre else RMSNorm(hidden, eps, dtype, device)
+        self.mlp_out_norm = None if pre else RMSNorm(hidden, eps, dtype, device)
         self.gate_up_proj = ShardedLinear(
             hidden, 2 * inter, False, False, group, dtype, device, glu=True
         )
         self.down_proj = ShardedLinear(inter, hidden, False, True, group, dtype, device)
+        self.qk_norm_scope = config.qk_norm
         self.q_norm = self.k_norm = None
         if config.qk_norm:
-            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype, device)
-            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype, device)
+            whole = config.qk_norm == "projection"
+            if whole and group.size > 1:
+                raise ValueError(
+                    f"{config.architecture}'s q/k norms span every head: tensor parallelism "
+                    "is not served for it yet (--tensor-parallel-size 1)"
+                )
+            q_width = self.num_heads * head_dim if whole else head_dim
+            k_width = self.num_kv_heads * head_dim if whole else head_dim
+            self.q_norm = RMSNorm(q_width, eps, dtype, device)
+            self.k_norm = RMSNorm(k_width, eps, dtype, device)
         # NOTE: the last layer's keys and values alone (use_kv_kernel), for the steps where
         # it attends from a few tokens only: their q/k/v then go through qkv_proj, and every
         # other token's q is never computed.
@@ -102,20 +124,46 @@ class DecoderLayer(nn.Module):
 
     def norm_heads(self, rows: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
         """rows [T, width], heads side by side from the first column: the first `heads` (q)
-        and the next `kv_heads` (k) through q_norm and k_norm (Qwen3), or rows as they are."""
+        and the next `kv_heads` (k) through q_norm and k_norm (each head: Qwen3; all of q,
+        all of k: OLMo 2), or rows as they are."""
         if self.q_norm is None or self.k_norm is None:
             return rows
+        dim, tokens = self.head_dim, rows.shape[0]
+        whole = self.qk_norm_scope == "projection"
+        q = (min(heads, 1), heads * dim) if whole else (heads, dim)
+        k = (min(kv_heads, 1), kv_heads * dim) if whole else (kv_heads, dim)
         if self.q_norm.cpu_kernel:
             rows = rows.contiguous()
-            head_norm_cpu(
-                rows, heads, kv_heads, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
-            )
+            head_norm_cpu(rows, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
             return rows
-        dim, tokens = self.head_dim, rows.shape[0]
         q_end, k_end = heads * dim, (heads + kv_heads) * dim
-        q = self.q_norm(rows[:, :q_end].reshape(-1, dim)).view(tokens, q_end)
-        k = self.k_norm(rows[:, q_end:k_end].reshape(-1, dim)).view(tokens, k_end - q_end)
-        return torch.cat((q, k, rows[:, k_end:]), dim=1)
+        q_rows = self.q_norm(rows[:, :q_end].reshape(-1, q[1])) if heads else rows[:, :0]
+        k_rows = self.k_norm(rows[:, q_end:k_end].reshape(-1, k[1])) if kv_heads else rows[:, :0]
+        parts = (q_rows.reshape(tokens, q_end), k_rows.reshape(tokens, k_end - q_end))
+        return torch.cat((*parts, rows[:, k_end:]), dim=1)
+
+    def layer_input(self, x: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
+        """A sublayer's input: x [T, hidden] (float32) through its norm, or, where it has
+        none (OLMo 2), rounded to the model's dtype."""
+        if norm is not None:
+            return norm(x)
+        if self.qkv_proj.kernel is not None:
+            return cast_rows_cpu(x, self.qkv_proj.weight.dtype)
+        return x.to(self.qkv_proj.weight.dtype)
+
+    def add_output(
+        self, proj: ShardedLinear, rows: torch.Tensor, x: torch.Tensor, norm: RMSNorm | None
+    ) -> torch.Tensor:
+        """x + proj(rows): in proj's epilogue, or, with an output norm (OLMo 2), x + the norm
+        of proj(rows) rounded to the model's dtype."""
+        if norm is None:
+            return proj(rows, residual=x)
+        out = proj(rows)
+        if norm.cpu_kernel:
+            x = x.contiguous()
+            norm_add_cpu(x, out, norm.weight, norm.eps)
+            return x
+        return x + norm(out).float()
 
     def forward(
         self,
@@ -127,7 +175,7 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """x [T, hidden] float32 -> [T, hidden] float32; with `keep` [K] (the tokens
         `attention` attends), every token's key and value into the cache and [K, hidden] out."""
-        normed = self.input_layernorm(x)
+        normed = self.layer_input(x, self.input_layernorm)
         rest = (cos_sin, kv, self.num_heads, self.num_kv_heads, self.scale)
         if keep is not None and self.kv_kernel is not None:
             assert isinstance(attention, PagedAttention)
@@ -139,9 +187,10 @@ class DecoderLayer(nn.Module):
             attended = attention.attend_projection(qkv, *rest)
         if keep is not None:
             x = x[keep]
-        x = self.o_proj(attended, residual=x)
-        activated = self.gate_up_proj(self.post_attention_layernorm(x))  # silu(gate) * up
-        return self.down_proj(activated, residual=x)
+        x = self.add_output(self.o_proj, attended, x, self.attn_out_norm)
+        mlp_in = self.layer_input(x, self.post_attention_layernorm)
+        activated = self.gate_up_proj(mlp_in)  # silu(gate) * up
+        return self.add_output(self.down_proj, activated, x, self.mlp_out_norm)
 
 
 class CausalLM(nn.Module):

@@ -19,8 +19,12 @@ class Family:
     # NOTE: a config.json key that must be true for `sliding_window` to apply (Qwen2 writes
     # a window it does not use unless `use_sliding_window`); None: the window applies
     sliding_window_switch: str | None = None
-    # NOTE: an RMSNorm over each head's q and k (head_dim wide) before RoPE (Qwen3)
-    qk_norm: bool = False
+    # NOTE: an RMSNorm of q and of k before RoPE: over each head ("head": Qwen3), or over the
+    # whole projection ("projection": OLMo 2); "": none
+    qk_norm: str = ""
+    # NOTE: where a layer's norms sit: "pre" (before attention and before the MLP: Llama),
+    # "post" (after each, before its residual add: OLMo 2)
+    norms: str = "pre"
     # NOTE: the checkpoint holds q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`
     # (Phi-3); the layers fuse them the same way whatever the checkpoint holds
     fused_checkpoint: bool = False
@@ -30,8 +34,9 @@ FAMILIES: dict[str, Family] = {  # the Hugging Face architecture name -> its swi
     "LlamaForCausalLM": Family("llama"),
     "MistralForCausalLM": Family("mistral"),
     "Qwen2ForCausalLM": Family("qwen2", qkv_bias=True, sliding_window_switch="use_sliding_window"),
-    "Qwen3ForCausalLM": Family("qwen3", sliding_window_switch="use_sliding_window", qk_norm=True),
+    "Qwen3ForCausalLM": Family("qwen3", sliding_window_switch="use_sliding_window", qk_norm="head"),
     "Phi3ForCausalLM": Family("phi3", fused_checkpoint=True),
     # NOTE: its multipliers are config.json fields (ModelConfig's, default 1 for the rest)
     "GraniteForCausalLM": Family("granite"),
+    "Olmo2ForCausalLM": Family("olmo2", qk_norm="projection", norms="post"),
 }

@@ -21,6 +21,19 @@ from tokenmill.tp_worker.model.decoder import CausalLM, DecoderLayer, local_kv_h
 logger = logging.getLogger(__name__)
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# NOTE: a layer's norms by where they sit (families.py's Family.norms): the checkpoint's name
+# -> DecoderLayer's module. OLMo 2's post_attention_layernorm norms the attention's output,
+# where Llama's (the same name) norms the MLP's input.
+NORM_NAMES = {
+    "pre": {
+        "input_layernorm.weight": "input_layernorm",
+        "post_attention_layernorm.weight": "post_attention_layernorm",
+    },
+    "post": {
+        "post_attention_layernorm.weight": "attn_out_norm",
+        "post_feedforward_layernorm.weight": "mlp_out_norm",
+    },
+}
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -78,8 +91,7 @@ def _expected_names(model: CausalLM) -> set[str]:
     if not model.config.tie_word_embeddings:
         names.add("lm_head.weight")
     per_layer = [
-        "input_layernorm.weight",
-        "post_attention_layernorm.weight",
+        *NORM_NAMES[model.config.norms],
         "mlp.gate_proj.weight",
         "mlp.up_proj.weight",
         "mlp.down_proj.weight",
@@ -119,11 +131,14 @@ def _load_layer(model: CausalLM, layer: DecoderLayer, part: str, tensor: torch.T
     group, config = model.group, model.config
     if part in ("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"):
         return _load_fused(model, layer, part, tensor)
-    if part in ("input_layernorm.weight", "post_attention_layernorm.weight"):
-        return _copy(getattr(layer, part.split(".")[0]).weight, tensor)
+    norms = NORM_NAMES[config.norms]
+    if part in norms:
+        norm = getattr(layer, norms[part])
+        return norm is not None and _copy(norm.weight, tensor)
     if part in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
         norm = layer.q_norm if part.startswith("self_attn.q") else layer.k_norm
-        return norm is not None and _copy(norm.weight, tensor)  # NOTE: head_dim wide, every rank
+        # NOTE: every rank's (head_dim wide; OLMo 2's whole-projection norms run at TP 1)
+        return norm is not None and _copy(norm.weight, tensor)
     if part == "self_attn.o_proj.weight":
         start, end = group.shard(tensor.shape[1], "num_attention_heads * head_dim")
         return _copy(layer.o_proj.weight, _residual_scaled(config, tensor[:, start:end]))

@@ -8,8 +8,13 @@
 extern "C" {
 int tm_rms_norm(const void* x, const void* weight, void* out, int64_t rows, int64_t hidden,
                 int64_t out_stride, float eps, int dtype, int x_dtype);
-int tm_head_norm(void* rows, int64_t tokens, int64_t width, int64_t heads, int64_t kv_heads,
-                 int64_t dim, const void* q_weight, const void* k_weight, float eps, int dtype);
+int tm_head_norm(void* rows, int64_t tokens, int64_t width, int64_t q_count, int64_t q_dim,
+                 int64_t k_count, int64_t k_dim, const void* q_weight, const void* k_weight,
+                 float eps, int dtype);
+int tm_norm_add(const void* y, const void* weight, float* x, int64_t rows, int64_t hidden,
+                int64_t y_stride, float eps, int dtype);
+int tm_cast_rows(const float* x, void* out, int64_t rows, int64_t hidden, int64_t out_stride,
+                 int dtype);
 int tm_linear(const void* x, int64_t m, int64_t k, int64_t lda, const void* packed, int64_t n,
               const float* bias, void* out, int64_t ldc, int dtype, int out_dtype,
               const void* residual, int glu);

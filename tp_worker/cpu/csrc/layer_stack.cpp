@@ -21,15 +21,20 @@
 namespace {
 
 // A layer's row of the weights table (int64 addresses; 0 for no bias), cpu/layer_stack.py's order.
-// Q_NORM and K_NORM: the per-head norms of q and k before RoPE (Qwen3), or both 0.
+// Q_NORM and K_NORM: the norms of q and k before RoPE (Shape's qk_norm says over what), or
+// both 0. INPUT_NORM and POST_NORM (before attention, before the MLP) are 0 where the model has
+// none (OLMo 2: the residual stream is rounded into the product's rows instead); ATTN_OUT_NORM
+// and MLP_OUT_NORM, where nonzero, norm the attention's and the MLP's outputs before the
+// residual add (OLMo 2).
 enum Field {
-  INPUT_NORM, QKV, QKV_BIAS, O, POST_NORM, GATE_UP, DOWN, K_CACHE, V_CACHE, Q_NORM, K_NORM, FIELDS
+  INPUT_NORM, QKV, QKV_BIAS, O, POST_NORM, GATE_UP, DOWN, K_CACHE, V_CACHE, Q_NORM, K_NORM,
+  ATTN_OUT_NORM, MLP_OUT_NORM, FIELDS
 };
 
 // The model's shape, cpu/layer_stack.py's order.
 struct Shape {
   int64_t hidden, heads, kv_heads, head_dim, inter, dtype, linear_amx, attention_amx, window,
-      head_stride, slot_stride, rotary_dim;
+      head_stride, slot_stride, rotary_dim, qk_norm;  // qk_norm: 1 per head, 2 per projection
 };
 
 // The step's attention plan (cpu/attention.py's PagedAttention's tensors).
@@ -68,23 +73,53 @@ inline int64_t row_stride(int64_t rows, int64_t stride, int64_t width) {
   return rows > 1 ? stride : width;
 }
 
+// The residual stream x normed (norm nonzero) or rounded (0) into the scratch rows a product
+// reads.
+int norm_or_cast(float* x, int64_t norm, const Scratch& b, int64_t tokens, int64_t hidden,
+                 float eps, int dtype) {
+  if (norm == 0) return tm_cast_rows(x, b.normed, tokens, hidden, b.normed_stride, dtype);
+  return tm_rms_norm(x, at<void>(norm), b.normed, tokens, hidden, b.normed_stride, eps, dtype, 0);
+}
+
+using Linear = int (*)(const void*, int64_t, int64_t, int64_t, const void*, int64_t, const float*,
+                       void*, int64_t, int, int, const void*, int, const void*, int64_t,
+                       int64_t);
+
+// x += the product of `in` and `weight` [hidden x k]: in its epilogue, or (out_norm nonzero)
+// through the scratch rows and tm_norm_add.
+int residual_product(Linear linear, const void* in, int64_t tokens, int64_t k, int64_t lda,
+                     int64_t weight, int64_t out_norm, const Shape& s, const Scratch& b, float* x,
+                     float eps, int64_t then, int64_t then_n, int64_t then_k) {
+  const int dtype = static_cast<int>(s.dtype);
+  if (out_norm == 0)
+    return linear(in, tokens, k, lda, at<void>(weight), s.hidden, nullptr, x, s.hidden, dtype, 0,
+                  x, 0, at<void>(then), then_n, then_k);
+  const int64_t ldc = row_stride(tokens, b.normed_stride, s.hidden);
+  int status = linear(in, tokens, k, lda, at<void>(weight), s.hidden, nullptr, b.normed, ldc,
+                      dtype, dtype, nullptr, 0, at<void>(then), then_n, then_k);
+  return status | tm_norm_add(b.normed, at<void>(out_norm), x, tokens, s.hidden, ldc, eps, dtype);
+}
+
 // `next_qkv`: the next layer's q/k/v weights, or 0 after the last layer of the call.
 int run_layer(const int64_t* w, const Shape& s, const Plan& p, const Scratch& b, float* x,
               int64_t tokens, const void* cos, const void* sin, const int64_t* slots, float eps,
               float scale, int64_t next_qkv) {
   auto* linear = s.linear_amx ? tm_linear_amx_then : tm_linear_then;
   auto* attention = s.attention_amx ? tm_paged_attention_amx : tm_paged_attention;
-  const int dtype = static_cast<int>(s.dtype), f32 = 0;
+  const int dtype = static_cast<int>(s.dtype);
   const int64_t qkv_n = (s.heads + 2 * s.kv_heads) * s.head_dim, q_width = s.heads * s.head_dim;
   const int64_t normed_lda = row_stride(tokens, b.normed_stride, s.hidden);
-  int status = tm_rms_norm(x, at<void>(w[INPUT_NORM]), b.normed, tokens, s.hidden,
-                           b.normed_stride, eps, dtype, f32);
+  int status = norm_or_cast(x, w[INPUT_NORM], b, tokens, s.hidden, eps, dtype);
   status |= linear(b.normed, tokens, s.hidden, normed_lda, at<void>(w[QKV]), qkv_n,
                    static_cast<const float*>(at<float>(w[QKV_BIAS])), b.qkv, qkv_n, dtype, dtype,
                    nullptr, 0, at<void>(w[O]), s.hidden, q_width);
-  if (w[Q_NORM] != 0)
-    status |= tm_head_norm(b.qkv, tokens, qkv_n, s.heads, s.kv_heads, s.head_dim,
-                           at<void>(w[Q_NORM]), at<void>(w[K_NORM]), eps, dtype);
+  if (w[Q_NORM] != 0) {
+    const bool whole = s.qk_norm == 2;
+    status |= tm_head_norm(b.qkv, tokens, qkv_n, whole ? 1 : s.heads,
+                           whole ? q_width : s.head_dim, whole ? 1 : s.kv_heads,
+                           whole ? s.kv_heads * s.head_dim : s.head_dim, at<void>(w[Q_NORM]),
+                           at<void>(w[K_NORM]), eps, dtype);
+  }
   status |= tm_rope_store_partial(b.qkv, cos, sin, slots, b.q, mutable_at(w[K_CACHE]),
                                   mutable_at(w[V_CACHE]), tokens, s.heads, s.kv_heads,
                                   s.head_dim, s.rotary_dim, s.head_stride, s.slot_stride, dtype);
@@ -102,17 +137,16 @@ int run_layer(const int64_t* w, const Shape& s, const Plan& p, const Scratch& b,
     attended = b.attended_rows;
     attended_lda = row_stride(tokens, b.attended_stride, q_width);
   }
-  status |= linear(attended, tokens, q_width, attended_lda, at<void>(w[O]), s.hidden, nullptr, x,
-                   s.hidden, dtype, f32, x, 0, at<void>(w[GATE_UP]), 2 * s.inter, s.hidden);
-  status |= tm_rms_norm(x, at<void>(w[POST_NORM]), b.normed, tokens, s.hidden, b.normed_stride,
-                        eps, dtype, f32);
+  status |= residual_product(linear, attended, tokens, q_width, attended_lda, w[O], w[ATTN_OUT_NORM],
+                             s, b, x, eps, w[GATE_UP], 2 * s.inter, s.hidden);
+  status |= norm_or_cast(x, w[POST_NORM], b, tokens, s.hidden, eps, dtype);
   status |= linear(b.normed, tokens, s.hidden, normed_lda, at<void>(w[GATE_UP]), 2 * s.inter,
                    nullptr, b.activated, b.activated_stride, dtype, dtype, nullptr, 1,
                    at<void>(w[DOWN]), s.hidden, s.inter);
-  status |= linear(b.activated, tokens, s.inter,
-                   row_stride(tokens, b.activated_stride, s.inter), at<void>(w[DOWN]), s.hidden,
-                   nullptr, x, s.hidden, dtype, f32, x, 0, at<void>(next_qkv),
-                   (s.heads + 2 * s.kv_heads) * s.head_dim, s.hidden);
+  status |= residual_product(linear, b.activated, tokens, s.inter,
+                             row_stride(tokens, b.activated_stride, s.inter), w[DOWN],
+                             w[MLP_OUT_NORM], s, b, x, eps, next_qkv,
+                             (s.heads + 2 * s.kv_heads) * s.head_dim, s.hidden);
   return status;
 }
 
@@ -132,7 +166,7 @@ int tm_layer_stack(const int64_t* weights, int64_t num_layers, const int64_t* sh
                    const int64_t* rows, const int64_t* token_starts, const int64_t* num_tokens,
                    const int64_t* first_pos, int64_t num_rows, const int64_t* scratch) {
   const Shape s{shape[0], shape[1], shape[2], shape[3], shape[4],  shape[5],
-                shape[6], shape[7], shape[8], shape[9], shape[10], shape[11]};
+                shape[6], shape[7], shape[8], shape[9], shape[10], shape[11], shape[12]};
   const Plan p{table, table_stride, rows, token_starts, num_tokens, first_pos, num_rows};
   const Scratch b{mutable_at(scratch[0]), scratch[1], mutable_at(scratch[2]),
                   mutable_at(scratch[3]), mutable_at(scratch[4]), mutable_at(scratch[5]),

@@ -80,18 +80,47 @@ void rms_norm(const In* x, const T* weight, T* out, int64_t rows, int64_t hidden
   for (int64_t r = 0; r < rows; ++r) norm_row(x + r * hidden, weight, out + r * out_stride, hidden, eps);
 }
 
-// Each token's first `heads` heads normed by q_weight and the next `kv_heads` by k_weight, in
-// place: rows [tokens, width] hold heads of `dim` elements side by side (Qwen3's q/k norms).
+// Each token's first q_count slices of q_dim elements normed by q_weight [q_dim] and the next
+// k_count slices of k_dim by k_weight [k_dim], in place: rows [tokens, width] hold them side by
+// side from the first element (Qwen3: each q and k head; OLMo 2: all of q, then all of k).
 template <typename T>
-void head_norm(T* rows, int64_t tokens, int64_t width, int64_t heads, int64_t kv_heads,
-               int64_t dim, const T* q_weight, const T* k_weight, float eps) {
-#pragma omp parallel for schedule(static) if (tokens * (heads + kv_heads) * dim >= (1 << 14))
+void head_norm(T* rows, int64_t tokens, int64_t width, int64_t q_count, int64_t q_dim,
+               int64_t k_count, int64_t k_dim, const T* q_weight, const T* k_weight, float eps) {
+#pragma omp parallel for schedule(static) if (tokens * (q_count * q_dim + k_count * k_dim) >= (1 << 14))
   for (int64_t t = 0; t < tokens; ++t) {
     T* row = rows + t * width;
-    for (int64_t h = 0; h < heads; ++h) norm_row(row + h * dim, q_weight, row + h * dim, dim, eps);
-    for (int64_t h = heads; h < heads + kv_heads; ++h)
-      norm_row(row + h * dim, k_weight, row + h * dim, dim, eps);
+    for (int64_t h = 0; h < q_count; ++h) norm_row(row + h * q_dim, q_weight, row + h * q_dim, q_dim, eps);
+    T* ks = row + q_count * q_dim;
+    for (int64_t h = 0; h < k_count; ++h) norm_row(ks + h * k_dim, k_weight, ks + h * k_dim, k_dim, eps);
   }
+}
+
+// x[r] += RMSNorm(y[r]) rounded to y's dtype (a norm after a layer's attention or MLP, before
+// the residual add: OLMo 2, Gemma 2). x float32 [rows, hidden]; y [rows, hidden] y_stride apart.
+template <typename T>
+void norm_add(const T* y, const T* weight, float* x, int64_t rows, int64_t hidden,
+              int64_t y_stride, float eps) {
+#pragma omp parallel for schedule(static) if (rows * hidden >= (1 << 14))
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* row = y + r * y_stride;
+    float* out = x + r * hidden;
+    const float inv =
+        1.0f / std::sqrt(sum_of_squares(row, hidden) / static_cast<float>(hidden) + eps);
+    for (int64_t d = 0; d < hidden; ++d) {
+      T normed;
+      store(&normed, load(weight + d) * (load(row + d) * inv));
+      out[d] += load(&normed);
+    }
+  }
+}
+
+// x float32 [rows, hidden] into out [rows, hidden] (out_stride apart) in out's dtype, rounded
+// as torch rounds: a layer's input where it has no norm before it (OLMo 2).
+template <typename T>
+void cast_rows(const float* x, T* out, int64_t rows, int64_t hidden, int64_t out_stride) {
+#pragma omp parallel for schedule(static) if (rows * hidden >= (1 << 14))
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t d = 0; d < hidden; ++d) store(out + r * out_stride + d, x[r * hidden + d]);
 }
 
 }  // namespace
@@ -118,17 +147,49 @@ int tm_rms_norm(const void* x, const void* weight, void* out, int64_t rows, int6
   return 0;
 }
 
-// rows [tokens, width] in dtype (0 = float32, 1 = bfloat16), each token's heads side by side
-// from its first element: the first `heads` normed with q_weight [dim], the next `kv_heads`
-// with k_weight [dim], in place, by RMSNorm's rule above. Returns 0, or -1 for an unknown dtype.
-int tm_head_norm(void* rows, int64_t tokens, int64_t width, int64_t heads, int64_t kv_heads,
-                 int64_t dim, const void* q_weight, const void* k_weight, float eps, int dtype) {
+// rows [tokens, width] in dtype (0 = float32, 1 = bfloat16): from each row's first element,
+// q_count slices of q_dim normed with q_weight [q_dim], then k_count slices of k_dim with
+// k_weight [k_dim], in place, by RMSNorm's rule above. Returns 0, or -1 for an unknown dtype.
+int tm_head_norm(void* rows, int64_t tokens, int64_t width, int64_t q_count, int64_t q_dim,
+                 int64_t k_count, int64_t k_dim, const void* q_weight, const void* k_weight,
+                 float eps, int dtype) {
   if (dtype == 0) {
-    head_norm(static_cast<float*>(rows), tokens, width, heads, kv_heads, dim,
+    head_norm(static_cast<float*>(rows), tokens, width, q_count, q_dim, k_count, k_dim,
               static_cast<const float*>(q_weight), static_cast<const float*>(k_weight), eps);
   } else if (dtype == 1) {
-    head_norm(static_cast<uint16_t*>(rows), tokens, width, heads, kv_heads, dim,
-              static_cast<const uint16_t*>(q_weight), static_cast<const uint16_t*>(k_weight), eps);
+    head_norm(static_cast<uint16_t*>(rows), tokens, width, q_count, q_dim, k_count, k_dim,
+              static_cast<const uint16_t*>(q_weight), static_cast<const uint16_t*>(k_weight),
+              eps);
+  } else {
+    return -1;
+  }
+  return 0;
+}
+
+// x float32 [rows, hidden] += RMSNorm(y) by weight [hidden], y [rows, hidden] in dtype with
+// rows y_stride apart; the norm's output rounded to dtype before the float32 add. Returns 0, or
+// -1 for an unknown dtype.
+int tm_norm_add(const void* y, const void* weight, float* x, int64_t rows, int64_t hidden,
+                int64_t y_stride, float eps, int dtype) {
+  if (dtype == 0) {
+    norm_add(static_cast<const float*>(y), static_cast<const float*>(weight), x, rows, hidden,
+             y_stride, eps);
+  } else if (dtype == 1) {
+    norm_add(static_cast<const uint16_t*>(y), static_cast<const uint16_t*>(weight), x, rows,
+             hidden, y_stride, eps);
+  } else {
+    return -1;
+  }
+  return 0;
+}
+
+// x float32 [rows, hidden] into out (rows out_stride apart) in dtype. Returns 0, or -1.
+int tm_cast_rows(const float* x, void* out, int64_t rows, int64_t hidden, int64_t out_stride,
+                 int dtype) {
+  if (dtype == 0) {
+    cast_rows(x, static_cast<float*>(out), rows, hidden, out_stride);
+  } else if (dtype == 1) {
+    cast_rows(x, static_cast<uint16_t*>(out), rows, hidden, out_stride);
   } else {
     return -1;
   }
