@@ -70,5 +70,13 @@ def test_both_config_spellings_parse_alike() -> None:
     }
     assert parse_model_config(old) == parse_model_config(new)
     assert parse_model_config(old).rope_scaling["rope_type"] == "llama3"
+    qwen = {**old, "architectures": ["Qwen3ForCausalLM"], "sliding_window": 64}
+    on = {**qwen, "use_sliding_window": True}
+    assert parse_model_config(qwen).sliding_window is None
+    assert parse_model_config({**on, "max_window_layers": 0}).sliding_window == 64
+    layers = old["num_hidden_layers"]
+    assert parse_model_config({**on, "max_window_layers": layers}).sliding_window is None
+    with pytest.raises(ValueError, match="on some layers only"):
+        parse_model_config({**on, "max_window_layers": 1})
     with pytest.raises(ValueError, match="unsupported architectures"):
         parse_model_config({**old, "architectures": ["GPT2LMHeadModel"]})

@@ -141,11 +141,28 @@ def longrope_factors(
 
 
 def _sliding_window(raw: dict[str, Any], family: Family) -> int | None:
+    """The one window every layer attends in, or None. NOTE: a window on some layers only
+    (config.json's `layer_types`; Qwen2 / Qwen3's `max_window_layers` below the layer count)
+    is refused: the step's attention plan has one window for every layer."""
     window = raw.get("sliding_window")
     switch = family.sliding_window_switch
     if switch is not None and not raw.get(switch, False):
         return None
-    return int(window) if window else None
+    if not window:
+        return None
+    layers = int(raw["num_hidden_layers"])
+    kinds = raw.get("layer_types")
+    if kinds is None and switch is not None:
+        first = int(raw.get("max_window_layers") or 0)  # NOTE: transformers' Qwen2 rule
+        kinds = ["full_attention"] * min(first, layers) + ["sliding_attention"] * (layers - first)
+    if kinds and all(kind == "full_attention" for kind in kinds):
+        return None
+    if kinds and any(kind != "sliding_attention" for kind in kinds):
+        raise ValueError(
+            "a sliding window on some layers only (layer_types / max_window_layers) is not "
+            "served yet: tokenmill serves one window for every layer, or none"
+        )
+    return int(window)
 
 
 def _ids(value: Any) -> tuple[int, ...]:
