@@ -22,7 +22,7 @@ import math
 import re
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -116,52 +116,60 @@ def check_architecture(architecture: str) -> None:
         )
 
 
+def metadata(reader, architecture: str, key: str) -> Any:
+    """The file's `<architecture>.<key>` value, or None."""
+    found = reader.fields.get(f"{architecture}.{key}")
+    return None if found is None else found.contents()
+
+
 def rope_scaling(reader, architecture: str, head_dim: int, theta: float) -> dict[str, Any]:
-    """The file's RoPE scaling in config.json's terms ({} for none), from its metadata or its
-    rope_freqs; a scaling this cannot name exactly is refused."""
-    field = reader.fields.get(f"{architecture}.rope.scaling.type")
-    kind = str(field.contents()) if field is not None else "none"
-    tensors = {t.name: t for t in reader.tensors}
+    """The file's RoPE scaling in config.json's terms ({} for none): from rope_freqs (Llama 3),
+    the LongRoPE factor tensors (Phi-3) or the rope.scaling metadata; a scaling this cannot
+    name exactly is refused."""
+    tensors = {t.name: np.array(t.data, dtype=np.float32) for t in reader.tensors
+               if t.name in (_ROPE_FACTORS, *_LONGROPE)}  # fmt: skip
 
     def value(key: str) -> Any:
-        found = reader.fields.get(f"{architecture}.rope.scaling.{key}")
-        return None if found is None else found.contents()
+        return metadata(reader, architecture, f"rope.scaling.{key}")
 
     if _ROPE_FACTORS in tensors:
-        factors = np.array(tensors[_ROPE_FACTORS].data, dtype=np.float32)
-        return _llama3_from_factors(factors, head_dim, theta)
+        return _llama3_from_factors(tensors[_ROPE_FACTORS], head_dim, theta)
     if all(name in tensors for name in _LONGROPE):
-        long, short = (np.array(tensors[n].data, dtype=np.float32).tolist() for n in _LONGROPE)
+        long, short = (tensors[name].tolist() for name in _LONGROPE)
         scaling = {"rope_type": "longrope", "long_factor": long, "short_factor": short}
         if value("original_context_length"):
             scaling["original_max_position_embeddings"] = int(value("original_context_length"))
         if value("attn_factor"):
             scaling["attention_factor"] = float(value("attn_factor"))
         return scaling
+    kind = str(value("type") or "none")
     if kind == "none":
         return {}
-
     if kind == "linear" and value("factor"):
         return {"rope_type": "linear", "factor": float(value("factor"))}
-    attn_factor = value("attn_factor")
     if kind == "yarn" and value("factor") and value("original_context_length"):
-        if attn_factor not in (None, 1.0):
-            raise Unservable(
-                f"the file's YaRN attn_factor {attn_factor} is not one tokenmill reads"
-            )
-        scaling = {
-            "rope_type": "yarn",
-            "factor": float(value("factor")),
-            "original_max_position_embeddings": int(value("original_context_length")),
-        }
-        for ours, theirs in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
-            if value(theirs) is not None:
-                scaling[ours] = float(value(theirs))
-        return scaling
+        return _yarn(value)
     raise Unservable(
         f"the file scales RoPE ({architecture}.rope.scaling.type = {kind!r}) in a way tokenmill "
         "does not read from GGUF (linear and yarn it does); serve the Hugging Face checkpoint"
     )
+
+
+def _yarn(value: Callable[[str], Any]) -> dict[str, Any]:
+    """YaRN from the rope.scaling metadata `value` reads."""
+    if value("attn_factor") not in (None, 1.0):
+        raise Unservable(
+            f"the file's YaRN attn_factor {value('attn_factor')} is not one tokenmill reads"
+        )
+    scaling = {
+        "rope_type": "yarn",
+        "factor": float(value("factor")),
+        "original_max_position_embeddings": int(value("original_context_length")),
+    }
+    for ours, theirs in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
+        if value(theirs) is not None:
+            scaling[ours] = float(value(theirs))
+    return scaling
 
 
 def _llama3_from_factors(factors: np.ndarray, head_dim: int, theta: float) -> dict[str, Any]:
@@ -280,8 +288,7 @@ def _save(shard: dict[str, torch.Tensor], path: Path) -> list[str]:
 
 def write_config_and_tokenizer(path: Path, out: Path, reader, architecture: str) -> dict:
     """transformers' config and tokenizer for the file, saved as a checkpoint's files, with
-    what transformers' GGUF config leaves out put back: the head width (`key_length`; Qwen3's
-    heads are wider than hidden / heads) and the RoPE scaling (rope_scaling)."""
+    what transformers' GGUF config leaves out put back (completed)."""
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
@@ -289,35 +296,39 @@ def write_config_and_tokenizer(path: Path, out: Path, reader, architecture: str)
         raise Unservable(f"model type {config.model_type!r} is not one tokenmill serves")
     config.architectures = [MODEL_CLASSES[config.model_type]]
     config.save_pretrained(out)
-    raw = json.loads((out / "config.json").read_text())
+    raw = completed(json.loads((out / "config.json").read_text()), reader, architecture)
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tokenizer.save_pretrained(out)
+    return raw
+
+
+def completed(raw: dict[str, Any], reader, architecture: str) -> dict[str, Any]:
+    """transformers' config.json with what its GGUF config leaves out: the head width
+    (`key_length`: Qwen3's heads are wider than hidden / heads), the rotated part of each head
+    (`rope.dimension_count`: Phi-4-mini rotates 3/4), the window, the RoPE scaling
+    (rope_scaling), and a pad id past the vocabulary dropped (Phi3Config's default 32,000)."""
     pad = reader.fields.get("tokenizer.ggml.padding_token_id")
     if pad is not None:
         raw["pad_token_id"] = int(pad.contents())
     elif (raw.get("pad_token_id") or 0) >= raw["vocab_size"]:
-        raw["pad_token_id"] = None  # NOTE: Phi3Config's default 32,000, past a smaller vocab
-    window = reader.fields.get(f"{architecture}.attention.sliding_window")
+        raw["pad_token_id"] = None
+    window = metadata(reader, architecture, "attention.sliding_window")
     if window is not None and not raw.get("sliding_window"):
-        raw["sliding_window"] = int(window.contents())  # NOTE: Phi-3-mini's 2,047
-    key_length = reader.fields.get(f"{architecture}.attention.key_length")
-    if key_length is not None:
-        raw["head_dim"] = int(key_length.contents())
+        raw["sliding_window"] = int(window)
+    if metadata(reader, architecture, "attention.key_length") is not None:
+        raw["head_dim"] = int(metadata(reader, architecture, "attention.key_length"))
     head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
-    rotated = reader.fields.get(f"{architecture}.rope.dimension_count")
-    if rotated is not None and int(rotated.contents()) < head_dim:
-        partial = int(rotated.contents()) / head_dim  # NOTE: Phi-4-mini rotates 3/4
-        raw["partial_rotary_factor"] = partial
-        if isinstance(raw.get("rope_parameters"), dict):
-            raw["rope_parameters"]["partial_rotary_factor"] = partial
-        head_dim = int(rotated.contents())  # NOTE: the frequencies are over the rotated part
     params = dict(raw.get("rope_parameters") or {})
+    rotated = metadata(reader, architecture, "rope.dimension_count")
+    if rotated is not None and int(rotated) < head_dim:
+        raw["partial_rotary_factor"] = params["partial_rotary_factor"] = int(rotated) / head_dim
+        head_dim = int(rotated)  # NOTE: the frequencies are over the rotated part
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     scaling = rope_scaling(reader, architecture, head_dim, theta)
-    if scaling:
+    if scaling or "rope_parameters" in raw:
         raw["rope_parameters"] = {**params, "rope_theta": theta, **scaling}
         raw.pop("rope_scaling", None)
-    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    tokenizer.save_pretrained(out)
     return raw
 
 

@@ -143,6 +143,19 @@ def _assert_served_as(model_dir: Path, source: Path) -> None:
     assert_matches_oracle(out, prompt, hf, 1e-4)
 
 
+def _assert_round_trip(source: Path, tmp_path: Path) -> tuple[dict, dict]:
+    """A checkpoint as GGUF: in Q8_0 the weights transformers loads from the file (under the
+    converted config, where transformers' own GGUF config is wrong), in F32 the numbers of
+    the checkpoint itself; returns the converted config.json and the source's."""
+    file = hf_to_gguf(source, tmp_path / "quantized.gguf", Q.Q8_0, norm_noise=0.1)
+    out = _converted(file, tmp_path)
+    _assert_loads_as_transformers(file, out, own_config=True)
+    exact = hf_to_gguf(source, tmp_path / "exact.gguf", Q.F32)
+    _assert_served_as(gguf_checkpoint.gguf_checkpoint(exact), source)
+    converted, original = (json.loads((d / "config.json").read_text()) for d in (out, source))
+    return converted, original
+
+
 def test_a_qwen3_file(tiny_checkpoint, tmp_path: Path) -> None:
     """Qwen3: per-head q/k norms (attn_q_norm, attn_k_norm), heads wider than hidden / heads
     (`key_length`, which transformers' GGUF config does not read) and YaRN from the file's
@@ -150,18 +163,11 @@ def test_a_qwen3_file(tiny_checkpoint, tmp_path: Path) -> None:
     F32 the numbers of the checkpoint it was written from. NOTE: transformers 5.25 builds
     heads of 128 (Qwen3Config's default) from any qwen3 file, so its weights are compared
     under the converted config."""
-    source = tiny_checkpoint("qwen3")
-    file = hf_to_gguf(source, tmp_path / "tiny-qwen3.gguf", Q.Q8_0, norm_noise=0.1)
-    out = _converted(file, tmp_path)
-    _assert_loads_as_transformers(file, out, own_config=True)
-    config = json.loads((out / "config.json").read_text())
-    original = json.loads((source / "config.json").read_text())
+    config, original = _assert_round_trip(tiny_checkpoint("qwen3"), tmp_path)
     assert config["head_dim"] == original["head_dim"] != config["hidden_size"] // 4
     scaling = config["rope_parameters"]
     assert scaling["rope_type"] == "yarn"
     assert scaling["factor"] == original["rope_scaling"]["factor"]
-    exact = hf_to_gguf(source, tmp_path / "tiny-qwen3-f32.gguf", Q.F32)
-    _assert_served_as(gguf_checkpoint.gguf_checkpoint(exact), source)
 
 
 def test_a_phi3_file(tiny_checkpoint, tmp_path: Path) -> None:
@@ -170,18 +176,11 @@ def test_a_phi3_file(tiny_checkpoint, tmp_path: Path) -> None:
     LongRoPE's factor lists as tensors: in Q8_0 the weights transformers loads from the file,
     in F32 the numbers of the checkpoint it was written from. NOTE: transformers 5.25's own
     config for the file pads with id 32,000 (Phi3Config's default), past this vocabulary."""
-    source = tiny_checkpoint("phi3")
-    file = hf_to_gguf(source, tmp_path / "tiny-phi3.gguf", Q.Q8_0, norm_noise=0.1)
-    out = _converted(file, tmp_path)
-    _assert_loads_as_transformers(file, out, own_config=True)
-    config = json.loads((out / "config.json").read_text())
-    original = json.loads((source / "config.json").read_text())
+    config, original = _assert_round_trip(tiny_checkpoint("phi3"), tmp_path)
     assert config["partial_rotary_factor"] == original["partial_rotary_factor"]
     scaling = config["rope_parameters"]
     assert scaling["rope_type"] == "longrope"
     assert scaling["long_factor"] == pytest.approx(original["rope_scaling"]["long_factor"])
-    exact = hf_to_gguf(source, tmp_path / "tiny-phi3-f32.gguf", Q.F32)
-    _assert_served_as(gguf_checkpoint.gguf_checkpoint(exact), source)
 
 
 def test_a_llama_31_file_rotates_by_its_rope_freqs(tiny_checkpoint, tmp_path: Path) -> None:

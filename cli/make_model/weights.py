@@ -7,6 +7,7 @@ MLP outputs are as large as the embedding), which is what logprob and KV-cache t
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import re
@@ -80,94 +81,90 @@ _ARCH_CLASSES = {
     "granite": "GraniteForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
 }
-_LLAMA3_ROPE_SCALING = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192,
+# NOTE: the config keys in which the families differ
+_ARCH_FIELDS: dict[str, dict[str, Any]] = {
+    "llama": {
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+    },
+    "mistral": {
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000.0,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+    },
+    "qwen2": {
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": 0,
+        "tie_word_embeddings": True,
+    },
+    "qwen3": {
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        # NOTE: YaRN as Qwen3's model cards enable it for long context (factor 4 over 4,096):
+        # it rescales every frequency and cos / sin, so short prompts test it too.
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": MAX_POSITION_EMBEDDINGS // 4,
+        },
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "tie_word_embeddings": True,
+    },
+    # NOTE: Phi-4-mini's way: RoPE on 3/4 of each head, LongRoPE over 4,096 positions
+    # (rope_scaling's factor lists are filled in by make_config, one per rotated pair)
+    "phi3": {
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.75,
+        "original_max_position_embeddings": MAX_POSITION_EMBEDDINGS // 4,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+    },
+    # NOTE: Granite 3's multipliers, none of them 1 (its own: 12, 1 / 64, 0.22, 8), milder so
+    # that the tiny model's distributions stay peaked
+    "granite": {
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "embedding_multiplier": 4.0,
+        "attention_multiplier": 0.125,
+        "residual_multiplier": 0.5,
+        "logits_scaling": 2.0,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": True,
+    },
+    "olmo2": {
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 500000.0,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+    },
 }
 
 
 def _arch_fields(arch: str) -> dict[str, Any]:
-    """The config keys in which the families differ."""
-    if arch == "llama":
-        return {
-            "rms_norm_eps": 1e-5,
-            "rope_theta": 500000.0,
-            "rope_scaling": dict(_LLAMA3_ROPE_SCALING),
-            "attention_bias": False,
-            "mlp_bias": False,
-            "tie_word_embeddings": False,
-        }
-    if arch == "mistral":
-        return {
-            "rms_norm_eps": 1e-5,
-            "rope_theta": 1000000.0,
-            "sliding_window": None,
-            "tie_word_embeddings": False,
-        }
-    if arch == "qwen2":
-        return {
-            "rms_norm_eps": 1e-6,
-            "rope_theta": 1000000.0,
-            "use_sliding_window": False,
-            "sliding_window": None,
-            "max_window_layers": 0,
-            "tie_word_embeddings": True,
-        }
-    if arch == "qwen3":
-        return {
-            "rms_norm_eps": 1e-6,
-            "rope_theta": 1000000.0,
-            # NOTE: YaRN as Qwen3's model cards enable it for long context (factor 4 over
-            # 4,096): it rescales every frequency and cos / sin, so short prompts test it too.
-            "rope_scaling": {
-                "rope_type": "yarn",
-                "factor": 4.0,
-                "original_max_position_embeddings": MAX_POSITION_EMBEDDINGS // 4,
-            },
-            "attention_bias": False,
-            "use_sliding_window": False,
-            "sliding_window": None,
-            "tie_word_embeddings": True,
-        }
-    if arch == "phi3":
-        # NOTE: Phi-4-mini's way: RoPE on 3/4 of each head, LongRoPE over 4,096 positions
-        # (rope_scaling's factor lists are filled in by make_config, one per rotated pair)
-        return {
-            "rms_norm_eps": 1e-5,
-            "rope_theta": 10000.0,
-            "partial_rotary_factor": 0.75,
-            "original_max_position_embeddings": MAX_POSITION_EMBEDDINGS // 4,
-            "sliding_window": None,
-            "tie_word_embeddings": False,
-            "attention_bias": False,
-            "resid_pdrop": 0.0,
-            "embd_pdrop": 0.0,
-        }
-    if arch == "granite":
-        # NOTE: Granite 3's multipliers, none of them 1 (its own: 12, 1 / 64, 0.22, 8), milder
-        # so that the tiny model's distributions stay peaked
-        return {
-            "rms_norm_eps": 1e-5,
-            "rope_theta": 10000.0,
-            "embedding_multiplier": 4.0,
-            "attention_multiplier": 0.125,
-            "residual_multiplier": 0.5,
-            "logits_scaling": 2.0,
-            "attention_bias": False,
-            "mlp_bias": False,
-            "tie_word_embeddings": True,
-        }
-    if arch == "olmo2":
-        return {
-            "rms_norm_eps": 1e-6,
-            "rope_theta": 500000.0,
-            "attention_bias": False,
-            "tie_word_embeddings": False,
-        }
-    raise ValueError(f"arch={arch!r} is not one of {ARCHS}")
+    if arch not in _ARCH_FIELDS:
+        raise ValueError(f"arch={arch!r} is not one of {ARCHS}")
+    return copy.deepcopy(_ARCH_FIELDS[arch])
 
 
 def make_config(arch: str, shape: ModelShape, token_ids: dict[str, int]) -> dict[str, Any]:

@@ -15,10 +15,6 @@ import torch
 SCALINGS = ("default", "linear", "llama3", "yarn", "longrope")
 
 
-def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
-    return rope_parameters(head_dim, theta, scaling)[0]
-
-
 def rope_parameters(
     head_dim: int, theta: float, scaling: dict[str, Any]
 ) -> tuple[torch.Tensor, float]:
