@@ -31,14 +31,29 @@ import torch
 
 # NOTE: the file's `general.architecture`: llama.cpp writes Mistral checkpoints as llama
 # (transformers' config tells them apart by `general.name`), Qwen2 as qwen2, Qwen3 as qwen3.
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3")
-MODEL_CLASSES = {
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+MODEL_CLASSES = {  # NOTE: by the model_type of the config transformers builds from the file
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
+# NOTE: llama.cpp's converter writes Gemma's norm weights as 1 + w (the scale they apply);
+# the Hugging Face weight is w, as transformers' GGUF loader takes it back
+GEMMA = ("gemma2", "gemma3")
+# NOTE: Gemma's four norms a layer: llama.cpp's names where they are not Llama's
+_GEMMA_PARTS = {
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# NOTE: the layer counts of Gemma 2 27B and Gemma 3 27B, whose attention scale llama.cpp
+# takes from hidden / heads; every other size's is its head size (query_pre_attn_scalar,
+# which a GGUF file does not hold)
+_GEMMA_27B_LAYERS = (46, 62)
 # NOTE: llama.cpp permutes q and k rows for its llama architecture only (its rotary takes
 # adjacent pairs; Hugging Face's takes halves), as transformers' GGUF loader undoes them.
 PERMUTED = ("llama",)
@@ -91,11 +106,13 @@ def hf_name(name: str, architecture: str = "llama") -> str:
     if name in _GLOBAL:
         return _GLOBAL[name]
     match = _LAYER.fullmatch(name)
-    if match is None or match[2] not in _LAYER_PARTS:
+    parts = {**_LAYER_PARTS, **_GEMMA_PARTS} if architecture in GEMMA else _LAYER_PARTS
+    if match is None or match[2] not in parts:
         raise Unservable(
-            f"tensor {name!r} is not part of a Llama / Qwen2 / Qwen3 / Phi-3 / Mistral decoder"
+            f"tensor {name!r} is not part of a Llama / Qwen2 / Qwen3 / Phi-3 / Gemma / Mistral "
+            "decoder"
         )
-    part = _LAYER_PARTS[match[2]]
+    part = parts[match[2]]
     if match[2] == "ffn_up" and architecture in _FUSED_FFN_UP:
         part = "mlp.gate_up_proj"
     return f"model.layers.{match[1]}.{part}.{match[3]}"
@@ -248,6 +265,8 @@ def hf_tensors(
             values = unpermute(values, num_heads)
         elif architecture in PERMUTED and ".self_attn.k_proj." in name:
             values = unpermute(values, num_kv_heads)
+        elif architecture in GEMMA and name.endswith("norm.weight"):
+            values = values.float() - 1.0
         yield name, values.contiguous()
 
 
@@ -324,11 +343,47 @@ def completed(raw: dict[str, Any], reader, architecture: str) -> dict[str, Any]:
     if rotated is not None and int(rotated) < head_dim:
         raw["partial_rotary_factor"] = params["partial_rotary_factor"] = int(rotated) / head_dim
         head_dim = int(rotated)  # NOTE: the frequencies are over the rotated part
+    if architecture in GEMMA:
+        return _gemma_completed(raw, reader, architecture, head_dim)
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     scaling = rope_scaling(reader, architecture, head_dim, theta)
     if scaling or "rope_parameters" in raw:
         raw["rope_parameters"] = {**params, "rope_theta": theta, **scaling}
         raw.pop("rope_scaling", None)
+    return raw
+
+
+def _gemma_completed(
+    raw: dict[str, Any], reader, architecture: str, head_dim: int
+) -> dict[str, Any]:
+    """Gemma's config.json from what llama.cpp writes and reads: the soft-caps (Gemma 2), the
+    attention scale by llama.cpp's rule (_GEMMA_27B_LAYERS), the layers' pattern and Gemma
+    3's local RoPE as llama.cpp fixes them (every other layer slides; five of six, by 10,000),
+    the global RoPE's scaling."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        value = metadata(reader, architecture, key)
+        raw[key] = None if value is None else float(value)
+    wide = raw["num_hidden_layers"] in _GEMMA_27B_LAYERS
+    raw["query_pre_attn_scalar"] = (
+        raw["hidden_size"] // raw["num_attention_heads"] if wide else head_dim
+    )
+    pattern = metadata(reader, architecture, "attention.sliding_window_pattern")
+    layers = range(raw["num_hidden_layers"])
+    if isinstance(pattern, list):  # NOTE: llama.cpp's per-layer form: true where it slides
+        slides = [bool(pattern[i]) for i in layers]
+    else:
+        every = int(pattern) if pattern else (2 if architecture == "gemma2" else 6)
+        slides = [(i + 1) % every != 0 for i in layers]
+    raw["layer_types"] = ["sliding_attention" if s else "full_attention" for s in slides]
+    params = dict(raw.get("rope_parameters") or {})
+    if architecture == "gemma3":
+        full = dict(params.get("full_attention") or {"rope_type": "default"})
+        theta = float(full.get("rope_theta", metadata(reader, architecture, "rope.freq_base")))
+        full = {"rope_type": "default", "rope_theta": theta}
+        full.update(rope_scaling(reader, architecture, head_dim, theta))
+        local = {"rope_type": "default", "rope_theta": 10000.0}
+        raw["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
+    raw.pop("rope_scaling", None)
     return raw
 
 

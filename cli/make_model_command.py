@@ -32,7 +32,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--tokenizer",
         choices=TOKENIZER_KINDS,
         default="auto",
-        help="auto: byte-level BPE (with Qwen2's own split for qwen2); byte-level: plain "
+        help="auto: byte-level BPE (with Qwen2's own split for qwen2; for gemma2 and gemma3 "
+        "Gemma's SentencePiece style: no dummy prefix, its turn markers); byte-level: plain "
         "byte-level for every arch (for qwen2, transformers' Qwen2Tokenizer then overrides "
         "it); sentencepiece: Llama 2 / Mistral v0.1 style (a '▁' dummy prefix, <0xNN> byte "
         "fallback, loaded by transformers as LlamaTokenizer)",

@@ -10,7 +10,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-ARCHS = ("llama", "qwen2", "mistral", "qwen3", "phi3", "granite", "olmo2")
+ARCHS = ("llama", "qwen2", "mistral", "qwen3", "phi3", "granite", "olmo2", "gemma2", "gemma3")
 
 
 @pytest.fixture(scope="session")

@@ -45,6 +45,23 @@ _LAYER_NAMES = {
 }
 
 
+# NOTE: Gemma's four norms a layer, as llama.cpp names them
+_GEMMA_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+# NOTE: config.json's model_type -> the file's architecture (where not llama)
+_ARCHITECTURES = {
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "phi3": "phi3",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+}
+GEMMA = ("gemma2", "gemma3")
+
 _GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -52,12 +69,13 @@ _GLOBAL_NAMES = {
 }
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, architecture: str = "llama") -> str:
     if hf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_LAYER_NAMES[module]}.{kind}"
+    names = {**_LAYER_NAMES, **_GEMMA_NAMES} if architecture in GEMMA else _LAYER_NAMES
+    return f"blk.{layer}.{names[module]}.{kind}"
 
 
 def permute(rows: np.ndarray, heads: int) -> np.ndarray:
@@ -103,6 +121,9 @@ def _rope_metadata(writer: gguf.GGUFWriter, config: dict[str, Any]) -> None:
         for name in ("long", "short"):
             factors = np.array(scaling[f"{name}_factor"], dtype=np.float32)
             writer.add_tensor(f"rope_factors_{name}.weight", factors, raw_dtype=Q.F32)
+    if scaling.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(scaling["factor"])
     if scaling.get("rope_type") == "yarn":
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(scaling["factor"])
@@ -136,7 +157,10 @@ def k_blocks(shape: tuple[int, ...], kind: Q, rng: np.random.Generator, scale: f
 
 
 def tokenizer_metadata(writer: gguf.GGUFWriter, model_dir: Path, vocab_size: int) -> None:
-    """A byte-level BPE tokenizer.json as llama.cpp's `gpt2` tokenizer metadata."""
+    """A byte-level BPE tokenizer.json as llama.cpp's `gpt2` tokenizer metadata; a
+    SentencePiece-style one (Gemma's) as its `llama` metadata: the pieces in id order, scored
+    by it, the byte pieces and the special tokens typed, no merges (transformers rebuilds
+    them from the order, as it does for Gemma's own files)."""
     spec = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))
     tokens = {i: t for t, i in spec["model"]["vocab"].items()}
     special = set()
@@ -145,15 +169,34 @@ def tokenizer_metadata(writer: gguf.GGUFWriter, model_dir: Path, vocab_size: int
         if added["special"]:
             special.add(added["id"])
     listed = [tokens.get(i, f"[PAD{i}]") for i in range(vocab_size)]
-    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(listed)
-    writer.add_token_types([3 if i in special else 1 for i in range(vocab_size)])
-    writer.add_token_merges(merges)
+    if spec["model"].get("byte_fallback"):
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(listed)
+        writer.add_token_scores([-float(i) for i in range(vocab_size)])
+        kinds = gguf.TokenType
+        writer.add_token_types(
+            [
+                kinds.CONTROL
+                if i in special
+                else kinds.BYTE
+                if listed[i].startswith("<0x")
+                else kinds.NORMAL
+                for i in range(vocab_size)
+            ]
+        )
+        writer.add_add_bos_token(True)
+        writer.add_add_space_prefix(False)
+    else:
+        merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(listed)
+        writer.add_token_types([3 if i in special else 1 for i in range(vocab_size)])
+        writer.add_token_merges(merges)
     config = json.loads((model_dir / "config.json").read_text())
     writer.add_bos_token_id(config["bos_token_id"])
-    writer.add_eos_token_id(config["eos_token_id"])
+    eos = config["eos_token_id"]
+    writer.add_eos_token_id(eos[0] if isinstance(eos, list) else eos)
     template = json.loads((model_dir / "tokenizer_config.json").read_text()).get("chat_template")
     if template:
         writer.add_chat_template(template)
@@ -169,14 +212,13 @@ def hf_to_gguf(
     norm_noise: float = 0.0,
     rope_freqs: bool = False,
 ) -> Path:
-    """A Hugging Face checkpoint (Llama / Qwen2 / Qwen3 / Mistral) as one GGUF file of `kind`;
+    """A Hugging Face checkpoint (Llama / Qwen2 / Qwen3 / Mistral / Phi-3 / Gemma 2 and 3) as
+    one GGUF file of `kind` (Gemma's norms as 1 + w, its soft-caps and window as metadata);
     with `norm_noise`, every norm's weight times 1 + that much noise (make-model's norms are
     all ones, so a test could not tell one norm's name from another's); with `rope_freqs`, a
     Llama 3 rope_scaling as llama.cpp writes it (which transformers' GGUF loader ignores)."""
     config: dict[str, Any] = json.loads((model_dir / "config.json").read_text())
-    arch = architecture or {"qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}.get(
-        config["model_type"], "llama"
-    )
+    arch = architecture or _ARCHITECTURES.get(config["model_type"], "llama")
     tensors: dict[str, torch.Tensor] = {}
     for path in sorted(model_dir.glob("*.safetensors")):
         tensors.update(load_file(str(path)))
@@ -189,13 +231,23 @@ def hf_to_gguf(
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(num_heads)
     writer.add_head_count_kv(num_kv_heads)
-    writer.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
+    rope = (config.get("rope_parameters") or {}).get("full_attention") or {}
+    writer.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
+    if arch in GEMMA:
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if config.get(key):
+                getattr(writer, f"add_{key}")(float(config[key]))
+        writer.add_sliding_window(config["sliding_window"])
+        if arch == "gemma3":  # NOTE: llama.cpp's default is five of six layers
+            writer.add_sliding_window_pattern(
+                [kind == "sliding_attention" for kind in config["layer_types"]]
+            )
     writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
     head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
     writer.add_rope_dimension_count(int(head_dim * config.get("partial_rotary_factor", 1.0)))
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    _rope_metadata(writer, config)
+    _rope_metadata(writer, {**config, "rope_scaling": config.get("rope_scaling") or rope})
     writer.add_vocab_size(config["vocab_size"])
     tokenizer_metadata(writer, model_dir, config["vocab_size"])
     rng = np.random.default_rng(seed)
@@ -209,8 +261,10 @@ def hf_to_gguf(
             values = permute(values, num_heads)
         elif arch == "llama" and ".k_proj." in hf_name:
             values = permute(values, num_kv_heads)
+        elif arch in GEMMA and hf_name.endswith("norm.weight"):
+            values = values + np.float32(1.0)  # NOTE: llama.cpp's converter writes 1 + w
         data, used = encode(values, kind, rng)
-        writer.add_tensor(gguf_name(hf_name), data, raw_dtype=used)
+        writer.add_tensor(gguf_name(hf_name, arch), data, raw_dtype=used)
     if rope_freqs:
         writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(config), raw_dtype=Q.F32)
     finish(writer)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tokenmill.tp_worker.cpu.attention import PagedAttention
+from tokenmill.tp_worker.model.layer_attention import LayerAttention
 
 HEADS, KV_HEADS, DIM = 8, 2, 64
 
@@ -69,9 +70,8 @@ def _run(
         num_tokens=columns[2].clone(),
         first_pos=columns[3].clone(),
         out_slots=torch.zeros(0, dtype=torch.int64),
-        sliding_window=window,
     )
-    return attention.attend(q, caches[0], caches[1], dim**-0.5)
+    return attention.attend(q, caches[0], caches[1], LayerAttention(dim**-0.5, window))
 
 
 def _table(lens: list[int], width: int = 300) -> torch.Tensor:

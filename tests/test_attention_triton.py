@@ -50,5 +50,5 @@ def test_the_plan_copies_nothing_back_where_the_step_gives_its_rows() -> None:
     table = torch.empty(2, 16, dtype=torch.int32, device="meta")
     host = (np.array([0, 0, 1], np.int32), np.array([3, 4, 9], np.int32))
     slots = torch.empty(3, dtype=torch.int64, device="meta")
-    plan = plan_triton(table, meta, meta, slots, None, host=host).plan(4, 100)
+    plan = plan_triton(table, meta, meta, slots, host=host).plan(4, 100)
     assert plan.tiles.shape == (4, 2) and plan.splits == 1

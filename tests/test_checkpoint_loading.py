@@ -76,7 +76,24 @@ def test_both_config_spellings_parse_alike() -> None:
     assert parse_model_config({**on, "max_window_layers": 0}).sliding_window == 64
     layers = old["num_hidden_layers"]
     assert parse_model_config({**on, "max_window_layers": layers}).sliding_window is None
-    with pytest.raises(ValueError, match="on some layers only"):
-        parse_model_config({**on, "max_window_layers": 1})
+    first_full = parse_model_config({**on, "max_window_layers": 1})
+    assert first_full.sliding_window == 64 and first_full.full_attention_layers == (0,)
+    gemma = {**old, "architectures": ["Gemma2ForCausalLM"], "sliding_window": 64}
+    # NOTE: without layer_types, Gemma 2's rule (every other layer from the first slides)
+    # and Gemma 3's (five of six; sliding_window_pattern where config.json says it)
+    assert parse_model_config(gemma).full_attention_layers == tuple(range(1, layers, 2))
+    gemma3 = {**gemma, "architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 12}
+    assert parse_model_config(gemma3).full_attention_layers == (5, 11)
+    assert parse_model_config({**gemma3, "sliding_window_pattern": 4}).full_attention_layers == (
+        3,
+        7,
+        11,
+    )
+    with pytest.raises(ValueError, match="bidirectional"):
+        parse_model_config({**gemma3, "use_bidirectional_attention": True})
+    with pytest.raises(ValueError, match="chunked_attention"):
+        parse_model_config({**gemma, "layer_types": ["chunked_attention"] * layers})
+    with pytest.raises(ValueError, match="activation 'relu'"):
+        parse_model_config({**old, "hidden_act": "relu"})
     with pytest.raises(ValueError, match="unsupported architectures"):
         parse_model_config({**old, "architectures": ["GPT2LMHeadModel"]})

@@ -13,7 +13,14 @@ import torch
 from tokenmill.tp_worker.cpu import attention as attention_cpu
 from tokenmill.tp_worker.cpu import kernels as cpu_kernels
 from tokenmill.tp_worker.cpu import ops as cpu_ops
-from tokenmill.tp_worker.cpu.ops import PackedLinear, rms_norm_cpu, rope_store_cpu, silu_mul_cpu
+from tokenmill.tp_worker.cpu.ops import (
+    PackedLinear,
+    glu_mul_cpu,
+    rms_norm_cpu,
+    rope_store_cpu,
+    soft_cap_cpu,
+)
+from tokenmill.tp_worker.model.layer_attention import LayerAttention
 from tokenmill.tp_worker.model.parallel import ShardedLinear, TpGroup
 from tokenmill.tp_worker.model.rope import Rotary, apply_rotary, float32_cos_sin
 
@@ -34,6 +41,9 @@ def _case(m: int, k: int, n: int, dtype: torch.dtype, seed: int = 0) -> tuple[to
     bias = torch.randn(n, generator=gen)
     x = torch.randn(m, k, generator=gen).to(dtype)
     return x, weight, bias
+
+
+ACTS = tuple(cpu_ops.ACTIVATION_CODES)  # NOTE: silu, gelu_tanh
 
 
 @pytest.mark.parametrize(("m", "k", "n"), SHAPES)
@@ -76,14 +86,14 @@ def test_a_fused_gate_up_has_the_bits_of_silu_mul_after_the_product(
     m: int, k: int, dtype: torch.dtype, bias: bool, cpu_kernel: str
 ) -> None:
     """An MLP's gate_up with the silu(gate) x up epilogue (panels of 16 gate and 16 up
-    features) gives what silu_mul_cpu gives over the plain product's [M, 2 x 96] output."""
+    features) gives what glu_mul_cpu gives over the plain product's [M, 2 x 96] output."""
     x, weight, b = _case(m, k, 192, dtype)
     b = b if bias else None
     fused = PackedLinear(weight, b, glu=True)
     assert fused.amx == (cpu_kernel == "amx" and dtype == torch.bfloat16)
     out = fused(x)
     assert out.shape == (m, 96) and out.dtype == dtype
-    assert torch.equal(out, silu_mul_cpu(PackedLinear(weight, b)(x, torch.float32), dtype))
+    assert torch.equal(out, glu_mul_cpu(PackedLinear(weight, b)(x, torch.float32), dtype))
 
 
 def _in_place(layer: PackedLinear, x: torch.Tensor) -> torch.Tensor:
@@ -130,8 +140,8 @@ def test_rms_norm_writes_rows_a_cache_line_apart_with_the_same_bits(dtype: torch
     """The float32 residual stream in, the model's dtype out, in laid-out rows."""
     width, line = _rows_of_4_kib(dtype)
     x, weight, _ = _case(37, width, 1, dtype)
-    x, gain = x.float(), weight[0]
-    norm = rms_norm_cpu(x, gain, 1e-5)
+    x, gain = x.float(), weight[0].float()
+    norm = rms_norm_cpu(x, gain, 1e-5, dtype)
     assert norm.stride() == (width + line, 1) and norm.dtype == dtype
     dense = torch.empty(37, width, dtype=dtype)
     code = cpu_ops.DTYPE_CODES[dtype]
@@ -139,7 +149,7 @@ def test_rms_norm_writes_rows_a_cache_line_apart_with_the_same_bits(dtype: torch
         x.data_ptr(), gain.data_ptr(), dense.data_ptr(), 37, width, width, 1e-5, code, 0
     )
     assert status == 0 and torch.equal(norm, dense)
-    assert torch.equal(rms_norm_cpu(x.view(1, 37, width), gain, 1e-5)[0], dense)
+    assert torch.equal(rms_norm_cpu(x.view(1, 37, width), gain, 1e-5, dtype)[0], dense)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -152,19 +162,19 @@ def test_a_glu_product_writes_rows_a_cache_line_apart_with_the_same_bits(
     x, weight, _ = _case(13, 64, 2 * width, dtype)
     glu = PackedLinear(weight, None, glu=True)(x)
     assert glu.stride() == (width + line, 1)
-    assert torch.equal(glu, silu_mul_cpu(PackedLinear(weight, None)(x, torch.float32), dtype))
+    assert torch.equal(glu, glu_mul_cpu(PackedLinear(weight, None)(x, torch.float32), dtype))
 
 
 @pytest.mark.parametrize("inter", [24, 32])
 def test_a_gate_up_layer_gives_silu_mul_whether_or_not_it_fuses(inter: int) -> None:
     """ShardedLinear(glu=True) through the CPU kernel: fused where 2 x inter is a multiple of
-    32 (inter 32), the product then silu_mul_cpu elsewhere (inter 24), the same numbers."""
+    32 (inter 32), the product then glu_mul_cpu elsewhere (inter 24), the same numbers."""
     x, weight, _ = _case(13, 40, 2 * inter, torch.bfloat16)
-    layer = ShardedLinear(40, 2 * inter, False, False, TpGroup(), torch.bfloat16, CPU, glu=True)
+    layer = ShardedLinear(40, 2 * inter, False, False, TpGroup(), torch.bfloat16, CPU, glu="silu")
     layer.weight.data.copy_(weight)
     layer.use_cpu_kernel()
     assert layer.kernel is not None and layer.kernel.glu == (inter == 32)
-    expected = silu_mul_cpu(PackedLinear(weight, None)(x, torch.float32), torch.bfloat16)
+    expected = glu_mul_cpu(PackedLinear(weight, None)(x, torch.float32), torch.bfloat16)
     assert torch.equal(layer(x), expected)
 
 
@@ -217,14 +227,15 @@ def test_panels_taken_by_any_thread_give_the_same_bits(n: int, cpu_kernel: str) 
 def test_rms_norm_rounds_once_and_is_row_invariant(
     dtype: torch.dtype, x_dtype: torch.dtype
 ) -> None:
-    """weight * (x * r) in float32, rounded once to the weight's dtype (in float32 that is
-    transformers' formula), from the float32 residual stream or x in the weight's dtype."""
+    """weight * (x * r) in float32, rounded once to the model's dtype (in float32 that is
+    transformers' formula), from the float32 residual stream or x in the model's dtype; the
+    weight float32 (a bfloat16 checkpoint's, exact)."""
     if dtype == torch.float32 and x_dtype == torch.bfloat16:
         pytest.skip("a float32 model's residual stream is float32")
     gen = torch.Generator().manual_seed(3)
     x = (3 * torch.randn(70, 200, generator=gen)).to(x_dtype)
-    weight = torch.randn(200, generator=gen).to(dtype)
-    out = rms_norm_cpu(x, weight, 1e-5)
+    weight = torch.randn(200, generator=gen).to(dtype).float()
+    out = rms_norm_cpu(x, weight, 1e-5, dtype)
     x32 = x.float()
     exact = weight.double() * (
         x32.double() * (x32.double().pow(2).mean(-1, keepdim=True) + 1e-5).rsqrt()
@@ -238,7 +249,7 @@ def test_rms_norm_rounds_once_and_is_row_invariant(
         assert (out != once).float().mean() < 0.01
         torch.testing.assert_close(out, once, atol=0, rtol=2**-7)
     for rows in (slice(0, 1), slice(5, 6), slice(13, 70)):
-        assert torch.equal(rms_norm_cpu(x[rows], weight, 1e-5), out[rows])
+        assert torch.equal(rms_norm_cpu(x[rows], weight, 1e-5, dtype), out[rows])
 
 
 @pytest.mark.parametrize(
@@ -256,7 +267,7 @@ def test_silu_mul_rounds_once(dtype: torch.dtype, out_dtype: torch.dtype) -> Non
     gate_up[0, :6] = torch.tensor([0.0, -0.0, 100.0, -100.0, 1e-30, -1e-30])
     gate, up = gate_up.double().chunk(2, dim=-1)
     exact = torch.nn.functional.silu(gate) * up
-    out = silu_mul_cpu(gate_up, out_dtype)
+    out = glu_mul_cpu(gate_up, out_dtype)
     assert out.dtype == out_dtype
     torch.testing.assert_close(
         out.double(), exact, atol=1e-6, rtol=1e-6 if out_dtype == torch.float32 else 2**-8
@@ -331,8 +342,8 @@ def _one_row_two_ways(table: torch.Tensor) -> tuple[attention_cpu.PagedAttention
     kernel's other path)."""
     one, steps = torch.ones(1, dtype=torch.int64), torch.arange(20)
     no_slots = torch.zeros(0, dtype=torch.int64)
-    chunk = attention_cpu.PagedAttention(table, 0 * one, 0 * one, 20 * one, 0 * one, no_slots, 0)
-    rows = attention_cpu.PagedAttention(table, 0 * steps, steps, steps**0, steps, no_slots, 0)
+    chunk = attention_cpu.PagedAttention(table, 0 * one, 0 * one, 20 * one, 0 * one, no_slots)
+    rows = attention_cpu.PagedAttention(table, 0 * steps, steps, steps**0, steps, no_slots)
     return chunk, rows
 
 
@@ -356,15 +367,21 @@ def test_a_build_without_avx_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch
         for ((x, w, b), _), r in zip(cases, residuals, strict=True)
     ]
     glu_cases = [_case(13, 33, 64, dtype) for dtype in cpu_ops.DTYPE_CODES]
-    glus = [PackedLinear(w, b, glu=True)(x) for x, w, b in glu_cases]
-    norms = [rms_norm_cpu(x.float(), w[0], 1e-6) for (x, w, _), _ in cases]
-    activations = [silu_mul_cpu(4 * x[:, :32].float(), x.dtype) for (x, _, _), _ in cases]
+    glus = [PackedLinear(w, b, glu=True, activation=a)(x) for x, w, b in glu_cases for a in ACTS]
+    norms = [rms_norm_cpu(x.float(), w[0].float(), 1e-6, x.dtype) for (x, w, _), _ in cases]
+    activations = [
+        glu_mul_cpu(4 * x[:, :32].float(), x.dtype, a) for (x, _, _), _ in cases for a in ACTS
+    ]
+    logits = 40 * torch.randn(5, 1003)
+    capped = soft_cap_cpu(logits.clone(), 30.0)
     ropes = [_rope_store(*_rope_case(dtype)) for dtype in cpu_ops.DTYPE_CODES]
     q = torch.randn(20, 8, 64)
     caches = (torch.randn(2, 64, 64), torch.randn(2, 64, 64))  # [Hkv, slots, D]
     paged, decode = _one_row_two_ways(torch.randperm(64).view(1, 64).int())
-    native_attention = paged.attend(q, *caches, 64**-0.5)
-    assert torch.equal(decode.attend(q, *caches, 64**-0.5), native_attention)
+    settings = [LayerAttention(64**-0.5), LayerAttention(64**-0.5, 9, 3.0)]
+    native_attention = [paged.attend(q, *caches, s) for s in settings]
+    for s, attended in zip(settings, native_attention, strict=True):
+        assert torch.equal(decode.attend(q, *caches, s), attended)
 
     portable = cpu_kernels.load(cpu_kernels.build("x86-64-v2"))
     assert portable.tm_linear_isa() == 0
@@ -372,20 +389,24 @@ def test_a_build_without_avx_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(attention_cpu, "library", lambda: portable)
     for ((x, w, b), _), expected, norm in zip(cases, native, norms, strict=True):
         assert torch.equal(PackedLinear(w, b)(x, torch.float32), expected)
-        assert torch.equal(rms_norm_cpu(x.float(), w[0], 1e-6), norm)
+        assert torch.equal(rms_norm_cpu(x.float(), w[0].float(), 1e-6, x.dtype), norm)
     for ((x, w, b), _), r, expected in zip(cases, residuals, added, strict=True):
         assert torch.equal(PackedLinear(w, b)(x, residual=r), expected)
     for ((x, w, b), _), r, expected in zip(cases, residuals, widened, strict=True):
         assert torch.equal(PackedLinear(w, b)(x, torch.float32, r.float()), expected)
-    for ((x, _, _), _), activation in zip(cases, activations, strict=True):
-        assert torch.equal(silu_mul_cpu(4 * x[:, :32].float(), x.dtype), activation)
-    for (x, w, b), glu in zip(glu_cases, glus, strict=True):
-        assert torch.equal(PackedLinear(w, b, glu=True)(x), glu)
+    acts = [(x, a) for (x, _, _), _ in cases for a in ACTS]
+    for (x, a), activation in zip(acts, activations, strict=True):
+        assert torch.equal(glu_mul_cpu(4 * x[:, :32].float(), x.dtype, a), activation)
+    glu_acts = [(c, a) for c in glu_cases for a in ACTS]
+    for ((x, w, b), a), glu in zip(glu_acts, glus, strict=True):
+        assert torch.equal(PackedLinear(w, b, glu=True, activation=a)(x), glu)
+    assert torch.equal(soft_cap_cpu(logits.clone(), 30.0), capped)
     for dtype, rope in zip(cpu_ops.DTYPE_CODES, ropes, strict=True):
         for ours, native in zip(_rope_store(*_rope_case(dtype)), rope, strict=True):
             assert torch.equal(ours, native)
-    assert torch.equal(paged.attend(q, *caches, 64**-0.5), native_attention)
-    assert torch.equal(decode.attend(q, *caches, 64**-0.5), native_attention)
+    for s, attended in zip(settings, native_attention, strict=True):
+        assert torch.equal(paged.attend(q, *caches, s), attended)
+        assert torch.equal(decode.attend(q, *caches, s), attended)
 
 
 def test_the_avx2_float32_kernel_gives_the_portable_bits(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -407,13 +428,19 @@ def test_the_avx2_float32_kernel_gives_the_portable_bits(monkeypatch: pytest.Mon
         assert torch.equal(portable, avx2)
 
 
-def _attention_both_paths(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+# NOTE: plain attention, and Gemma's window and soft-cap (low enough to bite)
+SETTINGS = (LayerAttention(64**-0.5), LayerAttention(64**-0.5, 9, 3.0))
+
+
+def _attention_both_paths(
+    dtype: torch.dtype, settings: LayerAttention
+) -> tuple[torch.Tensor, torch.Tensor]:
     """20 tokens of one row as one prompt chunk, and as 20 decode rows (the other path)."""
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(20, 8, 64, generator=gen).to(dtype)
     caches = tuple(torch.randn(2, 64, 64, generator=gen).to(dtype) for _ in range(2))
     chunk, rows = _one_row_two_ways(torch.randperm(64, generator=gen).view(1, 64).int())
-    return chunk.attend(q, *caches, 64**-0.5), rows.attend(q, *caches, 64**-0.5)
+    return chunk.attend(q, *caches, settings), rows.attend(q, *caches, settings)
 
 
 @pytest.mark.parametrize("arch", ["x86-64-v2", "skylake-avx512"])
@@ -426,13 +453,17 @@ def test_attention_from_other_builds_gives_the_same_bits(
     monkeypatch.setenv("TOKENMILL_CPU_AMX", "0")
     if arch == "skylake-avx512" and "avx512f" not in cpu_kernels.cpu_flags():
         pytest.skip("this CPU runs no AVX-512 code")
-    native = {dtype: _attention_both_paths(dtype) for dtype in cpu_ops.DTYPE_CODES}
+    native = {
+        (dtype, s): _attention_both_paths(dtype, s)
+        for dtype in cpu_ops.DTYPE_CODES
+        for s in SETTINGS
+    }
     for chunk, rows in native.values():
         assert torch.equal(chunk, rows)
     other = cpu_kernels.load(cpu_kernels.build(arch))
     monkeypatch.setattr(attention_cpu, "library", lambda: other)
-    for dtype, (chunk, _) in native.items():
-        ours_chunk, ours_rows = _attention_both_paths(dtype)
+    for (dtype, s), (chunk, _) in native.items():
+        ours_chunk, ours_rows = _attention_both_paths(dtype, s)
         assert torch.equal(ours_chunk, chunk) and torch.equal(ours_rows, chunk)
 
 
@@ -465,6 +496,6 @@ def test_bfloat16_scores_add_a_pairs_odd_product_first(
     seen = torch.arange(20) + 1
     expected = ((seen + 1) // 2 - seen // 2) / seen
     for attention in (chunk, rows):
-        out = attention.attend(q, k, v, 1.0).float().view(20, 8, 64)
+        out = attention.attend(q, k, v, LayerAttention(1.0)).float().view(20, 8, 64)
         expanded = expected.view(20, 1, 1).expand(20, 8, 64).float()
         torch.testing.assert_close(out, expanded, atol=2e-3, rtol=0)  # bfloat16 outputs

@@ -183,6 +183,28 @@ def test_a_phi3_file(tiny_checkpoint, tmp_path: Path) -> None:
     assert scaling["long_factor"] == pytest.approx(original["rope_scaling"]["long_factor"])
 
 
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_a_gemma_file(arch: str, tiny_checkpoint, tmp_path: Path) -> None:
+    """Gemma 2 and 3 as llama.cpp writes them: norms as 1 + w, four a layer under their own
+    names, the soft-caps and the window as metadata (Gemma 2's soft-caps transformers' GGUF
+    config does not read), Gemma 3's per-head q/k norms and linear global RoPE (nor that), a
+    SentencePiece tokenizer; in Q8_0 the weights transformers loads from the file, in F32 the
+    numbers of the checkpoint it was written from. NOTE: a file does not hold
+    query_pre_attn_scalar: llama.cpp takes the head size (hidden / heads at 27B), so the
+    source checkpoint here has that, where make-model's has another."""
+    source = tmp_path / f"{arch}-source"
+    shutil.copytree(tiny_checkpoint(arch), source)
+    original = json.loads((source / "config.json").read_text())
+    original["query_pre_attn_scalar"] = original["head_dim"]
+    (source / "config.json").write_text(json.dumps(original))
+    config, _ = _assert_round_trip(source, tmp_path)
+    for key in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+        assert config[key] == original[key], key
+    assert config["layer_types"] == original["layer_types"]
+    if arch == "gemma3":
+        assert config["rope_parameters"] == original["rope_parameters"]
+
+
 def test_a_llama_31_file_rotates_by_its_rope_freqs(tiny_checkpoint, tmp_path: Path) -> None:
     """Llama 3.1 / 3.2 files carry their rope_scaling as per-frequency factors
     (rope_freqs.weight): the settings that give those factors are found again, and the file
@@ -274,7 +296,7 @@ def test_a_directory_with_two_files_names_them(tiny_checkpoint, tmp_path: Path) 
 
 
 def _unservable_architecture(path: Path) -> Path:
-    writer = gguf.GGUFWriter(path, "gemma2")
+    writer = gguf.GGUFWriter(path, "falcon")
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
     finish(writer)
@@ -282,8 +304,8 @@ def _unservable_architecture(path: Path) -> Path:
 
 
 def test_an_architecture_tokenmill_cannot_serve_fails_at_start(tmp_path: Path) -> None:
-    file = _unservable_architecture(tmp_path / "gemma.gguf")
-    with pytest.raises(ValueError, match="GGUF architecture 'gemma2' is not one tokenmill serves"):
+    file = _unservable_architecture(tmp_path / "falcon.gguf")
+    with pytest.raises(ValueError, match="GGUF architecture 'falcon' is not one tokenmill serves"):
         gguf_checkpoint.gguf_checkpoint(file)
     started = subprocess.run(
         [sys.executable, "-m", "tokenmill.cli.main", "serve", "--model", str(file)],
@@ -292,9 +314,8 @@ def test_an_architecture_tokenmill_cannot_serve_fails_at_start(tmp_path: Path) -
         timeout=120,
     )
     assert started.returncode != 0
-    assert "'gemma2' is not one tokenmill serves (it serves llama, qwen2, qwen3, phi3)" in (
-        started.stderr
-    )
+    served = "llama, qwen2, qwen3, phi3, gemma2, gemma3"
+    assert f"'falcon' is not one tokenmill serves (it serves {served})" in started.stderr
     assert f"--model {file}:" in started.stderr
     cache = gguf_checkpoint.cache_dir() / "gguf"
     assert cache.is_dir() and not list(cache.glob("*.tmp"))

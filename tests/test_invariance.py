@@ -103,7 +103,7 @@ def test_the_same_tokens_whether_or_not_a_batch_reads_logprobs(
     assert [m.output_ids for m in mixed] == [b.output_ids for b in with_them]
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3", "olmo2"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3", "olmo2", "gemma2", "gemma3"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("max_prefill_tokens", "decode_steps"), [(7, 1), (4096, 4), (16, 3)])
 def test_chunked_prefill_and_multi_step(
@@ -195,7 +195,7 @@ def test_prompt_logprobs_from_start_position(tiny_checkpoint) -> None:
         )
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "olmo2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "olmo2", "gemma2"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_last_layer_of_the_tokens_read_equals_one_of_every_token(
     tiny_checkpoint, dtype: str, monkeypatch: pytest.MonkeyPatch, arch: str

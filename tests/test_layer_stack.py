@@ -1,12 +1,15 @@
 """The decoder layers as one native call (tp_worker/cpu/layer_stack.py, csrc/layer_stack.cpp)
 give the Python loop's bits: tokens, logprobs, top-k and prompt logprobs, greedy and seeded,
 prefill chunks and decode steps, with q/k/v biases (qwen2), per-head q/k norms (qwen3),
-partial rotary (phi3), norms after each sublayer and over whole projections (olmo2), a
-sliding window, in float32 and bfloat16 and on each kind of bfloat16 kernel the machine has."""
+partial rotary (phi3), norms after each sublayer and over whole projections (olmo2), norms
+before and after each sublayer, soft-caps, GeGLU and sliding windows on every other layer
+(gemma2), two RoPE tables (gemma3), a window on every layer (mistral), in float32 and bfloat16
+and on each kind of bfloat16 kernel the machine has."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+import json
+import shutil
 
 import numpy as np
 import pytest
@@ -51,7 +54,9 @@ def _same(native: OfflineEngine, python: OfflineEngine) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "granite", "olmo2"])
+@pytest.mark.parametrize(
+    "arch", ["llama", "qwen2", "qwen3", "phi3", "granite", "olmo2", "gemma2", "gemma3"]
+)
 def test_native_layers_give_the_python_loops_bits(
     tiny_checkpoint, monkeypatch: pytest.MonkeyPatch, arch: str, dtype: str
 ) -> None:
@@ -63,12 +68,15 @@ def test_native_layers_give_the_python_loops_bits(
 
 
 def test_native_layers_with_a_sliding_window(
-    tiny_checkpoint, monkeypatch: pytest.MonkeyPatch
+    tiny_checkpoint, monkeypatch: pytest.MonkeyPatch, tmp_path
 ) -> None:
-    engines = [_engine(tiny_checkpoint("llama"), monkeypatch, n, decode_steps=3) for n in (1, 0)]
-    for engine in engines:
-        runner = engine.runner
-        runner.model_config = replace(runner.model_config, sliding_window=16)
+    """Mistral's window on every layer (16 positions: the prompts reach past it)."""
+    model = tmp_path / "mistral-window"
+    shutil.copytree(tiny_checkpoint("mistral"), model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "sliding_window": 16}))
+    engines = [_engine(model, monkeypatch, n, decode_steps=3) for n in (1, 0)]
+    assert all(layer.attention_settings.window == 16 for layer in engines[0].runner.model.layers)
     _same(*engines)
 
 

@@ -78,14 +78,17 @@ def test_files_and_config(checkpoints: dict[str, Path], arch: str) -> None:
     }
     config = json.loads((path / "config.json").read_text())
     raw = Tokenizer.from_file(str(path / "tokenizer.json"))
-    assert config["model_type"] == arch
+    assert config["model_type"] == {"gemma3": "gemma3_text"}.get(arch, arch)
     assert config["vocab_size"] >= raw.get_vocab_size()
     assert config["num_key_value_heads"] < config["num_attention_heads"]
     generation = json.loads((path / "generation_config.json").read_text())
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         assert generation[key] == config[key]
     assert raw.id_to_token(config["bos_token_id"]) == "<|begin_of_text|>"
-    assert raw.id_to_token(config["eos_token_id"]) == "<|end_of_text|>"
+    eos = config["eos_token_id"]
+    # NOTE: Gemma's turns end generation too, as Gemma's generation_config says
+    ends = ["<|end_of_text|>", "<end_of_turn>"] if arch.startswith("gemma") else ["<|end_of_text|>"]
+    assert [raw.id_to_token(i) for i in (eos if isinstance(eos, list) else [eos])] == ends
     assert raw.id_to_token(config["pad_token_id"]) == "<|pad|>"
 
 
@@ -118,6 +121,16 @@ def test_arch_specifics(checkpoints: dict[str, Path]) -> None:
     granite = AutoConfig.from_pretrained(checkpoints["granite"])
     multipliers = ("embedding_multiplier", "attention_multiplier", "residual_multiplier")
     assert all(getattr(granite, m) != 1.0 for m in multipliers) and granite.logits_scaling != 1
+    gemma2 = AutoConfig.from_pretrained(checkpoints["gemma2"])
+    assert gemma2.layer_types == ["sliding_attention", "full_attention"]
+    assert gemma2.attn_logit_softcapping and gemma2.final_logit_softcapping
+    assert gemma2.query_pre_attn_scalar != gemma2.head_dim
+    gemma3 = AutoConfig.from_pretrained(checkpoints["gemma3"])
+    assert gemma3.rope_parameters["full_attention"]["rope_type"] == "linear"
+    with safe_open(str(checkpoints["gemma3"] / "model.safetensors"), "pt") as f:
+        # NOTE: Gemma's norms scale by 1 + w: their weights lie around 0
+        norm = f.get_tensor("model.layers.0.pre_feedforward_layernorm.weight")
+        assert norm.abs().mean() < 0.5 and "model.layers.0.self_attn.q_norm.weight" in set(f.keys())  # noqa: SIM118 (safe_open is not a mapping)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -172,11 +185,16 @@ def test_chat_template(checkpoints: dict[str, Path], arch: str) -> None:
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n"
         "<|im_start|>assistant\n"
     )
+    opening = "<|im_start|>assistant\n"
+    if arch.startswith("gemma"):
+        # NOTE: Gemma's: the system message opens the first user turn; the assistant is "model"
+        body = "<start_of_turn>user\nBe brief.\n\nHi there<end_of_turn>\n<start_of_turn>model\n"
+        opening = "<start_of_turn>model\n"
     assert text == ("" if arch in QWEN_ARCHS else "<|begin_of_text|>") + body
     ids = auto.apply_chat_template(messages, add_generation_prompt=True)
     ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
     assert ids.count(auto.bos_token_id) == (0 if arch in QWEN_ARCHS else 1)
-    prompt = auto("<|im_start|>assistant\n", add_special_tokens=False).input_ids
+    prompt = auto(opening, add_special_tokens=False).input_ids
     assert ids[-len(prompt) :] == prompt
 
 

@@ -28,7 +28,7 @@ ATOL = 1e-4
 @pytest.mark.parametrize(
     ("arch", "kind", "cpu_kernels"),
     [(arch, "auto", True) for arch in ARCHS]
-    + [(arch, "auto", False) for arch in ("llama", "qwen3", "phi3", "olmo2")]
+    + [(arch, "auto", False) for arch in ("llama", "qwen3", "phi3", "olmo2", "gemma2", "gemma3")]
     + [("mistral", "sentencepiece", True), ("qwen2", "byte-level", True)],
 )
 def test_matches_transformers(arch: str, kind: str, cpu_kernels: bool, tiny_checkpoint) -> None:

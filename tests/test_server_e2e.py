@@ -625,13 +625,16 @@ def test_tensor_parallel_2_matches_1(server, tiny_checkpoint, tmp_path) -> None:
         assert tp2.stop() == 0
 
 
-def test_tensor_parallel_2_on_qwen3_matches_transformers(tiny_checkpoint, tmp_path) -> None:
-    """Qwen3 at TP 2: each rank norms its own q and k heads (the norms' weights are every
-    rank's); prompt and greedy logprobs as transformers computes them (float32)."""
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3"])
+def test_tensor_parallel_2_matches_transformers(arch: str, tiny_checkpoint, tmp_path) -> None:
+    """Qwen3 and Gemma 3 at TP 2: each rank norms its own q and k heads (the norms' weights
+    are every rank's); Gemma 2: the soft-capped scores of each rank's heads, the logits
+    soft-capped after the gather; prompt and greedy logprobs as transformers computes them
+    (float32)."""
     from helpers import oracle
     from server_process import start_server
 
-    model = tiny_checkpoint("qwen3")
+    model = tiny_checkpoint(arch)
     tp2 = start_server(
         model, tmp_path / "log", "--tensor-parallel-size", "2", "--max-model-len", "1024"
     )

@@ -114,8 +114,10 @@ def test_drafts_change_no_token_and_no_logprob_bit(
         {"logprobs_mode": "processed"},
         {"decode_steps": 4},
         {"arch": "qwen3", "dtype": "bfloat16"},
+        {"arch": "gemma2", "dtype": "bfloat16"},
+        {"arch": "gemma3", "cpu_kernels": False},
     ],
-    ids=["bfloat16", "sdpa", "processed", "decode-steps-4", "qwen3"],
+    ids=["bfloat16", "sdpa", "processed", "decode-steps-4", "qwen3", "gemma2", "gemma3-sdpa"],
 )
 def test_the_same_bits_on_every_path(
     tiny_checkpoint, oracle_drafts, settings: dict, cpu_kernel: str

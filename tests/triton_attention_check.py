@@ -11,6 +11,7 @@ from triton_interpreter import rowwise_interpreted_dot
 
 from tokenmill.tp_worker.cuda import attention as attention_triton
 from tokenmill.tp_worker.cuda.attention import SPLIT, plan_triton
+from tokenmill.tp_worker.model.layer_attention import LayerAttention
 
 HQ, HKV, DIM, SLOTS = 4, 2, 16, 2048  # NOTE: the heads change per run (main): 9 / 3 too
 
@@ -40,8 +41,9 @@ def make_batch(rows: list[tuple[int, int]], width: int, seed: int):
     return table, token_rows, positions, out_slots
 
 
-def reference(q, k, v, table, rows, scale, window):
+def reference(q, k, v, table, rows, settings):
     """float64, token by token."""
+    scale, window, cap = settings.scale, settings.window, settings.softcap
     out = []
     t = 0
     for r, (prefix, extend) in enumerate(rows):
@@ -53,43 +55,44 @@ def reference(q, k, v, table, rows, scale, window):
             for h in range(HQ):
                 kh = k[h // (HQ // HKV), slots].double()
                 vh = v[h // (HQ // HKV), slots].double()
-                p = torch.softmax(kh @ q[t, h].double() * scale, 0)
+                scores = kh @ q[t, h].double() * scale
+                if cap:
+                    scores = torch.tanh(scores / cap) * cap
+                p = torch.softmax(scores, 0)
                 heads.append(p @ vh)
             out.append(torch.cat(heads))
             t += 1
     return torch.stack(out)
 
 
-def run(dtype: torch.dtype, window: int) -> None:
+def run(dtype: torch.dtype, window: int, softcap: float = 0.0) -> None:
     rows = [(0, 7), (SPLIT + 40, 1), (3, 1), (2 * SPLIT - 5, 9), (0, 1), (SPLIT - 1, 2)]
     width = 3 * SPLIT
     k, v = make_cache(dtype, 1)
     table, token_rows, positions, out_slots = make_batch(rows, width, 2)
     g = torch.Generator().manual_seed(3)
     q = torch.randn(len(out_slots), HQ, DIM, generator=g).to(dtype)
-    scale = DIM**-0.5
-    plan = plan_triton(table, token_rows, positions, out_slots, window or None)
+    scale = LayerAttention(DIM**-0.5, window, softcap)
+    plan = plan_triton(table, token_rows, positions, out_slots)
     got = plan.attend(q, k, v, scale)
-    want = reference(q, k, v, table, rows, scale, window)
+    want = reference(q, k, v, table, rows, scale)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     error = (got.double() - want).abs().max().item()
     assert error < tolerance, (dtype, window, error)
-    ieee = plan_triton(table, token_rows, positions, out_slots, window or None, pv_hi_lo=False)
+    ieee = plan_triton(table, token_rows, positions, out_slots, pv_hi_lo=False)
     assert (ieee.attend(q, k, v, scale).double() - want).abs().max().item() < tolerance
     # each row alone: bit for bit what it got in the batch
     start = 0
     for r, (_, e) in enumerate(rows):
         mine = slice(start, start + e)
         alone = plan_triton(
-            table[r : r + 1], token_rows[mine] - r, positions[mine], out_slots[mine],
-            window or None,
+            table[r : r + 1], token_rows[mine] - r, positions[mine], out_slots[mine]
         ).attend(q[mine], k, v, scale)  # fmt: skip
         assert torch.equal(alone, got[mine]), (dtype, window, r)
         if e > 2:  # NOTE: the row's tokens as two chunks (another place in their tiles)
             cut = slice(start + 1, start + e)
             later = plan_triton(
-                table[r : r + 1], token_rows[cut] - r, positions[cut], out_slots[cut],
-                window or None,
+                table[r : r + 1], token_rows[cut] - r, positions[cut], out_slots[cut]
             ).attend(q[cut], k, v, scale)  # fmt: skip
             assert torch.equal(later, got[cut]), (dtype, window, r, "chunked")
         start += e
@@ -97,7 +100,7 @@ def run(dtype: torch.dtype, window: int) -> None:
     saved = attention_triton.PARTIAL_BYTES
     attention_triton.PARTIAL_BYTES = 1
     try:
-        split_up = plan_triton(table, token_rows, positions, out_slots, window or None)
+        split_up = plan_triton(table, token_rows, positions, out_slots)
         group_p = 1 << (HQ // HKV - 1).bit_length()  # NOTE: the GQA group padded, as attend pads it
         assert len(split_up.plan(group_p, HQ * (DIM + 2) * 4).launches) > 1
         assert torch.equal(split_up.attend(q, k, v, scale), got), (dtype, window, "launches")
@@ -108,11 +111,14 @@ def run(dtype: torch.dtype, window: int) -> None:
     for height in (16, 64):
         tall = plan_triton(
             table[decode], torch.arange(len(decode)), positions[index], out_slots[index],
-            window or None, decode_block_m=height,
+            decode_block_m=height,
         ).attend(q[index], k, v, scale)  # fmt: skip
         assert torch.equal(tall, got[index]), (dtype, window, height)
     heads = f"heads {HQ}/{HKV}"
-    print(f"{dtype} window={window} {heads}: max |error| {error:.2e}, rows alone = in the batch")
+    print(
+        f"{dtype} window={window} softcap={softcap} {heads}: max |error| {error:.2e}, "
+        "rows alone = in the batch"
+    )
 
 
 def run_model(model_dir: str) -> None:
@@ -157,6 +163,7 @@ if __name__ == "__main__":
     HQ, HKV = 9, 3  # NOTE: a group padded to a power of two (SmolLM2's heads)
     run(torch.float32, 0)
     run(torch.bfloat16, 100)
+    run(torch.float32, 100, softcap=2.0)  # NOTE: Gemma 2's soft-cap, low enough to bite
     if len(sys.argv) > 1:
         run_model(sys.argv[1])
     sys.exit(0)

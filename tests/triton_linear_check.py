@@ -59,7 +59,7 @@ def check_epilogues(dtype: torch.dtype) -> None:
     assert summed.dtype == torch.float32
     assert (summed.double() - exact).abs().max().item() < 1e-4, dtype
     assert torch.equal(summed, triton_linear(x, w[:24], None, torch.float32) + residual)
-    gated = triton_linear(x, w, None, torch.float32, glu=True)
+    gated = triton_linear(x, w, None, torch.float32, glu="silu")
     gate, up = (x.double() @ w.double().T).chunk(2, dim=-1)
     exact = torch.nn.functional.silu(gate) * up
     assert (gated.double() - exact).abs().max().item() < 1e-4 * exact.abs().max().item()
@@ -67,7 +67,7 @@ def check_epilogues(dtype: torch.dtype) -> None:
     for rows in (1, 5, 21):
         for config in (TileConfig(16, 16, slice_), TileConfig(32, 64, slice_), None):
             assert torch.equal(
-                triton_linear(x[:rows], w, None, torch.float32, config, glu=True), gated[:rows]
+                triton_linear(x[:rows], w, None, torch.float32, config, glu="silu"), gated[:rows]
             ), (dtype, rows, config)
             assert torch.equal(
                 triton_linear(x[:rows], w[:24], None, None, config, residual[:rows]),

@@ -300,7 +300,6 @@ class ModelRunner:
             inputs.starts,
             inputs.is_prefill,
             inputs.out_slots,
-            self.model_config.sliding_window,
             self.attention_backend,
             inputs.token_rows,
             inputs.positions,

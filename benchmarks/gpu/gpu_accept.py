@@ -159,7 +159,7 @@ def check_linear(t: Table, device: torch.device, shape: dict, rows_list: tuple[i
 
         def run(a: torch.Tensor, cfg: TileConfig | None = None, r=None, *, kind=kind, w=w, res=res):
             if kind == "glu":
-                return triton_linear(a, w, None, None, cfg, glu=True)
+                return triton_linear(a, w, None, None, cfg, glu="silu")
             if kind == "residual":
                 r = res[: len(a)] if r is None else r
                 return triton_linear(a, w, None, None, cfg, residual=r)

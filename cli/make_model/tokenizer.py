@@ -1,6 +1,7 @@
 """BPE tokenizers for the locally built demo and test checkpoints: byte-level (GPT-2 style,
 as Llama 3 and Qwen2 ship) or SentencePiece-style (Llama 2, Mistral 7B v0.1: "▁" for a space,
-a dummy prefix on the first word, <0x00>..<0xFF> byte-fallback pieces).
+a dummy prefix on the first word, <0x00>..<0xFF> byte-fallback pieces; Gemma's: the same
+without the dummy prefix, and its turn markers).
 
 Run by the frontend (once, when a checkpoint is built). It trains on text every Python
 installation has, the stdlib's `pydoc_data.topics` and stdlib sources, so a fresh machine
@@ -47,6 +48,24 @@ _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle
 # NOTE: the families whose tokenizer is Qwen2's: no bos, its own pre-tokenizer split, a
 # template that shows tools (Qwen3 ships Qwen2's tokenizer).
 QWEN_ARCHS = ("qwen2", "qwen3")
+# NOTE: the families whose tokenizer is Gemma's (SentencePiece-style, no dummy prefix, turns
+# as <start_of_turn> / <end_of_turn>, the assistant's role named "model")
+GEMMA_ARCHS = ("gemma2", "gemma3")
+START_OF_TURN, END_OF_TURN = "<start_of_turn>", "<end_of_turn>"
+MASK = "<mask>"  # NOTE: GemmaTokenizer's mask token: in the vocab, or it adds one past it
+GEMMA_SPECIALS = (START_OF_TURN, END_OF_TURN, MASK)
+GEMMA_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{%- set prefix = messages[0]['content'] + '\n\n' %}{%- set turns = messages[1:] %}"
+    "{%- else %}{%- set prefix = '' %}{%- set turns = messages %}{%- endif %}"
+    "{%- for message in turns %}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{- '<start_of_turn>' + role + '\n' + (prefix if loop.first else '')"
+    " + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<start_of_turn>model\n' }}{%- endif %}"
+)
 
 # NOTE: one approach to bos, used by every arch that has one: the template itself emits
 # {{ bos_token }}, and callers encode the rendered chat with add_special_tokens=False (as
@@ -158,8 +177,10 @@ def train_tokenizer(vocab_target: int, arch: str, kind: str = "auto") -> Tokeniz
     `kind`: auto (byte-level, with Qwen2's own split for qwen2), byte-level (plain, every
     arch), sentencepiece.
     """
-    if kind == "sentencepiece":
-        return _train_sentencepiece_style(vocab_target, add_bos=arch not in QWEN_ARCHS)
+    if kind == "sentencepiece" or (kind == "auto" and arch in GEMMA_ARCHS):
+        return _train_sentencepiece_style(
+            vocab_target, add_bos=arch not in QWEN_ARCHS, gemma=arch in GEMMA_ARCHS
+        )
     tokenizer = Tokenizer(models.BPE())
     _set_pre_tokenization(tokenizer, qwen2_style=arch in QWEN_ARCHS and kind == "auto")
     tokenizer.decoder = decoders.ByteLevel()
@@ -174,11 +195,13 @@ def train_tokenizer(vocab_target: int, arch: str, kind: str = "auto") -> Tokeniz
     return tokenizer
 
 
-def _train_sentencepiece_style(vocab_target: int, add_bos: bool) -> Tokenizer:
+def _train_sentencepiece_style(vocab_target: int, add_bos: bool, gemma: bool = False) -> Tokenizer:
     """Metaspace ("▁", prefix on the first word, no split), BPE with byte fallback, and
     Llama 2's decoder sequence. Trained on words, then rebuilt with the 256 byte pieces
-    after the special tokens (ids 0..5, then 6..261), as SentencePiece models lay them out."""
-    specials = (UNK, *SPECIAL_TOKENS)
+    after the special tokens (ids 0..5, then 6..261), as SentencePiece models lay them out.
+    `gemma`: no prefix on the first word (nor its strip in the decoder), and the turn markers
+    after the other special tokens."""
+    specials = (UNK, *SPECIAL_TOKENS, *(GEMMA_SPECIALS if gemma else ()))
     trainer_tok = Tokenizer(models.BPE(unk_token=UNK))
     trainer_tok.pre_tokenizer = pre_tokenizers.Metaspace(_SP_SPACE, "first", split=True)
     trainer = trainers.BpeTrainer(
@@ -196,15 +219,10 @@ def _train_sentencepiece_style(vocab_target: int, add_bos: bool) -> Tokenizer:
     tokenizer = Tokenizer(
         models.BPE(vocab=vocab, merges=merges, unk_token=UNK, byte_fallback=True, fuse_unk=True)
     )
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(_SP_SPACE, "first", split=False)
-    tokenizer.decoder = decoders.Sequence(
-        [
-            decoders.Replace(_SP_SPACE, " "),
-            decoders.ByteFallback(),
-            decoders.Fuse(),
-            decoders.Strip(" ", 1, 0),
-        ]
-    )
+    prefix = "never" if gemma else "first"
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(_SP_SPACE, prefix, split=False)
+    steps = [decoders.Replace(_SP_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    tokenizer.decoder = decoders.Sequence(steps if gemma else [*steps, decoders.Strip(" ", 1, 0)])
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     if add_bos:
         tokenizer.post_processor = processors.TemplateProcessing(
@@ -215,14 +233,18 @@ def _train_sentencepiece_style(vocab_target: int, add_bos: bool) -> Tokenizer:
     return tokenizer
 
 
-def special_token_ids(tokenizer: Tokenizer) -> dict[str, int]:
-    """bos/eos/pad ids as the config files name them."""
-    ids: dict[str, int] = {}
+def special_token_ids(tokenizer: Tokenizer) -> dict[str, Any]:
+    """bos/eos/pad ids as the config files name them (eos a list where the tokenizer has
+    Gemma's turns: a turn's end ends generation too, as Gemma's generation_config says)."""
+    ids: dict[str, Any] = {}
     for name, token in (("bos", BOS), ("eos", EOS), ("pad", PAD)):
         token_id = tokenizer.token_to_id(token)
         if token_id is None:
             raise RuntimeError(f"special token {token} missing from the trained vocab")
         ids[f"{name}_token_id"] = token_id
+    end_of_turn = tokenizer.token_to_id(END_OF_TURN)
+    if end_of_turn is not None:
+        ids["eos_token_id"] = [ids["eos_token_id"], end_of_turn]
     return ids
 
 
@@ -230,22 +252,26 @@ def tokenizer_config(
     tokenizer: Tokenizer, arch: str, max_len: int, kind: str = "auto"
 ) -> dict[str, Any]:
     """tokenizer_config.json contents: `PreTrainedTokenizerFast` (byte-level) or
-    `LlamaTokenizer` (SentencePiece-style, as Llama 2 and Mistral 7B v0.1 name it)."""
-    if kind == "sentencepiece":
-        names = (UNK, *SPECIAL_TOKENS)
+    `LlamaTokenizer` (SentencePiece-style, as Llama 2 and Mistral 7B v0.1 name it; Gemma's
+    GemmaTokenizer)."""
+    if kind == "sentencepiece" or (kind == "auto" and arch in GEMMA_ARCHS):
+        gemma = arch in GEMMA_ARCHS
+        names = (UNK, *SPECIAL_TOKENS, *(GEMMA_SPECIALS if gemma else ()))
+        template = GEMMA_TEMPLATE if gemma else "{{- bos_token }}" + CHAT_TEMPLATE
         return {
-            "tokenizer_class": "LlamaTokenizer",
+            "tokenizer_class": "GemmaTokenizer" if gemma else "LlamaTokenizer",
             "bos_token": BOS,
             "eos_token": EOS,
             "pad_token": PAD,
             "unk_token": UNK,
+            **({"mask_token": MASK} if gemma else {}),
             "add_bos_token": arch not in QWEN_ARCHS,
             "add_eos_token": False,
             "legacy": False,
             "model_max_length": max_len,
             "clean_up_tokenization_spaces": False,
             "added_tokens_decoder": _added_tokens(tokenizer, names),
-            "chat_template": ("" if arch in QWEN_ARCHS else "{{- bos_token }}") + CHAT_TEMPLATE,
+            "chat_template": CHAT_TEMPLATE if arch in QWEN_ARCHS else template,
         }
     added = _added_tokens(tokenizer, SPECIAL_TOKENS)
     template = QWEN2_TOOLS_TEMPLATE if arch in QWEN_ARCHS else "{{- bos_token }}" + CHAT_TEMPLATE

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save_file
 
-ARCHS = ("llama", "qwen2", "mistral", "qwen3", "phi3", "granite", "olmo2")
+ARCHS = ("llama", "qwen2", "mistral", "qwen3", "phi3", "granite", "olmo2", "gemma2", "gemma3")
 PRESETS = ("tiny", "small", "medium")
 
 # Above this many bytes of weights, write HF-style shards plus an index file.
@@ -80,7 +80,14 @@ _ARCH_CLASSES = {
     "phi3": "Phi3ForCausalLM",
     "granite": "GraniteForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
+# NOTE: config.json's model_type where it is not the arch's name
+_MODEL_TYPES = {"gemma3": "gemma3_text"}
+# NOTE: a sliding window short enough that the tests' prompts reach past it, on every other
+# layer (Gemma 2's pattern; Gemma 3's 5:1 would leave a 2-layer model without a global layer)
+GEMMA_WINDOW = 16
 # NOTE: the config keys in which the families differ
 _ARCH_FIELDS: dict[str, dict[str, Any]] = {
     "llama": {
@@ -158,6 +165,33 @@ _ARCH_FIELDS: dict[str, dict[str, Any]] = {
         "attention_bias": False,
         "tie_word_embeddings": False,
     },
+    # NOTE: soft-caps far below Gemma 2's own (50 and 30), so that they bite on a tiny model's
+    # scores and logits; query_pre_attn_scalar not the head size (Gemma 2 27B's way)
+    "gemma2": {
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "attn_logit_softcapping": 3.0,
+        "final_logit_softcapping": 20.0,
+        "sliding_window": GEMMA_WINDOW,
+        "attention_bias": False,
+        "tie_word_embeddings": True,
+    },
+    # NOTE: two RoPE tables (the global one with linear scaling, as Gemma 3 4B and up), q/k
+    # norms, no soft-caps
+    "gemma3": {
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        "hidden_activation": "gelu_pytorch_tanh",
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": None,
+        "sliding_window": GEMMA_WINDOW,
+        "attention_bias": False,
+        "tie_word_embeddings": True,
+    },
 }
 
 
@@ -171,7 +205,7 @@ def make_config(arch: str, shape: ModelShape, token_ids: dict[str, int]) -> dict
     """config.json contents; `token_ids` holds bos_token_id, eos_token_id, pad_token_id."""
     config: dict[str, Any] = {
         "architectures": [_ARCH_CLASSES[arch]],
-        "model_type": arch,
+        "model_type": _MODEL_TYPES.get(arch, arch),
         "hidden_size": shape.hidden_size,
         "intermediate_size": shape.intermediate_size,
         "num_attention_heads": shape.num_attention_heads,
@@ -194,6 +228,13 @@ def make_config(arch: str, shape: ModelShape, token_ids: dict[str, int]) -> dict
         config["max_window_layers"] = shape.num_hidden_layers
     elif arch != "qwen2":
         config["head_dim"] = shape.head_dim
+    if arch in ("gemma2", "gemma3"):
+        del config["hidden_act"]
+        config["query_pre_attn_scalar"] = shape.head_dim // 2
+        config["layer_types"] = [
+            "sliding_attention" if i % 2 == 0 else "full_attention"
+            for i in range(shape.num_hidden_layers)
+        ]
     if arch == "phi3":
         pairs = int(shape.head_dim * config["partial_rotary_factor"]) // 2
         config["rope_scaling"] = {
@@ -237,6 +278,14 @@ def _layer_specs(config: dict[str, Any], i: int) -> list[TensorSpec]:
             (p + "self_attn.q_norm.weight", (q_dim,), NORM_STD),
             (p + "self_attn.k_norm.weight", (kv_dim,), NORM_STD),
         ]
+    if config["model_type"].startswith("gemma"):
+        # NOTE: Gemma's norms: before and after attention and the MLP, each scaling by 1 + w
+        # (written around 0: _make_tensor), and Gemma 3's per-head q/k norms
+        specs = [spec for spec in specs if not spec[0].endswith("layernorm.weight")]
+        names = ("input", "post_attention", "pre_feedforward", "post_feedforward")
+        specs += [(p + f"{name}_layernorm.weight", (hidden,), NORM_STD) for name in names]
+        if config["model_type"] == "gemma3_text":
+            specs += [(p + f"self_attn.{n}_norm.weight", (head_dim,), NORM_STD) for n in "qk"]
     if config["model_type"] == "phi3":
         # NOTE: Phi-3's layout: q/k/v as one qkv_proj, gate/up as one gate_up_proj
         specs = [spec for spec in specs if not re.search(r"\.(q|k|v|gate|up)_proj\.", spec[0])]
@@ -261,14 +310,21 @@ def tensor_specs(config: dict[str, Any]) -> list[TensorSpec]:
 
 
 def _make_tensor(
-    rng: np.random.Generator, name: str, shape: tuple[int, ...], std: float, num_used: int
+    rng: np.random.Generator,
+    name: str,
+    shape: tuple[int, ...],
+    std: float,
+    num_used: int,
+    norm_center: float = 1.0,
 ) -> np.ndarray:
+    """norm_center: a norm weight's value where it scales by 1 (0 for Gemma's 1 + w)."""
     if std == 0.0:
-        return np.ones(shape, dtype=np.float32)
+        value = norm_center if name.endswith("norm.weight") else 1.0
+        return np.full(shape, value, dtype=np.float32)
     tensor = rng.standard_normal(shape, dtype=np.float32)
     tensor *= np.float32(std)
     if name.endswith("norm.weight"):
-        tensor += np.float32(1.0)
+        tensor += np.float32(norm_center)
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         # Padding rows past the tokenizer: logit 0, far below the top tokens, never sampled
         # in practice, like the padded vocab of real checkpoints.
@@ -291,12 +347,15 @@ def _plan_shards(specs: list[TensorSpec], shard_bytes: int) -> list[list[TensorS
 
 
 def _shard_tensors(
-    shards: list[list[TensorSpec]], seed: int, num_used: int
+    shards: list[list[TensorSpec]], seed: int, num_used: int, norm_center: float = 1.0
 ) -> Iterator[dict[str, np.ndarray]]:
     """Tensors one shard at a time, so that at most one shard is in memory."""
     rng = np.random.default_rng(seed)
     for shard in shards:
-        yield {name: _make_tensor(rng, name, shape, std, num_used) for name, shape, std in shard}
+        yield {
+            name: _make_tensor(rng, name, shape, std, num_used, norm_center)
+            for name, shape, std in shard
+        }
 
 
 def write_weights(
@@ -309,14 +368,15 @@ def write_weights(
     """Write model.safetensors, or shards plus model.safetensors.index.json; return the files."""
     specs = tensor_specs(config)
     shards = _plan_shards(specs, shard_bytes)
+    center = 0.0 if config["model_type"].startswith("gemma") else 1.0
     metadata = {"format": "pt"}
     if len(shards) == 1:
-        tensors = next(_shard_tensors(shards, seed, num_used_tokens))
+        tensors = next(_shard_tensors(shards, seed, num_used_tokens, center))
         save_file(tensors, str(out_dir / "model.safetensors"), metadata=metadata)
         return [out_dir / "model.safetensors"]
     files: list[Path] = []
     weight_map: dict[str, str] = {}
-    for i, tensors in enumerate(_shard_tensors(shards, seed, num_used_tokens)):
+    for i, tensors in enumerate(_shard_tensors(shards, seed, num_used_tokens, center)):
         path = out_dir / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(tensors, str(path), metadata=metadata)
         weight_map.update(dict.fromkeys(tensors, path.name))

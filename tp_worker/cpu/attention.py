@@ -2,7 +2,8 @@
 csrc/attention_amx.cpp) reads each row's keys and values where they lie in the KV cache,
 through the request->slot table (tp_worker).
 
-Every query token attends to its own row's positions [0, position] (or the sliding window),
+Every query token attends to its own row's positions [0, position] (or its layer's sliding
+window),
 so a row's work and its numbers depend on its own context only: the kernel's reduction order
 is fixed per (token, head) (see the rule at the top of csrc/attention.cpp), never by its
 batch, its chunk or how the kernel groups tokens into work items.
@@ -16,6 +17,7 @@ import torch
 
 from tokenmill.tp_worker.cpu.kernels import library
 from tokenmill.tp_worker.cpu.ops import DTYPE_CODES, amx_enabled, rope_store_cpu
+from tokenmill.tp_worker.model.layer_attention import LayerAttention
 
 
 @dataclass(frozen=True)
@@ -26,7 +28,6 @@ class PagedAttention:
     num_tokens: torch.Tensor  # [B] int64 new tokens of each batch row
     first_pos: torch.Tensor  # [B] int64 position of each batch row's first new token
     out_slots: torch.Tensor  # [T] int64 KV slot each new token writes
-    sliding_window: int  # 0 = none
     # NOTE: the queries attended, as indices into the step's [T] tokens (None: all of them);
     # every new token's key and value is still written.
     query_index: torch.Tensor | None = None
@@ -46,7 +47,11 @@ class PagedAttention:
         )
 
     def attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        settings: LayerAttention,
     ) -> torch.Tensor:
         """q [T, Hq, D] -> [T, Hq * D] over the cache [Hkv, slots, D], the new tokens' keys
         already in it."""
@@ -75,8 +80,9 @@ class PagedAttention:
             k_cache.stride(0),
             k_cache.stride(1),
             self.table.shape[1],
-            self.sliding_window,
-            scale,
+            settings.window,
+            settings.scale,
+            settings.softcap,
             DTYPE_CODES[q.dtype],
         )
         assert status == 0, f"tm_paged_attention failed ({status})"
@@ -89,7 +95,7 @@ class PagedAttention:
         kv: tuple[torch.Tensor, torch.Tensor],
         num_heads: int,
         num_kv_heads: int,
-        scale: float,
+        settings: LayerAttention,
         kv_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """RoPE and the KV write in one pass (csrc/rope.cpp), then `attend` (see Attention).
@@ -105,7 +111,7 @@ class PagedAttention:
             rope_store_cpu(kv_rows, cos_sin, kv, self.out_slots, 0, num_kv_heads)
             kept_q, kept_cos_sin = qkv[:, : num_heads * kv[0].shape[2]], [c[index] for c in cos_sin]
             q = rope_store_cpu(kept_q, tuple(kept_cos_sin), kv, self.out_slots[index], num_heads, 0)
-        return self.attend(q, kv[0], kv[1], scale)
+        return self.attend(q, kv[0], kv[1], settings)
 
 
 def uses_amx(dtype: torch.dtype, head_dim: int) -> bool:

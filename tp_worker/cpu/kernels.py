@@ -116,6 +116,7 @@ def build(arch: str = "native") -> Path:
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _C = ctypes.c_int
+_F = ctypes.c_float
 
 
 @functools.cache
@@ -126,7 +127,9 @@ def library() -> ctypes.CDLL:
 
 def load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
-    lib.tm_paged_attention.argtypes = [*[_P] * 9, *[_I] * 8, ctypes.c_float, ctypes.c_int]
+    # NOTE: the soft-cap, a float, rides in a vector register: builds of older sources,
+    # which lack it, read the same integer arguments and ignore it.
+    lib.tm_paged_attention.argtypes = [*[_P] * 9, *[_I] * 8, _F, _F, ctypes.c_int]
     lib.tm_paged_attention.restype = ctypes.c_int
     lib.tm_paged_attention_amx.argtypes = lib.tm_paged_attention.argtypes
     lib.tm_paged_attention_amx.restype = ctypes.c_int
@@ -142,7 +145,7 @@ def load(path: Path) -> ctypes.CDLL:
             getattr(lib, name).restype = ctypes.c_int
     lib.tm_amx_ready.argtypes = []
     lib.tm_amx_ready.restype = ctypes.c_int
-    lib.tm_rms_norm.argtypes = [_P, _P, _P, _I, _I, _I, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    lib.tm_rms_norm.argtypes = [_P, _P, _P, _I, _I, _I, _F, _C, _C]
     lib.tm_rms_norm.restype = ctypes.c_int
     if hasattr(lib, "tm_head_norm"):  # NOTE: as the two above
         lib.tm_head_norm.argtypes = [_P, *[_I] * 6, _P, _P, ctypes.c_float, ctypes.c_int]
@@ -151,8 +154,11 @@ def load(path: Path) -> ctypes.CDLL:
         lib.tm_norm_add.restype = ctypes.c_int
         lib.tm_cast_rows.argtypes = [_P, _P, _I, _I, _I, ctypes.c_int]
         lib.tm_cast_rows.restype = ctypes.c_int
-    lib.tm_silu_mul.argtypes = [_P, _P, _I, _I, ctypes.c_int, ctypes.c_int]
-    lib.tm_silu_mul.restype = ctypes.c_int
+    if hasattr(lib, "tm_glu_mul"):
+        lib.tm_glu_mul.argtypes = [_P, _P, _I, _I, *[ctypes.c_int] * 3]
+        lib.tm_glu_mul.restype = ctypes.c_int
+        lib.tm_soft_cap.argtypes = [_P, _I, _F]
+        lib.tm_soft_cap.restype = None
     lib.tm_rope_store.argtypes = [*[_P] * 7, *[_I] * 6, ctypes.c_int]
     lib.tm_rope_store.restype = ctypes.c_int
     if hasattr(lib, "tm_rope_store_partial"):
@@ -168,11 +174,12 @@ def load(path: Path) -> ctypes.CDLL:
         _P,
         _I,
         _P,
-        ctypes.c_float,
-        ctypes.c_float,
+        _F,
+        _F,
+        _F,
         _P,
         _I,
-        *[_P] * 4,
+        *[_P] * 6,
         _I,
         *[_P] * 4,
         _I,

@@ -9,7 +9,7 @@ conversion, torch's allocations and views) added ~0.08 ms more, 30 layers deep (
 
 Used where the whole layer runs in csrc/: one rank (a row-parallel product's all-reduce is
 torch.distributed's, between kernels), our paged attention, the MLP's gate/up product with
-its fused silu epilogue. TOKENMILL_CPU_LAYER_STACK=0 turns it off (the Python loop, for an
+its fused activation epilogue. TOKENMILL_CPU_LAYER_STACK=0 turns it off (the Python loop, for an
 A/B or a test: the two give the same bits).
 """
 
@@ -26,7 +26,13 @@ import torch
 
 from tokenmill.tp_worker.cpu.attention import PagedAttention, uses_amx
 from tokenmill.tp_worker.cpu.kernels import library
-from tokenmill.tp_worker.cpu.ops import DTYPE_CODES, PackedLinear, product_rows, rows_alias
+from tokenmill.tp_worker.cpu.ops import (
+    ACTIVATION_CODES,
+    DTYPE_CODES,
+    PackedLinear,
+    product_rows,
+    rows_alias,
+)
 
 if TYPE_CHECKING:
     from tokenmill.tp_worker.model.decoder import DecoderLayer
@@ -46,6 +52,8 @@ FIELDS = (
     "k_norm",
     "attn_out_norm",
     "mlp_out_norm",
+    "window",
+    "local_rope",
 )
 K_COLUMN, V_COLUMN = FIELDS.index("k"), FIELDS.index("v")
 # NOTE: csrc/layer_stack.cpp's Shape.qk_norm
@@ -73,7 +81,9 @@ class LayerStack:
         gate_up = _kernel(first.gate_up_proj)
         self.inter = gate_up.out_features // 2
         self.eps = first.eps
-        self.scale = first.scale
+        self.scale = first.attention_settings.scale
+        self.softcap = first.attention_settings.softcap
+        self.activation = ACTIVATION_CODES[_kernel(first.gate_up_proj).activation]
         self.linear_amx = _kernel(first.qkv_proj).amx
         self.attention_amx = uses_amx(dtype, self.head_dim)  # NOTE: as PagedAttention.attend
         self.table = torch.zeros(len(layers), len(FIELDS), dtype=torch.int64)
@@ -91,6 +101,8 @@ class LayerStack:
                 "k_norm": _address(layer.k_norm),
                 "attn_out_norm": _address(layer.attn_out_norm),
                 "mlp_out_norm": _address(layer.mlp_out_norm),
+                "window": layer.attention_settings.window,
+                "local_rope": int(layer.local_rope),
             }
             for name, address in addresses.items():
                 row[FIELDS.index(name)] = address
@@ -120,11 +132,13 @@ class LayerStack:
         self,
         x: torch.Tensor,
         cos_sin: tuple[torch.Tensor, ...],
+        local_cos_sin: tuple[torch.Tensor, ...] | None,
         attention: PagedAttention,
         kv_cache: Sequence[tuple[torch.Tensor, torch.Tensor]],
         count: int,
     ) -> None:
-        """The first `count` layers over the float32 residual stream x [T, hidden] (in place)."""
+        """The first `count` layers over the float32 residual stream x [T, hidden] (in place);
+        local_cos_sin: the RoPE table of the layers that rotate by the local one (or None)."""
         assert attention.query_index is None, "a plan that drops queries is the last layer's"
         assert x.dtype == torch.float32 and x.is_contiguous(), (x.dtype, x.stride())
         # NOTE: the kernels take raw pointers: what they read must be laid out as they expect.
@@ -135,18 +149,26 @@ class LayerStack:
         k_cache = kv_cache[0][0]
         self._point_at(kv_cache)
         cos, sin = (c.reshape(tokens, self.rotary_dim).contiguous() for c in cos_sin)
+        local_cos, local_sin = (
+            (c.reshape(tokens, self.rotary_dim).contiguous() for c in local_cos_sin)
+            if local_cos_sin is not None
+            else (None, None)
+        )
         slots = attention.out_slots.contiguous()
         scratch = self._scratch_for(tokens)  # NOTE: held until the call returns
         status = library().tm_layer_stack(
             self.table.data_ptr(),
             count,
-            self._shape_for(attention, k_cache),
+            self._shape_for(k_cache),
             self.eps,
             self.scale,
+            self.softcap,
             x.data_ptr(),
             tokens,
             cos.data_ptr(),
             sin.data_ptr(),
+            None if local_cos is None else local_cos.data_ptr(),
+            None if local_sin is None else local_sin.data_ptr(),
             slots.data_ptr(),
             attention.table.data_ptr(),
             attention.table.shape[1],
@@ -159,11 +181,9 @@ class LayerStack:
         )
         assert status == 0, f"tm_layer_stack failed ({status})"
 
-    def _shape_for(
-        self, attention: PagedAttention, k_cache: torch.Tensor
-    ) -> ctypes.Array[ctypes.c_int64]:
-        """Shape's fields (csrc/layer_stack.cpp), made again only where the window or the
-        cache's layout changed."""
+    def _shape_for(self, k_cache: torch.Tensor) -> ctypes.Array[ctypes.c_int64]:
+        """Shape's fields (csrc/layer_stack.cpp), made again only where the cache's layout
+        changed."""
         fields = (
             self.hidden,
             self.heads,
@@ -173,7 +193,7 @@ class LayerStack:
             DTYPE_CODES[self.dtype],
             int(self.linear_amx),
             int(self.attention_amx),
-            attention.sliding_window,
+            self.activation,
             k_cache.stride(0),
             k_cache.stride(1),
             self.rotary_dim,

@@ -1,7 +1,8 @@
 """The CPU kernels' Python sides for the dense layers (tp_worker): linear layers through
 csrc/linear.cpp (or, in bfloat16 on a CPU with AMX, csrc/linear_amx.cpp on the same panels),
 with weights packed once at load time; RMSNorm through csrc/rms_norm.cpp;
-the MLP's SiLU(gate) x up through csrc/activation.cpp; RoPE and the KV-cache write through
+the MLP's act(gate) x up and the logits' soft-cap through csrc/activation.cpp; RoPE and the
+KV-cache write through
 csrc/rope.cpp. Attention is cpu/attention.py.
 
 Every output element sums its products in float32 in an order fixed by K alone, whatever
@@ -24,6 +25,8 @@ PANEL = 32  # NR in csrc/linear.cpp: output features per packed panel
 AMX_TILE_K = 32  # TILE_K in csrc/linear_amx.cpp: bfloat16 k per tile product
 # NOTE: the dtypes every kernel in csrc/ takes, with the codes they take them by.
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+# NOTE: the MLP's gate activations, by csrc/silu.h's codes (config.py's ModelConfig.activation)
+ACTIVATION_CODES = {"silu": 1, "gelu_tanh": 2}
 
 
 # NOTE: a product reads x a block of 12 rows at a time, one word of each row per step (csrc/
@@ -127,13 +130,21 @@ def fuses_gate_up(out_features: int) -> bool:
 
 class PackedLinear:
     """y = x W^T (+ b) for x [M, K] in the weight's dtype; with `glu` (W an MLP's gate_up,
-    gate rows then up rows, fuses_gate_up), y = silu(x Wg^T) * (x Wu^T) [M, N / 2], with the
-    bits of silu_mul_cpu over the unfused product's float32 output."""
+    gate rows then up rows, fuses_gate_up), y = act(x Wg^T) * (x Wu^T) [M, N / 2], act the
+    `activation` (ACTIVATION_CODES), with the bits of glu_mul_cpu over the unfused product's
+    float32 output."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, glu: bool = False) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        glu: bool = False,
+        activation: str = "silu",
+    ) -> None:
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
         self.glu = glu
+        self.activation = activation
         if glu:
             assert fuses_gate_up(self.out_features), self.out_features
             weight = gate_up_panels(weight)
@@ -185,20 +196,23 @@ class PackedLinear:
             DTYPE_CODES[x.dtype],
             DTYPE_CODES[out.dtype],
             None if residual is None else residual.data_ptr(),
-            int(self.glu),
+            ACTIVATION_CODES[self.activation] if self.glu else 0,
         )
         assert status == 0, f"tm_linear: unsupported {x.dtype} -> {out.dtype}"
         return out
 
 
-def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of x [..., hidden] (float32, or the weight's dtype) through csrc/rms_norm.cpp
-    (its rule is at the file's top), in the weight's dtype, into rows laid out for the
+def rms_norm_cpu(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype
+) -> torch.Tensor:
+    """RMSNorm of x [..., hidden] (float32, or `dtype`) by weight [hidden] (float32) through
+    csrc/rms_norm.cpp (its rule is at the file's top), in `dtype`, into rows laid out for the
     products that read it (product_rows)."""
+    assert weight.dtype == torch.float32, weight.dtype
     x = x.contiguous()
     hidden = x.shape[-1]
     rows = x.numel() // hidden
-    out = product_rows(rows, hidden, weight.dtype)
+    out = product_rows(rows, hidden, dtype)
     status = library().tm_rms_norm(
         x.data_ptr(),
         weight.data_ptr(),
@@ -207,10 +221,10 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
         hidden,
         row_stride(out),
         eps,
-        DTYPE_CODES[weight.dtype],
+        DTYPE_CODES[dtype],
         DTYPE_CODES[x.dtype],
     )
-    assert status == 0, f"tm_rms_norm: unsupported {x.dtype} -> {weight.dtype}"
+    assert status == 0, f"tm_rms_norm: unsupported {x.dtype} -> {dtype}"
     return out.view(*x.shape[:-1], hidden)
 
 
@@ -224,8 +238,9 @@ def head_norm_cpu(
 ) -> None:
     """In place, through csrc/rms_norm.cpp: rows [T, width] (contiguous) hold, from their
     first column, q = (count, dim) slices normed by q_weight [dim], then k = (count, dim)
-    slices normed by k_weight [dim] (Qwen3: heads; OLMo 2: one slice of all of q, of all of k)."""
-    assert rows.is_contiguous() and rows.dtype == q_weight.dtype == k_weight.dtype
+    slices normed by k_weight [dim] (Qwen3: heads; OLMo 2: one slice of all of q, of all of k);
+    the weights float32."""
+    assert rows.is_contiguous() and q_weight.dtype == k_weight.dtype == torch.float32
     status = library().tm_head_norm(
         rows.data_ptr(),
         rows.shape[0],
@@ -242,8 +257,9 @@ def head_norm_cpu(
 
 def norm_add_cpu(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     """x [T, hidden] float32 += RMSNorm(y [T, hidden], weight) rounded to weight's dtype, in
-    place (csrc/rms_norm.cpp's tm_norm_add: a norm after a sublayer, before its residual add)."""
-    assert x.dtype == torch.float32 and x.is_contiguous() and y.dtype == weight.dtype
+    place (csrc/rms_norm.cpp's tm_norm_add: a norm after a sublayer, before its residual add);
+    weight float32."""
+    assert x.dtype == torch.float32 and x.is_contiguous() and weight.dtype == torch.float32
     assert y.stride(-1) == 1 and y.shape == x.shape
     status = library().tm_norm_add(
         y.data_ptr(),
@@ -270,23 +286,35 @@ def cast_rows_cpu(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def silu_mul_cpu(gate_up: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """silu(gate) * up for gate_up [N, 2 * inter] through csrc/activation.cpp -> [N, inter]
-    in out_dtype (default gate_up's), computed in float32 and rounded once."""
+def glu_mul_cpu(
+    gate_up: torch.Tensor, out_dtype: torch.dtype | None = None, activation: str = "silu"
+) -> torch.Tensor:
+    """act(gate) * up for gate_up [N, 2 * inter] through csrc/activation.cpp -> [N, inter]
+    in out_dtype (default gate_up's), computed in float32 and rounded once; act is
+    `activation` (ACTIVATION_CODES)."""
     assert gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0, gate_up.shape
     gate_up = gate_up.contiguous()
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = gate_up.new_empty(rows, inter, dtype=out_dtype or gate_up.dtype)
-    status = library().tm_silu_mul(
+    status = library().tm_glu_mul(
         gate_up.data_ptr(),
         out.data_ptr(),
         rows,
         inter,
         DTYPE_CODES[gate_up.dtype],
         DTYPE_CODES[out.dtype],
+        ACTIVATION_CODES[activation],
     )
-    assert status == 0, f"tm_silu_mul: unsupported {gate_up.dtype} -> {out.dtype}"
+    assert status == 0, f"tm_glu_mul: unsupported {gate_up.dtype} -> {out.dtype}"
     return out
+
+
+def soft_cap_cpu(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """x (float32) = cap * tanh(x / cap) in place through csrc/activation.cpp (its own tanh:
+    torch's picks its vector kernel by the machine and an element's place in the tensor)."""
+    assert x.dtype == torch.float32 and x.is_contiguous() and x.device.type == "cpu"
+    library().tm_soft_cap(x.data_ptr(), x.numel(), cap)
+    return x
 
 
 def rope_store_cpu(

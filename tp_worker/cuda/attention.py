@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from tokenmill.tp_worker.model.attention_sdpa import TorchProjection
+from tokenmill.tp_worker.model.layer_attention import LayerAttention
 
 try:
     import triton
@@ -63,7 +64,6 @@ class TritonAttention(TorchProjection):
     table: torch.Tensor  # [R, max_len] int32
     token_rows: torch.Tensor  # [T] int32 table row of each new token
     token_pos: torch.Tensor  # [T] int32 absolute position of each new token
-    sliding_window: int  # 0: none
     decode_block_m: int = DECODE_BLOCK_M
     pv_hi_lo: bool = PV_HI_LO
     # NOTE: token_rows and token_pos on the host, where the step has them: the plan then
@@ -74,7 +74,11 @@ class TritonAttention(TorchProjection):
     made: dict[tuple[int, int], StepPlan] = field(default_factory=dict)
 
     def attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        settings: LayerAttention,
     ) -> torch.Tensor:
         """q [T, Hq, D] -> [T, Hq * D] over one layer's cache [Hkv, slots, D]."""
         num_tokens, num_heads, dim = q.shape
@@ -95,7 +99,7 @@ class TritonAttention(TorchProjection):
                 q, k_cache, v_cache, self.table, plan.tiles[0, a:b], plan.tiles[1, a:b],
                 plan.tiles[2, a:b], plan.tiles[3, a:b], partial_max, partial_sum, partial_out,
                 q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-                self.table.stride(0), scale, self.sliding_window, t0,
+                self.table.stride(0), settings.scale, settings.window, settings.softcap, t0,
                 GROUP=group, GROUP_P=group_p, DIM=dim, SPLIT=SPLIT, BLOCK_N=BLOCK_N,
                 BLOCK_M=plan.block_m, IEEE=q.dtype == torch.float32,
                 PV_IEEE=q.dtype == torch.float32 or not self.pv_hi_lo,
@@ -185,7 +189,6 @@ def plan_triton(
     token_rows: torch.Tensor,
     positions: torch.Tensor,
     out_slots: torch.Tensor,
-    sliding_window: int | None,
     decode_block_m: int | None = None,
     pv_hi_lo: bool | None = None,
     host: tuple[np.ndarray, np.ndarray] | None = None,
@@ -200,7 +203,6 @@ def plan_triton(
         table=table,
         token_rows=token_rows.int(),
         token_pos=positions.int(),
-        sliding_window=sliding_window or 0,
         decode_block_m=DECODE_BLOCK_M if decode_block_m is None else decode_block_m,
         pv_hi_lo=PV_HI_LO if pv_hi_lo is None else pv_hi_lo,
         host=host,
@@ -212,7 +214,8 @@ if triton is not None:
     @triton.jit
     def _tile_kernel(
         Q, K, V, TABLE, TILE_ROW, TILE_FIRST, TILE_POS, TILE_COUNT, MAX, SUM, OUT,
-        stride_qt, stride_qh, stride_kh, stride_ks, stride_table, scale, window, token_base,
+        stride_qt, stride_qh, stride_kh, stride_ks, stride_table, scale, window, softcap,
+        token_base,
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, DIM: tl.constexpr, SPLIT: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, IEEE: tl.constexpr, PV_IEEE: tl.constexpr,
     ):  # fmt: skip
@@ -262,7 +265,13 @@ if triton is not None:
             else:
                 scores = tl.dot(q, tl.trans(k))
             seen = (keys[None, :] >= lo_row[:, None]) & (keys[None, :] < hi_row[:, None])
-            scores = tl.where(seen, scores * scale, float("-inf"))
+            scores = scores * scale
+            if softcap > 0:  # NOTE: c * tanh(s / c), tanh as (1 - e) / (1 + e), e = exp(-2|x|)
+                x = scores / softcap
+                e = tl.exp(-2.0 * tl.abs(x))
+                t = (1.0 - e) / (1.0 + e)
+                scores = tl.where(x < 0, -t, t) * softcap
+            scores = tl.where(seen, scores, float("-inf"))
             new_best = tl.maximum(best, tl.max(scores, 1))
             # NOTE: a row with no key seen yet keeps best -inf, total and acc 0 exactly
             base = tl.where(new_best == float("-inf"), 0.0, new_best)

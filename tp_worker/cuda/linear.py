@@ -83,6 +83,10 @@ def available() -> bool:
     return triton is not None
 
 
+# NOTE: the kernel's GLU constexpr: none, then cpu/ops.py's ACTIVATION_CODES
+GLU_CODES = {"": 0, "silu": 1, "gelu_tanh": 2}
+
+
 def triton_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -90,11 +94,12 @@ def triton_linear(
     out_dtype: torch.dtype | None = None,
     config: TileConfig | None = None,
     residual: torch.Tensor | None = None,
-    glu: bool = False,
+    glu: str = "",
 ) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in out_dtype (default x's).
     residual [M, N]: added to the float32 sums, the result in the residual's dtype.
-    glu: weight holds gate rows then up rows [2N, K] (bias likewise): silu(gate) * up [M, N]."""
+    glu (an activation: silu, gelu_tanh): weight holds gate rows then up rows [2N, K] (bias
+    likewise): act(gate) * up [M, N]."""
     assert triton is not None, "Triton is not installed"
     rows, k = x.shape
     n = weight.shape[0] // 2 if glu else weight.shape[0]
@@ -113,7 +118,7 @@ def triton_linear(
         x, weight, weight if bias is None else bias, out, out if residual is None else residual,
         rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
         0 if residual is None else residual.stride(0),
-        HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, GLU=glu,
+        HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, GLU=GLU_CODES[glu],
         IEEE=x.dtype == torch.float32, OUT_FP32=out.dtype == torch.float32,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -168,8 +173,13 @@ if triton is not None:
             acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
             if GLU:
                 up += tl.load(b_ptr + N + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        if GLU:  # NOTE: silu(gate) * up from the float32 sums, rounded once (csrc's rule)
+        # NOTE: act(gate) * up from the float32 sums, rounded once (csrc's rule): gelu_tanh
+        # as x * sigmoid(2u) (csrc/silu.h)
+        if GLU == 1:
             acc = acc / (1.0 + tl.exp(-acc)) * up
+        if GLU == 2:
+            z = acc * (1.5957691216057308 + 0.0713548162726009 * (acc * acc))
+            acc = acc / (1.0 + tl.exp(-z)) * up
         inside = (rm[:, None] < M) & (rn[None, :] < N)
         if HAS_RESIDUAL:
             acc += tl.load(r_ptr + rm[:, None] * stride_rm + rn[None, :], mask=inside, other=0.0)

@@ -42,14 +42,14 @@ def block_for(width: int) -> int:
     return min(MAX_BLOCK, triton.next_power_of_2(width))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
     """x [T, H] (the float32 residual stream, or q/k heads in the model's dtype) -> [T, H] in
-    the weight's dtype:
-    weight * (x * rsqrt(mean(x^2) + eps)), in float32 and rounded once."""
+    `dtype`: weight * (x * rsqrt(mean(x^2) + eps)), in float32 and rounded once (weight
+    float32)."""
     assert triton is not None, "Triton is not installed"
     x = x if x.stride(-1) == 1 else x.contiguous()
     rows, hidden = x.shape
-    out = torch.empty(rows, hidden, dtype=weight.dtype, device=x.device)
+    out = torch.empty(rows, hidden, dtype=dtype, device=x.device)
     if rows:
         _rms_norm_kernel[(rows,)](
             x, weight, out, hidden, x.stride(0), out.stride(0), eps,

@@ -17,6 +17,7 @@ import torch
 from tokenmill.tp_worker.cpu import attention as attention_cpu
 from tokenmill.tp_worker.cuda import attention as attention_triton
 from tokenmill.tp_worker.model.attention_sdpa import plan_sdpa
+from tokenmill.tp_worker.model.layer_attention import LayerAttention
 from tokenmill.tp_worker.step_inputs import LastLayerRows
 
 
@@ -24,10 +25,14 @@ class Attention(Protocol):
     out_slots: torch.Tensor  # [T] int64 KV slot each new token writes
 
     def attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        settings: LayerAttention,
     ) -> torch.Tensor:
         """q [T, Hq, D] -> [T, Hq * D] over one layer's cache [Hkv, slots, D], which already
-        holds the new tokens' keys and values."""
+        holds the new tokens' keys and values; the layer's scale, window and soft-cap."""
         ...
 
     def attend_projection(
@@ -37,7 +42,7 @@ class Attention(Protocol):
         kv: tuple[torch.Tensor, torch.Tensor],
         num_heads: int,
         num_kv_heads: int,
-        scale: float,
+        settings: LayerAttention,
     ) -> torch.Tensor:
         """The fused projection qkv [T, (Hq + 2 Hkv) * D] -> [T, Hq * D]: RoPE on q and k,
         the new keys and values into the layer's cache, then `attend`."""
@@ -52,21 +57,19 @@ def plan_attention(
     starts: torch.Tensor,
     is_prefill: torch.Tensor,
     out_slots: torch.Tensor,
-    sliding_window: int | None,
     backend: str,
     token_rows: torch.Tensor,
     positions: torch.Tensor,
     host: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> Attention:
-    """One step's attention metadata, built once and shared by every layer. `table` is
+    """One step's attention metadata, built once and shared by every layer (each brings its
+    own window: layer_attention.py). `table` is
     [R, max_len] int32; out_slots is [T] int64; the other tensors are [B] int64 (bool);
     `starts` is the index in [T] of each row's first new token; token_rows and positions
     are [T]: each new token's table row and position (`host`: the same two on the host, where
     the caller has them). backend: cpu, sdpa, triton."""
     if backend == "triton":
-        return attention_triton.plan_triton(
-            table, token_rows, positions, out_slots, sliding_window, host=host
-        )
+        return attention_triton.plan_triton(table, token_rows, positions, out_slots, host=host)
     if backend == "cpu":
         return attention_cpu.PagedAttention(
             table=table,
@@ -75,11 +78,8 @@ def plan_attention(
             num_tokens=extend_lens.contiguous(),
             first_pos=prefix_lens.contiguous(),
             out_slots=out_slots,
-            sliding_window=sliding_window or 0,
         )
-    return plan_sdpa(
-        table, req_rows, prefix_lens, extend_lens, starts, is_prefill, out_slots, sliding_window
-    )
+    return plan_sdpa(table, req_rows, prefix_lens, extend_lens, starts, is_prefill, out_slots)
 
 
 def plan_last_layer(attention: Attention, rows: LastLayerRows | None) -> Attention | None:

@@ -14,11 +14,13 @@ once per step and shared by every layer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from tokenmill.tp_worker.model.layer_attention import LayerAttention
 from tokenmill.tp_worker.model.rope import apply_rotary
 
 KEY_BLOCK = 64
@@ -28,10 +30,25 @@ QUERY_BLOCK = 32
 @dataclass(frozen=True)
 class AttentionGroup:
     key_slots: torch.Tensor  # [G, L] int64 slots of each row's keys (padding reads slot 0)
-    mask: torch.Tensor  # [G, 1, Q, L] bool, True = may attend
+    mask: torch.Tensor  # [G, 1, Q, L] bool, True = may attend (causal)
     query_index: torch.Tensor  # [G, Q] int64 token index of each padded query (padding: 0)
     valid: torch.Tensor  # [N] int64 flat [G*Q] index of each real query
     tokens: torch.Tensor  # [N] int64 token index of each real query, same order
+    q_pos: torch.Tensor  # [G, Q] int64 position of each padded query
+    # NOTE: the mask within each window a layer asks for, made once a step
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mask_for(self, window: int) -> torch.Tensor:
+        """The mask of a layer that attends in `window` (0: the causal mask)."""
+        if window <= 0:
+            return self.mask
+        if window not in self.windowed:
+            key_pos = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            inside = key_pos[None, None, :] > self.q_pos[:, :, None] - window
+            mask = self.mask & inside.unsqueeze(1)
+            mask[..., 0] |= ~mask.any(-1)  # NOTE: padded queries keep key 0 (no NaN rows)
+            self.windowed[window] = mask
+        return self.windowed[window]
 
 
 class TorchProjection:
@@ -41,7 +58,11 @@ class TorchProjection:
     out_slots: torch.Tensor
 
     def attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        settings: LayerAttention,
     ) -> torch.Tensor:
         raise NotImplementedError
 
@@ -52,7 +73,7 @@ class TorchProjection:
         kv: tuple[torch.Tensor, torch.Tensor],
         num_heads: int,
         num_kv_heads: int,
-        scale: float,
+        settings: LayerAttention,
     ) -> torch.Tensor:
         """RoPE on q and k of the fused projection, the new keys and values into the layer's
         cache [Hkv, slots, D] at `out_slots`, then `attend` (see attention.Attention)."""
@@ -62,7 +83,7 @@ class TorchProjection:
         k = apply_rotary(k.view(-1, num_kv_heads, dim), *cos_sin)
         kv[0].index_copy_(1, self.out_slots, k.transpose(0, 1))
         kv[1].index_copy_(1, self.out_slots, v.view(-1, num_kv_heads, dim).transpose(0, 1))
-        return self.attend(q, kv[0], kv[1], scale)
+        return self.attend(q, kv[0], kv[1], settings)
 
 
 @dataclass(frozen=True)
@@ -71,7 +92,11 @@ class SdpaAttention(TorchProjection):
     groups: tuple[AttentionGroup, ...]
 
     def attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        settings: LayerAttention,
     ) -> torch.Tensor:
         """q [T, Hq, D] -> [T, Hq * D] over the cache, the new tokens' keys already in it."""
         out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
@@ -79,16 +104,38 @@ class SdpaAttention(TorchProjection):
             keys = k_cache[:, group.key_slots].transpose(0, 1)  # [G, Hkv, L, D]
             values = v_cache[:, group.key_slots].transpose(0, 1)
             queries = q[group.query_index].transpose(1, 2)  # [G, Hq, Q, D]
-            result = F.scaled_dot_product_attention(
-                queries,
-                keys,
-                values,
-                attn_mask=group.mask,
-                scale=scale,
-                enable_gqa=queries.shape[1] != keys.shape[1],
-            )  # [G, Hq, Q, D]
+            mask = group.mask_for(settings.window)
+            if settings.softcap > 0:
+                result = _soft_capped(queries, keys, values, mask, settings)
+            else:
+                result = F.scaled_dot_product_attention(
+                    queries,
+                    keys,
+                    values,
+                    attn_mask=mask,
+                    scale=settings.scale,
+                    enable_gqa=queries.shape[1] != keys.shape[1],
+                )  # [G, Hq, Q, D]
             out[group.tokens] = result.transpose(1, 2).reshape(-1, out.shape[1])[group.valid]
         return out
+
+
+def _soft_capped(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    settings: LayerAttention,
+) -> torch.Tensor:
+    """Attention with Gemma 2's soft-capped scores (SDPA takes no soft-cap), in float32 as
+    transformers' eager attention computes it: [G, Hq, Q, D]."""
+    repeat = queries.shape[1] // keys.shape[1]
+    keys = keys.repeat_interleave(repeat, dim=1).float()
+    values = values.repeat_interleave(repeat, dim=1).float()
+    scores = queries.float() @ keys.transpose(-1, -2) * settings.scale
+    scores = torch.tanh(scores / settings.softcap) * settings.softcap
+    scores = scores.masked_fill(~mask, -math.inf)
+    return (scores.softmax(-1) @ values).to(queries.dtype)
 
 
 def plan_sdpa(
@@ -99,7 +146,6 @@ def plan_sdpa(
     starts: torch.Tensor,
     is_prefill: torch.Tensor,
     out_slots: torch.Tensor,
-    sliding_window: int | None,
 ) -> SdpaAttention:
     """table [R, max_len] int32; the other inputs are [B] on the table's device."""
     groups = []
@@ -111,7 +157,7 @@ def plan_sdpa(
             lens = (req_rows[rows], prefix_lens[rows], extend_lens[rows], starts[rows])
             if query_block == 1:
                 lens = _one_query_each(*lens)
-            groups.append(_group(table, *lens, sliding_window, query_block))
+            groups.append(_group(table, *lens, query_block))
     return SdpaAttention(out_slots=out_slots, groups=tuple(groups))
 
 
@@ -142,7 +188,6 @@ def _group(
     prefix_lens: torch.Tensor,
     extend_lens: torch.Tensor,
     starts: torch.Tensor,
-    sliding_window: int | None,
     query_block: int,
 ) -> AttentionGroup:
     device = table.device
@@ -153,8 +198,6 @@ def _group(
     q_pos = prefix_lens[:, None] + q_off[None, :]  # [G, Q]
     valid_q = q_off[None, :] < extend_lens[:, None]  # [G, Q]
     visible = key_pos[None, None, :] <= q_pos[:, :, None]  # causal, [G, Q, L]
-    if sliding_window is not None:
-        visible &= key_pos[None, None, :] > q_pos[:, :, None] - sliding_window
     # NOTE: padded queries see key 0 so that no softmax row is empty (NaN); they are dropped.
     visible &= valid_q[:, :, None]
     visible[:, :, 0] |= ~valid_q
@@ -167,6 +210,7 @@ def _group(
         query_index=query_index,
         valid=flat[valid_q],
         tokens=query_index[valid_q],
+        q_pos=q_pos,
     )
 
 

@@ -35,10 +35,24 @@ class ModelConfig:
     qk_norm: str = ""  # NOTE: families.py's Family.qk_norm
     norms: str = "pre"  # NOTE: families.py's Family.norms
     fused_checkpoint: bool = False
+    norm_offset: float = 0.0  # NOTE: families.py's Family.norm_offset
+    activation: str = "silu"  # NOTE: the MLP's gate activation: silu, gelu_tanh
+    # NOTE: the layers that attend without the sliding window where one is set (Gemma's
+    # global layers); the others attend in it
+    full_attention_layers: tuple[int, ...] = ()
+    # NOTE: > 0: the sliding layers rotate by this base (and local_rope_scaling) instead
+    # (Gemma 3's local RoPE)
+    local_rope_theta: float = 0.0
+    local_rope_scaling: dict[str, Any] = field(default_factory=dict)
+    # NOTE: > 0: soft-caps (c * tanh(x / c)) of attention scores and final logits (Gemma 2)
+    attention_softcap: float = 0.0
+    final_softcap: float = 0.0
     # NOTE: how many of each head's head_dim elements RoPE rotates (partial_rotary_factor)
     rotary_dim: int = 0
     # NOTE: Granite's multipliers (1, or None for head_dim ** -0.5, in every other family)
     embedding_multiplier: float = 1.0
+    # NOTE: the multiplier is rounded to the model's dtype first (Gemma's sqrt(hidden))
+    round_embedding_multiplier: bool = False
     residual_multiplier: float = 1.0
     attention_scale: float | None = None
     logits_scaling: float = 1.0
@@ -66,7 +80,8 @@ def parse_model_config(raw: dict[str, Any], max_model_len: int | None = None) ->
     num_heads = int(raw["num_attention_heads"])
     hidden = int(raw["hidden_size"])
     head_dim = int(raw.get("head_dim") or hidden // num_heads)
-    rope_theta, rope_scaling = _rope(raw, max_model_len)
+    rope_theta, rope_scaling, local_rope = _rope(raw, max_model_len)
+    window, full_layers = _sliding_window(raw, family)
     partial = raw.get("partial_rotary_factor") or (raw.get("rope_parameters") or {}).get(
         "partial_rotary_factor", 1.0
     )
@@ -83,15 +98,29 @@ def parse_model_config(raw: dict[str, Any], max_model_len: int | None = None) ->
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=family.qkv_bias or bool(raw.get("attention_bias", False)),
-        sliding_window=_sliding_window(raw, family),
+        sliding_window=window,
         rope_theta=rope_theta,
         qk_norm=family.qk_norm,
         norms=family.norms,
         fused_checkpoint=family.fused_checkpoint,
+        norm_offset=family.norm_offset,
+        activation=_activation(raw),
+        full_attention_layers=full_layers,
+        local_rope_theta=local_rope[0],
+        local_rope_scaling=local_rope[1],
+        attention_softcap=float(raw.get("attn_logit_softcapping") or 0.0),
+        final_softcap=float(raw.get("final_logit_softcapping") or 0.0),
         rotary_dim=int(head_dim * float(partial)),
-        embedding_multiplier=float(raw.get("embedding_multiplier", 1.0)),
+        embedding_multiplier=(
+            hidden**0.5 if family.scaled_embeddings else float(raw.get("embedding_multiplier", 1.0))
+        ),
+        round_embedding_multiplier=family.scaled_embeddings,
         residual_multiplier=float(raw.get("residual_multiplier", 1.0)),
-        attention_scale=raw.get("attention_multiplier"),
+        attention_scale=(
+            float(raw.get("query_pre_attn_scalar", head_dim)) ** -0.5
+            if family.query_pre_attn_scalar
+            else raw.get("attention_multiplier")
+        ),
         logits_scaling=float(raw.get("logits_scaling", 1.0)),
         rope_scaling=rope_scaling,
         checkpoint_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
@@ -100,7 +129,41 @@ def parse_model_config(raw: dict[str, Any], max_model_len: int | None = None) ->
     )
 
 
-def _rope(raw: dict[str, Any], max_model_len: int | None) -> tuple[float, dict[str, Any]]:
+# NOTE: config.json's activation names -> the kernels' (cpu/ops.py's ACTIVATION_CODES)
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def _activation(raw: dict[str, Any]) -> str:
+    name = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
+    if name not in ACTIVATIONS:
+        raise ValueError(
+            f"the MLP activation {name!r} is not served: tokenmill serves "
+            f"{', '.join(sorted(ACTIVATIONS))}"
+        )
+    return ACTIVATIONS[name]
+
+
+def _rope(
+    raw: dict[str, Any], max_model_len: int | None
+) -> tuple[float, dict[str, Any], tuple[float, dict[str, Any]]]:
+    """(theta, scaling) of the global layers, and of the local ones ((0.0, {}): none). NOTE:
+    Gemma 3 writes one set per layer type (`rope_parameters` keyed by full_attention and
+    sliding_attention), or, in older configs, `rope_local_base_freq` beside the global ones."""
+    params = dict(raw.get("rope_parameters") or {})
+    if "full_attention" in params:
+        local = params.get("sliding_attention") or {}
+        theta, scaling = _rope_set(
+            {**raw, "rope_parameters": params["full_attention"]}, max_model_len
+        )
+        local_set = _rope_set({**raw, "rope_parameters": local, "rope_scaling": None}, None)
+        return theta, scaling, local_set
+    theta, scaling = _rope_set(raw, max_model_len)
+    if raw.get("rope_local_base_freq"):
+        return theta, scaling, (float(raw["rope_local_base_freq"]), {})
+    return theta, scaling, (0.0, {})
+
+
+def _rope_set(raw: dict[str, Any], max_model_len: int | None) -> tuple[float, dict[str, Any]]:
     params = dict(raw.get("rope_parameters") or {})
     scaling = dict(raw.get("rope_scaling") or {})
     theta = float(params.pop("rope_theta", raw.get("rope_theta", 10000.0)))
@@ -140,29 +203,51 @@ def longrope_factors(
     }
 
 
-def _sliding_window(raw: dict[str, Any], family: Family) -> int | None:
-    """The one window every layer attends in, or None. NOTE: a window on some layers only
-    (config.json's `layer_types`; Qwen2 / Qwen3's `max_window_layers` below the layer count)
-    is refused: the step's attention plan has one window for every layer."""
+def _sliding_window(raw: dict[str, Any], family: Family) -> tuple[int | None, tuple[int, ...]]:
+    """The sliding window (or None) and the layers that attend without it: config.json's
+    `layer_types`, else the family's rule (Qwen2 / Qwen3's `max_window_layers`, Gemma's
+    pattern), else every layer in the window."""
     window = raw.get("sliding_window")
     switch = family.sliding_window_switch
     if switch is not None and not raw.get(switch, False):
-        return None
+        return None, ()
     if not window:
-        return None
-    layers = int(raw["num_hidden_layers"])
-    kinds = raw.get("layer_types")
-    if kinds is None and switch is not None:
-        first = int(raw.get("max_window_layers") or 0)  # NOTE: transformers' Qwen2 rule
-        kinds = ["full_attention"] * min(first, layers) + ["sliding_attention"] * (layers - first)
-    if kinds and all(kind == "full_attention" for kind in kinds):
-        return None
-    if kinds and any(kind != "sliding_attention" for kind in kinds):
+        return None, ()
+    if raw.get("use_bidirectional_attention"):
         raise ValueError(
-            "a sliding window on some layers only (layer_types / max_window_layers) is not "
-            "served yet: tokenmill serves one window for every layer, or none"
+            "use_bidirectional_attention (an embedding model's attention) is not served: "
+            "tokenmill serves causal decoders"
         )
-    return int(window)
+    kinds = raw.get("layer_types") or _default_layer_types(raw, family)
+    full = tuple(i for i, kind in enumerate(kinds) if kind == "full_attention")
+    if any(kind not in ("full_attention", "sliding_attention") for kind in kinds):
+        raise ValueError(
+            f"layer_types {sorted(set(kinds))}: tokenmill serves full_attention "
+            "and sliding_attention layers"
+        )
+    if kinds and len(full) == len(kinds):
+        return None, ()
+    return int(window), full
+
+
+def _default_layer_types(raw: dict[str, Any], family: Family) -> list[str]:
+    layers = int(raw["num_hidden_layers"])
+    if family.sliding_window_switch is not None:
+        first = int(raw.get("max_window_layers") or 0)  # NOTE: transformers' Qwen2 rule
+        return ["full_attention"] * min(first, layers) + ["sliding_attention"] * (layers - first)
+    pattern = int(raw.get("sliding_window_pattern") or family.window_pattern)
+    if pattern <= 0:
+        return []
+    return [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)
+    ]
+
+
+def layer_window(config: ModelConfig, index: int) -> int:
+    """The window layer `index` attends in (0: none)."""
+    if config.sliding_window is None or index in config.full_attention_layers:
+        return 0
+    return config.sliding_window
 
 
 def _ids(value: Any) -> tuple[int, ...]:

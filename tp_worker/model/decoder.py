@@ -1,8 +1,9 @@
 """The decoder shared by the Llama-shaped families (tp_worker): Llama, Mistral, Qwen2, Qwen3,
-Phi-3, Granite, OLMo 2.
+Phi-3, Granite, OLMo 2, Gemma 2 and 3.
 
 The families differ only in fields of ModelConfig (q/k/v bias, q/k norms, where the norms sit,
-tied embeddings, sliding window, RoPE scaling, multipliers), so one module runs them all.
+tied embeddings, sliding windows, RoPE tables and scaling, multipliers, soft-caps, the MLP's
+activation), so one module runs them all.
 Layers are tensor-parallel (parallel.py); q/k/v and gate/up projections are fused into one
 matmul each.
 """
@@ -20,11 +21,13 @@ from tokenmill.tp_worker.cpu.ops import (
     head_norm_cpu,
     norm_add_cpu,
     rms_norm_cpu,
+    soft_cap_cpu,
 )
 from tokenmill.tp_worker.cuda import rowwise as rowwise_triton
 from tokenmill.tp_worker.cuda.linear import triton_linear
 from tokenmill.tp_worker.model.attention import Attention
-from tokenmill.tp_worker.model.config import ModelConfig
+from tokenmill.tp_worker.model.config import ModelConfig, layer_window
+from tokenmill.tp_worker.model.layer_attention import LayerAttention
 from tokenmill.tp_worker.model.parallel import (
     ShardedLinear,
     TpGroup,
@@ -35,11 +38,16 @@ from tokenmill.tp_worker.model.rope import Rotary
 
 
 class RMSNorm(nn.Module):
+    """Its weight is float32 in every dtype (csrc/rms_norm.cpp: a bfloat16 checkpoint's is exact
+    in float32; Gemma's 1 + w, folded at load, is a float32 sum in transformers); its output
+    is `dtype`."""
+
     def __init__(self, hidden: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.eps = eps
+        self.dtype = dtype
         self.weight = nn.Parameter(
-            torch.ones(hidden, dtype=dtype, device=device), requires_grad=False
+            torch.ones(hidden, dtype=torch.float32, device=device), requires_grad=False
         )
         self.cpu_kernel = False  # csrc/rms_norm.cpp, switched on by CausalLM.use_cpu_kernels
         self.triton = False  # cuda/rowwise.py on CUDA, switched on by use_triton_kernels
@@ -47,15 +55,15 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., hidden] (the float32 residual stream) -> the weight's dtype."""
         if self.cpu_kernel:
-            return rms_norm_cpu(x, self.weight, self.eps)
+            return rms_norm_cpu(x, self.weight, self.eps, self.dtype)
         if self.triton and rowwise_triton.runs_on(x):
             # NOTE: torch's mean splits a row by the batch's shape (cuda/rowwise.py)
-            return rowwise_triton.rms_norm(x, self.weight, self.eps)
+            return rowwise_triton.rms_norm(x, self.weight, self.eps, self.dtype)
         # NOTE: in float32 throughout, rounded once to the model's dtype (csrc/rms_norm.cpp's
         # rule; transformers in bfloat16 also rounds x * r before the weight multiplies it).
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * x32).to(self.weight.dtype)
+        return (self.weight * x32).to(self.dtype)
 
 
 def local_kv_heads(config: ModelConfig, group: TpGroup) -> int:
@@ -65,7 +73,12 @@ def local_kv_heads(config: ModelConfig, group: TpGroup) -> int:
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, group: TpGroup, dtype: torch.dtype, device: torch.device
+        self,
+        config: ModelConfig,
+        group: TpGroup,
+        dtype: torch.dtype,
+        device: torch.device,
+        index: int = 0,
     ) -> None:
         super().__init__()
         hidden, head_dim = config.hidden_size, config.head_dim
@@ -73,11 +86,16 @@ class DecoderLayer(nn.Module):
         self.num_kv_heads = local_kv_heads(config, group)
         self.head_dim = head_dim
         self.rotary_dim = config.rotary_dim or head_dim
-        self.scale = config.attention_scale or head_dim**-0.5
-        self.sliding_window = config.sliding_window
+        window = layer_window(config, index)
+        self.attention_settings = LayerAttention(
+            config.attention_scale or head_dim**-0.5, window, config.attention_softcap
+        )
+        # NOTE: the sliding layers rotate by the local RoPE table where the model has one
+        self.local_rope = bool(window) and config.local_rope_theta > 0
         qkv_out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         inter = config.intermediate_size // group.size
-        pre, eps = config.norms == "pre", config.rms_norm_eps
+        eps = config.rms_norm_eps
+        pre, post = config.norms in ("pre", "both"), config.norms in ("post", "both")
         self.eps = eps  # NOTE: every norm's of the layer (cpu/layer_stack.py)
         # NOTE: None where the family has no norm there (OLMo 2 norms outputs, not inputs)
         self.input_layernorm = RMSNorm(hidden, eps, dtype, device) if pre else None
@@ -88,10 +106,10 @@ class DecoderLayer(nn.Module):
             self.num_heads * head_dim, hidden, False, True, group, dtype, device
         )
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, device) if pre else None
-        self.attn_out_norm = None if pre else RMSNorm(hidden, eps, dtype, device)
-        self.mlp_out_norm = None if pre else RMSNorm(hidden, eps, dtype, device)
+        self.attn_out_norm = RMSNorm(hidden, eps, dtype, device) if post else None
+        self.mlp_out_norm = RMSNorm(hidden, eps, dtype, device) if post else None
         self.gate_up_proj = ShardedLinear(
-            hidden, 2 * inter, False, False, group, dtype, device, glu=True
+            hidden, 2 * inter, False, False, group, dtype, device, glu=config.activation
         )
         self.down_proj = ShardedLinear(inter, hidden, False, True, group, dtype, device)
         self.qk_norm_scope = config.qk_norm
@@ -176,7 +194,7 @@ class DecoderLayer(nn.Module):
         """x [T, hidden] float32 -> [T, hidden] float32; with `keep` [K] (the tokens
         `attention` attends), every token's key and value into the cache and [K, hidden] out."""
         normed = self.layer_input(x, self.input_layernorm)
-        rest = (cos_sin, kv, self.num_heads, self.num_kv_heads, self.scale)
+        rest = (cos_sin, kv, self.num_heads, self.num_kv_heads, self.attention_settings)
         if keep is not None and self.kv_kernel is not None:
             assert isinstance(attention, PagedAttention)
             kept = self.norm_heads(self.qkv_proj(normed[keep]), self.num_heads, 0)
@@ -189,7 +207,7 @@ class DecoderLayer(nn.Module):
             x = x[keep]
         x = self.add_output(self.o_proj, attended, x, self.attn_out_norm)
         mlp_in = self.layer_input(x, self.post_attention_layernorm)
-        activated = self.gate_up_proj(mlp_in)  # silu(gate) * up
+        activated = self.gate_up_proj(mlp_in)  # act(gate) * up
         return self.add_output(self.down_proj, activated, x, self.mlp_out_norm)
 
 
@@ -205,7 +223,7 @@ class CausalLM(nn.Module):
             config.vocab_size, config.hidden_size, group, dtype, device
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, group, dtype, device) for _ in range(config.num_layers)
+            DecoderLayer(config, group, dtype, device, i) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.lm_head = (
@@ -213,9 +231,18 @@ class CausalLM(nn.Module):
             if config.tie_word_embeddings
             else VocabEmbedding(config.vocab_size, config.hidden_size, group, dtype, device)
         )
-        self.rotary = Rotary(
-            config.rotary_dim or config.head_dim, config.rope_theta, config.rope_scaling, device
+        rotary_dim = config.rotary_dim or config.head_dim
+        self.rotary = Rotary(rotary_dim, config.rope_theta, config.rope_scaling, device)
+        self.local_rotary = (
+            Rotary(rotary_dim, config.local_rope_theta, config.local_rope_scaling, device)
+            if config.local_rope_theta > 0
+            else None
         )
+        self.embedding_multiplier = config.embedding_multiplier
+        if config.round_embedding_multiplier:  # NOTE: Gemma's, a tensor in the model's dtype
+            self.embedding_multiplier = torch.tensor(
+                config.embedding_multiplier, dtype=dtype
+            ).item()
         self.lm_head_kernel: PackedLinear | None = None
         self.layer_stack: LayerStack | None = None  # csrc/layer_stack.cpp, use_cpu_kernels
         self.triton_lm_head = False
@@ -273,22 +300,35 @@ class CausalLM(nn.Module):
         # NOTE: the residual stream is float32 in every dtype: in bfloat16 each layer's two
         # adds rounded it again, 30 layers deep on SmolLM2; float32 took tokenmill bfloat16's
         # mean logprob error against float64 from 0.020 to 0.016 there (float64_distance.py).
-        x = self.embed_tokens(input_ids).float()
-        if self.config.embedding_multiplier != 1.0:  # NOTE: Granite's, in float32 as transformers
-            x = x * self.config.embedding_multiplier
+        x = self._embed(input_ids)
         cos_sin = self.rotary.cos_sin(positions, self.dtype)
+        local = (
+            None if self.local_rotary is None else self.local_rotary.cos_sin(positions, self.dtype)
+        )
         count = len(self.layers)
         native = self._native_layers(attention, last)
         if native:
             assert self.layer_stack is not None and isinstance(attention, PagedAttention)
-            self.layer_stack.run(x, cos_sin, attention, kv_cache, native)
+            self.layer_stack.run(x, cos_sin, local, attention, kv_cache, native)
         for index in range(native, count):
             layer, kv = self.layers[index], kv_cache[index]
+            assert isinstance(layer, DecoderLayer)
+            rope = local if layer.local_rope and local is not None else cos_sin
             if index == count - 1 and last is not None:
-                x = layer(x, cos_sin, last[0], kv, last[1])
+                x = layer(x, rope, last[0], kv, last[1])
             else:
-                x = layer(x, cos_sin, attention, kv)
+                x = layer(x, rope, attention, kv)
         return self.norm(x)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The float32 residual stream's start: the embeddings, times the family's multiplier
+        (Granite's in float32 as transformers multiplies; Gemma's sqrt(hidden), rounded to the
+        model's dtype, then in float32, where transformers rounds the product again: equal
+        in float32)."""
+        x = self.embed_tokens(input_ids).float()
+        if self.embedding_multiplier != 1.0:
+            x = x * self.embedding_multiplier
+        return x
 
     def _native_layers(
         self, attention: Attention, last: tuple[Attention, torch.Tensor] | None
@@ -312,4 +352,14 @@ class CausalLM(nn.Module):
         logits = self.group.all_gather_last_dim(local)[:, : self.config.vocab_size]
         if self.config.logits_scaling != 1.0:  # NOTE: Granite's divisor, as transformers divides
             logits = logits / self.config.logits_scaling
+        if self.config.final_softcap > 0:
+            logits = self._soft_capped(logits.contiguous())
         return logits
+
+    def _soft_capped(self, logits: torch.Tensor) -> torch.Tensor:
+        """Gemma 2's final soft-cap, c * tanh(logits / c): our own tanh on the CPU (torch's
+        vector kernel there follows the machine and an element's place in the batch)."""
+        cap = self.config.final_softcap
+        if logits.device.type == "cpu":
+            return soft_cap_cpu(logits, cap)
+        return torch.tanh(logits / cap) * cap

@@ -209,7 +209,6 @@ class DraftModel:
             starts,
             is_prefill,
             out_slots,
-            self.config.sliding_window,
             self.backend,
             token_rows,
             positions,

@@ -9,6 +9,7 @@ a new field and the one place in the layers that reads it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -23,12 +24,29 @@ class Family:
     # whole projection ("projection": OLMo 2); "": none
     qk_norm: str = ""
     # NOTE: where a layer's norms sit: "pre" (before attention and before the MLP: Llama),
-    # "post" (after each, before its residual add: OLMo 2)
+    # "post" (after each, before its residual add: OLMo 2), "both" (Gemma 2 and 3)
     norms: str = "pre"
     # NOTE: the checkpoint holds q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`
     # (Phi-3); the layers fuse them the same way whatever the checkpoint holds
     fused_checkpoint: bool = False
+    # NOTE: every RMSNorm scales by (norm_offset + w) (Gemma: 1 + w, folded at load)
+    norm_offset: float = 0.0
+    # NOTE: the embeddings times sqrt(hidden_size) rounded to the model's dtype (Gemma)
+    scaled_embeddings: bool = False
+    # NOTE: the attention scale is query_pre_attn_scalar ** -0.5 (Gemma), not head_dim's
+    query_pre_attn_scalar: bool = False
+    # NOTE: layer i slides (where config.json has no `layer_types`) unless (i + 1) is a
+    # multiple of this (config.json's `sliding_window_pattern` overrides it); 0: every layer
+    # slides where a window is set
+    window_pattern: int = 0
 
+
+GEMMA: dict[str, Any] = {
+    "norms": "both",
+    "norm_offset": 1.0,
+    "scaled_embeddings": True,
+    "query_pre_attn_scalar": True,
+}
 
 FAMILIES: dict[str, Family] = {  # the Hugging Face architecture name -> its switches
     "LlamaForCausalLM": Family("llama"),
@@ -39,4 +57,7 @@ FAMILIES: dict[str, Family] = {  # the Hugging Face architecture name -> its swi
     # NOTE: its multipliers are config.json fields (ModelConfig's, default 1 for the rest)
     "GraniteForCausalLM": Family("granite"),
     "Olmo2ForCausalLM": Family("olmo2", qk_norm="projection", norms="post"),
+    # NOTE: their soft-caps and two RoPE tables are config.json fields (ModelConfig's)
+    "Gemma2ForCausalLM": Family("gemma2", **GEMMA, window_pattern=2),
+    "Gemma3ForCausalLM": Family("gemma3", **GEMMA, qk_norm="head", window_pattern=6),
 }

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.tp_worker.cpu.ops import PackedLinear, fuses_gate_up, silu_mul_cpu
+from tokenmill.tp_worker.cpu.ops import PackedLinear, fuses_gate_up, glu_mul_cpu
 from tokenmill.tp_worker.cuda import linear as linear_triton
 from tokenmill.tp_worker.cuda.linear import triton_linear
 
@@ -61,8 +61,9 @@ class TpGroup:
 class ShardedLinear(nn.Module):
     """y = x W^T (+ b) with W holding this rank's rows (column-parallel) or columns
     (row-parallel). Row-parallel layers all-reduce, and add the bias once, after the sum.
-    `glu` (an MLP's column-parallel gate_up, gate rows then up rows): y = silu(gate) * up,
-    in the CPU kernel's epilogue where it can."""
+    `glu` (an MLP's column-parallel gate_up, gate rows then up rows: its activation's name,
+    config.py's ModelConfig.activation): y = act(gate) * up, in the CPU kernel's epilogue
+    where it can; "": a plain product."""
 
     def __init__(
         self,
@@ -73,7 +74,7 @@ class ShardedLinear(nn.Module):
         group: TpGroup,
         dtype: torch.dtype,
         device: torch.device,
-        glu: bool = False,
+        glu: str = "",
     ) -> None:
         super().__init__()
         assert not (glu and row_parallel), "a glu layer is column-parallel"
@@ -93,9 +94,9 @@ class ShardedLinear(nn.Module):
 
     def use_cpu_kernel(self) -> None:
         """Multiply through csrc/linear.cpp from now on; the unpacked weight is freed."""
-        fused = self.glu and fuses_gate_up(self.weight.shape[0])
+        fused = bool(self.glu) and fuses_gate_up(self.weight.shape[0])
         bias = None if self.row_parallel else self.bias
-        self.kernel = PackedLinear(self.weight.data, bias, glu=fused)
+        self.kernel = PackedLinear(self.weight.data, bias, glu=fused, activation=self.glu or "silu")
         self.weight.data = self.weight.data.new_empty(0)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -120,17 +121,19 @@ class ShardedLinear(nn.Module):
         return out if residual is None else residual + out
 
     def _gated(self, x: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up, computed in float32 and rounded once: in the kernel's epilogue, else
+        """act(gate) * up, computed in float32 and rounded once: in the kernel's epilogue, else
         after the product (the same bits on the CPU: from the float32 sums)."""
         if self.kernel is not None and self.kernel.glu:
             return self.kernel(x)
         if self.kernel is not None:
-            return silu_mul_cpu(self.kernel(x, torch.float32), x.dtype)
+            return glu_mul_cpu(self.kernel(x, torch.float32), x.dtype, self.glu)
         if self.triton and linear_triton.FUSED_EPILOGUES:  # NOTE: from the float32 sums too
-            return triton_linear(x, self.weight, self.bias, glu=True)
+            return triton_linear(x, self.weight, self.bias, glu=self.glu)
         # NOTE: in float32 and rounded once, as the CPU kernels do (gate and up themselves
         # come rounded from torch's product).
         gate, up = self._matmul(x, self.bias).float().chunk(2, dim=-1)
+        if self.glu == "gelu_tanh":
+            return (F.gelu(gate, approximate="tanh") * up).to(x.dtype)
         return (F.silu(gate) * up).to(x.dtype)
 
     def _matmul(

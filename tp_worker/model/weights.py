@@ -22,8 +22,8 @@ logger = logging.getLogger(__name__)
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # NOTE: a layer's norms by where they sit (families.py's Family.norms): the checkpoint's name
-# -> DecoderLayer's module. OLMo 2's post_attention_layernorm norms the attention's output,
-# where Llama's (the same name) norms the MLP's input.
+# -> DecoderLayer's module. OLMo 2's and Gemma's post_attention_layernorm norms the
+# attention's output, where Llama's (the same name) norms the MLP's input.
 NORM_NAMES = {
     "pre": {
         "input_layernorm.weight": "input_layernorm",
@@ -31,6 +31,12 @@ NORM_NAMES = {
     },
     "post": {
         "post_attention_layernorm.weight": "attn_out_norm",
+        "post_feedforward_layernorm.weight": "mlp_out_norm",
+    },
+    "both": {
+        "input_layernorm.weight": "input_layernorm",
+        "post_attention_layernorm.weight": "attn_out_norm",
+        "pre_feedforward_layernorm.weight": "post_attention_layernorm",
         "post_feedforward_layernorm.weight": "mlp_out_norm",
     },
 }
@@ -120,7 +126,7 @@ def load_tensor(model: CausalLM, name: str, tensor: torch.Tensor) -> bool:
             return False
         return _copy_vocab_rows(model.lm_head.weight, model.lm_head.vocab_start, tensor)
     if name == "model.norm.weight":
-        return _copy(model.norm.weight, tensor)
+        return _copy(model.norm.weight, _norm_weight(model.config, tensor))
     match = _LAYER.fullmatch(name)
     if match is None:
         return False
@@ -134,11 +140,11 @@ def _load_layer(model: CausalLM, layer: DecoderLayer, part: str, tensor: torch.T
     norms = NORM_NAMES[config.norms]
     if part in norms:
         norm = getattr(layer, norms[part])
-        return norm is not None and _copy(norm.weight, tensor)
+        return norm is not None and _copy(norm.weight, _norm_weight(config, tensor))
     if part in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
         norm = layer.q_norm if part.startswith("self_attn.q") else layer.k_norm
         # NOTE: every rank's (head_dim wide; OLMo 2's whole-projection norms run at TP 1)
-        return norm is not None and _copy(norm.weight, tensor)
+        return norm is not None and _copy(norm.weight, _norm_weight(config, tensor))
     if part == "self_attn.o_proj.weight":
         start, end = group.shard(tensor.shape[1], "num_attention_heads * head_dim")
         return _copy(layer.o_proj.weight, _residual_scaled(config, tensor[:, start:end]))
@@ -176,6 +182,14 @@ def _load_fused(model: CausalLM, layer: DecoderLayer, part: str, tensor: torch.T
         pieces = dict(zip("qkv", tensor.split([q_rows, kv_rows, kv_rows]), strict=True))
         names = {n: f"self_attn.{n}_proj.weight" for n in pieces}
     return all(_load_layer(model, layer, names[n], t) for n, t in pieces.items())
+
+
+def _norm_weight(config: ModelConfig, tensor: torch.Tensor) -> torch.Tensor:
+    """A norm's weight as the (float32) parameter holds it: Gemma's offset + w, the float32
+    sum transformers computes each call, folded once."""
+    if config.norm_offset == 0.0:
+        return tensor
+    return tensor.float() + config.norm_offset
 
 
 def _residual_scaled(config: ModelConfig, tensor: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,13 @@
-// The MLP's activation on the CPU: out = silu(gate) * up in one pass (tp_worker, via ctypes).
+// Element-wise kernels on the CPU (tp_worker, via ctypes): the MLP's out = act(gate) * up in
+// one pass, and the logits' soft-cap.
 //
-// silu is silu.h's; silu(gate) * up is computed in float32 and rounded once to the output's
-// dtype (torch's bfloat16 `F.silu(gate) * up` rounds silu(gate) first). Element-wise: a row's
-// result depends on nothing but the row, and is the same in the AVX-512 and the portable form
-// (and in the linear kernels' fused form over their float32 sums: csrc/linear.cpp).
+// act is silu.h's (silu, or Gemma's gelu_tanh); act(gate) * up is computed in float32 and
+// rounded once to the output's dtype (torch's bfloat16 `F.silu(gate) * up` rounds silu(gate)
+// first). The soft-cap is cap * tanh(x / cap) with exp.h's tanh. Element-wise: an element's
+// result depends on nothing but the element, and is the same in the AVX-512 and the portable
+// form (and in the linear kernels' fused form over their float32 sums: csrc/linear.cpp).
 
+#include <algorithm>
 #include <cstdint>
 
 #if defined(__AVX512F__)
@@ -17,16 +20,16 @@
 namespace {
 
 using tokenmill::load;
-using tokenmill::silu_times;
+using tokenmill::glu_times;
 using tokenmill::store;
 #if defined(__AVX512F__)
 using tokenmill::load16;
-using tokenmill::silu_times16;
+using tokenmill::glu_times16;
 using tokenmill::store16;
 #endif
 
 template <typename T, typename Out>
-void silu_mul(const T* gate_up, Out* out, int64_t rows, int64_t inter) {
+void glu_mul(const T* gate_up, Out* out, int64_t rows, int64_t inter, int act) {
 #pragma omp parallel for schedule(static) if (rows * inter >= (1 << 16))
   for (int64_t r = 0; r < rows; ++r) {
     const T* gate = gate_up + r * 2 * inter;
@@ -35,31 +38,50 @@ void silu_mul(const T* gate_up, Out* out, int64_t rows, int64_t inter) {
     int64_t i = 0;
 #if defined(__AVX512F__)
     for (; i + 16 <= inter; i += 16) {
-      store16(o + i, silu_times16(load16(gate + i), load16(up + i)));
+      store16(o + i, glu_times16(act, load16(gate + i), load16(up + i)));
     }
 #endif
-    for (; i < inter; ++i) store(o + i, silu_times(load(gate + i), load(up + i)));
+    for (; i < inter; ++i) store(o + i, glu_times(act, load(gate + i), load(up + i)));
   }
+}
+
+void soft_cap(float* x, int64_t n, float cap) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 c = _mm512_set1_ps(cap);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_div_ps(_mm512_loadu_ps(x + i), c);
+    _mm512_storeu_ps(x + i, _mm512_mul_ps(tokenmill::tanh_own16(v), c));
+  }
+#endif
+  for (; i < n; ++i) x[i] = tokenmill::tanh_own(x[i] / cap) * cap;
 }
 
 }  // namespace
 
 extern "C" {
 
-// gate_up [rows, 2 * inter] (gate, then up, per row) in dtype; out [rows, inter] in out_dtype.
-// Codes 0 = float32, 1 = bfloat16. Returns 0, or -1 for an unknown combination.
-int tm_silu_mul(const void* gate_up, void* out, int64_t rows, int64_t inter, int dtype,
-                int out_dtype) {
+// gate_up [rows, 2 * inter] (gate, then up, per row) in dtype; out [rows, inter] in out_dtype,
+// act(gate) * up with act silu.h's code (1 silu, 2 gelu_tanh). Codes 0 = float32,
+// 1 = bfloat16. Returns 0, or -1 for an unknown combination.
+int tm_glu_mul(const void* gate_up, void* out, int64_t rows, int64_t inter, int dtype,
+               int out_dtype, int act) {
   if (dtype == 0 && out_dtype == 0) {
-    silu_mul(static_cast<const float*>(gate_up), static_cast<float*>(out), rows, inter);
+    glu_mul(static_cast<const float*>(gate_up), static_cast<float*>(out), rows, inter, act);
   } else if (dtype == 0 && out_dtype == 1) {
-    silu_mul(static_cast<const float*>(gate_up), static_cast<uint16_t*>(out), rows, inter);
+    glu_mul(static_cast<const float*>(gate_up), static_cast<uint16_t*>(out), rows, inter, act);
   } else if (dtype == 1 && out_dtype == 1) {
-    silu_mul(static_cast<const uint16_t*>(gate_up), static_cast<uint16_t*>(out), rows, inter);
+    glu_mul(static_cast<const uint16_t*>(gate_up), static_cast<uint16_t*>(out), rows, inter, act);
   } else {
     return -1;
   }
   return 0;
+}
+
+// x [n] float32 = cap * tanh(x / cap), in place (Gemma 2's final-logit soft-cap).
+void tm_soft_cap(float* x, int64_t n, float cap) {
+#pragma omp parallel for schedule(static) if (n >= (1 << 18))
+  for (int64_t i0 = 0; i0 < n; i0 += 1 << 14) soft_cap(x + i0, std::min<int64_t>(n - i0, 1 << 14), cap);
 }
 
 }  // extern "C"

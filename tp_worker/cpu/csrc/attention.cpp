@@ -14,6 +14,8 @@
 //   - the denominator sums e_j over ascending j, and out[d] = (sum over j ascending of
 //     fma(e_j, v_j[d])) * (1 / denominator): a +0.0 term leaves these sums unchanged bit for
 //     bit (they start at +0.0 and are never -0.0), so unseen keys change nothing.
+// With a soft-cap c (Gemma 2), the factor is scale / c instead and each score then becomes
+// tanh(score) * (c * log2(e)) (exp.h's tanh_own, one pass over the scores before the max).
 // So a token's output is bitwise the same alone (decode), in a prompt chunk, or after a
 // prefix-cache hit, whichever of the two vectorisations below computes it (queries in the
 // vector lanes for prompt chunks, keys in the vector lanes for one token). Built with
@@ -66,6 +68,24 @@ using tokenmill::store;
 #if defined(__AVX512F__)
 using tokenmill::exp2_nonpositive16;
 #endif
+
+// The factor the dot products are scaled by (see the top).
+inline float score_factor(const Shape& s) {
+  return s.softcap > 0.0f ? s.scale / s.softcap : s.scale * tokenmill::LOG2E;
+}
+
+// scores[0..n) = tanh(scores) * (c * log2(e)) where the model soft-caps (c > 0), in place.
+inline void cap_scores(float* scores, int64_t n, float softcap) {
+  if (softcap <= 0.0f) return;
+  const float out = softcap * tokenmill::LOG2E;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(scores + i, _mm512_mul_ps(tokenmill::tanh_own16(_mm512_loadu_ps(scores + i)),
+                                               _mm512_set1_ps(out)));
+#endif
+  for (; i < n; ++i) scores[i] = tokenmill::tanh_own(scores[i]) * out;
+}
 
 inline void to_float(const float* src, float* dst, int64_t n) {
   std::memcpy(dst, src, n * sizeof(float));
@@ -554,9 +574,10 @@ void score_one_token_block(const T* keys, const T* values, const int32_t* slots,
 // Lanes [l0, l1) of rows `stride` apart: scores into numerators e_j = 2^(s_j - max), and
 // den[l] their sum over ascending keys.
 inline void one_token_weights(float* scores, int64_t stride, int64_t l0, int64_t l1,
-                              int64_t num_keys, float* den) {
+                              int64_t num_keys, float softcap, float* den) {
   for (int64_t l = l0; l < l1; ++l) {
     float* sc = scores + l * stride;
+    cap_scores(sc, num_keys, softcap);
     __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     for (int64_t j0 = 0; j0 < num_keys; j0 += 16) {
       const int64_t nk = std::min<int64_t>(16, num_keys - j0);
@@ -581,13 +602,13 @@ inline void one_token_weights(float* scores, int64_t stride, int64_t l0, int64_t
 template <typename T>
 bool one_token_numerators(const T* keys, const T* values, const int32_t* slots,
                           int64_t num_keys, int64_t stride, int64_t dim, float scale,
-                          int64_t lanes, Scratch& w, int64_t padded, float* den) {
+                          int64_t lanes, Scratch& w, int64_t padded, float softcap, float* den) {
   if (lanes > 8 || !sixteen_fits(keys, dim)) return false;
   w.scores.resize(std::max<size_t>(w.scores.size(), lanes * padded));
   for (int64_t j0 = 0; j0 < num_keys; j0 += 16)
     score_one_token_block(keys, values, slots, num_keys, j0, stride, dim, scale, lanes, w,
                           w.scores.data(), padded);
-  one_token_weights(w.scores.data(), padded, 0, lanes, num_keys, den);
+  one_token_weights(w.scores.data(), padded, 0, lanes, num_keys, softcap, den);
   return true;
 }
 #endif
@@ -630,12 +651,12 @@ void attend_item(const T* q, const T* k_cache, const T* v_cache, const int32_t* 
   float den[LANES];
   const T* keys = k_cache + it.kv_head * s.head_stride;
   const int64_t stride = s.slot_stride;
-  const float scale2 = s.scale * tokenmill::LOG2E;  // scores in base 2: e_j = 2^(s_j - max)
+  const float scale2 = score_factor(s);  // scores in base 2: e_j = 2^(s_j - max)
 #if defined(__AVX512F__)
   const int64_t padded = (num_keys + 15) / 16 * 16;
   if (it.num_tokens == 1 &&
       one_token_numerators(keys, v_cache + it.kv_head * s.head_stride, slots, num_keys, stride,
-                           dim, scale2, lanes, w, padded, den)) {
+                           dim, scale2, lanes, w, padded, s.softcap, den)) {
     finish_item(Weights{w.scores.data(), 1, padded}, v_cache, out, s, it, num_keys, slots, den,
                 w);
     return;
@@ -651,6 +672,7 @@ void attend_item(const T* q, const T* k_cache, const T* v_cache, const int32_t* 
     w.masks[j] = static_cast<uint16_t>(below_end & ~((1u << (first * hs)) - 1u));
   }
   score_all(keys, slots, num_keys, stride, dim, scale2, lanes, w);
+  cap_scores(w.scores.data(), num_keys * LANES, s.softcap);
   softmax_numerators(w.scores.data(), w.masks.data(), num_keys, den);
   finish_item(Weights{w.scores.data(), LANES, 1}, v_cache, out, s, it, num_keys, slots, den, w);
 }
@@ -668,7 +690,7 @@ void attend_shared(const T* q, const T* k_cache, const T* v_cache, const int32_t
   const int64_t n = static_cast<int64_t>(items.size()), whole = n / threads * threads;
   const int64_t rest = n - whole, dim = s.head_dim, stride = s.slot_stride;
   const Item* its = items.data() + whole;  // the items shared
-  const float scale2 = s.scale * tokenmill::LOG2E;
+  const float scale2 = score_factor(s);
   std::vector<int64_t> num_keys, first_block{0};  // the shared items' blocks of 16 keys
   std::vector<const int32_t*> slots;
   int64_t most = 0, lanes = 0;
@@ -702,7 +724,7 @@ void attend_shared(const T* q, const T* k_cache, const T* v_cache, const int32_t
     for (int64_t i = 0; i < rest; ++i) {
       const int64_t h = its[i].num_heads;
       one_token_weights(scores.data() + i * lanes * most, most, h * t / threads,
-                        h * (t + 1) / threads, num_keys[i], den.data() + i * lanes);
+                        h * (t + 1) / threads, num_keys[i], s.softcap, den.data() + i * lanes);
     }
 #pragma omp barrier
     w.acc.resize(lanes * dim);
@@ -759,15 +781,16 @@ extern "C" {
 // table [table rows, table_stride] int32 slot of each position. Batch row b holds
 // num_tokens[b] query tokens from index token_starts[b], at positions first_pos[b]...,
 // of table row rows[b]. dtype 0 = float32, 1 = bfloat16 (all four tensors alike).
-// window <= 0: no sliding window. Returns 0, or -1 for an unknown dtype.
+// window <= 0: no sliding window; softcap <= 0: none. Returns 0, or -1 for an unknown dtype.
 int tm_paged_attention(const void* q, const void* k_cache, const void* v_cache,
                        const int32_t* table, const int64_t* rows, const int64_t* token_starts,
                        const int64_t* num_tokens, const int64_t* first_pos, void* out,
                        int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
                        int64_t head_dim, int64_t head_stride, int64_t slot_stride,
-                       int64_t table_stride, int64_t window, float scale, int dtype) {
+                       int64_t table_stride, int64_t window, float scale, float softcap,
+                       int dtype) {
   const Shape s{num_heads, num_kv_heads, head_dim, table_stride, window,
-                head_stride, slot_stride, scale};
+                head_stride, slot_stride, scale, softcap};
   const std::vector<Item> items = plan(rows, token_starts, num_tokens, first_pos, num_rows, s);
   if (dtype == 0) {
     attend_all<float>(q, k_cache, v_cache, table, out, s, items);

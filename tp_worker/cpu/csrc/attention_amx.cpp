@@ -9,7 +9,9 @@
 //     TDPBF16PS each (a tile of 16 lanes x 16 keys);
 //   - in base 2: x_j = fma(score_j, scale * log2(e), -max) with max the largest
 //     score_j * (scale * log2(e)) over the lane's visible keys; e_j = 2^x_j (exp.h's
-//     exp2_16_fused), +0.0 for keys the lane does not see; the denominator sums e_j in
+//     exp2_16_fused), +0.0 for keys the lane does not see (with a soft-cap c, Gemma 2's:
+//     score_j first becomes tanh(score_j * (scale / c)) * (c * log2(e)), exp.h's tanh_own,
+//     and x_j = that - max); the denominator sums e_j in
 //     float32 in 16 lanes (j mod 16, keys ascending) combined by tree_sum16;
 //   - out[d] = (sum over j of e_j v_j[d]) * (1 / denominator), the keys 32 at a time in
 //     ascending order from a position that is a multiple of 32, e_j as two bfloat16 parts
@@ -154,9 +156,17 @@ __mmask16 seen(int64_t j0, Visible v) {
 // many keys past the lane's last the row holds. NOTE: the hardware conversion to bfloat16
 // flushes a subnormal lo to zero, as the tile products would flush it anyway (AMX takes no
 // subnormal inputs).
-float lane_weights(const float* scores, uint16_t* hi, uint16_t* lo, Visible v, int64_t padded,
-                   float scale) {
-  const __m512 sc = _mm512_set1_ps(scale * tokenmill::LOG2E);  // scores to base 2
+float lane_weights(float* scores, uint16_t* hi, uint16_t* lo, Visible v, int64_t padded,
+                   float scale, float softcap) {
+  __m512 sc = _mm512_set1_ps(scale * tokenmill::LOG2E);  // scores to base 2
+  if (softcap > 0.0f) {  // NOTE: capped in place, in base 2; then scaled by 1 (exact)
+    const __m512 in = _mm512_set1_ps(scale / softcap), out = _mm512_set1_ps(softcap * tokenmill::LOG2E);
+    for (int64_t j0 = 0; j0 < padded; j0 += 16)
+      _mm512_storeu_ps(scores + j0, _mm512_mul_ps(tokenmill::tanh_own16(_mm512_mul_ps(
+                                                      _mm512_loadu_ps(scores + j0), in)),
+                                                  out));
+    sc = _mm512_set1_ps(1.0f);
+  }
   __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t j0 = 0; j0 < padded; j0 += 16)
     m = _mm512_mask_max_ps(m, seen(j0, v), m, _mm512_mul_ps(_mm512_loadu_ps(scores + j0), sc));
@@ -336,7 +346,8 @@ void attend_group(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_
       const int64_t at = (t * LANES + l) * sp.padded;
       den[t * LANES + l] =
           lane_weights(w.scores.data() + at, w.e_hi.data() + at, w.e_lo.data() + at,
-                       visible(s, its[t], sp.first_key, l), tile_padded(its[t], sp), s.scale);
+                       visible(s, its[t], sp.first_key, l), tile_padded(its[t], sp), s.scale,
+                       s.softcap);
     }
   for (int64_t d0 = 0; d0 < dim; d0 += PASS_D) {
     weighted_values(values, sp, its, tiles, s.slot_stride, d0, w);
@@ -425,7 +436,7 @@ void attend_shared(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
       if (l < its[g].num_heads)
         den[gl] = lane_weights(scores.data() + at, e_hi.data() + at, e_lo.data() + at,
                                visible(s, its[g], spans[g].first_key, l), spans[g].padded,
-                               s.scale);
+                               s.scale, s.softcap);
     }
 #pragma omp for schedule(static)
     for (int64_t gh = 0; gh < rest * halves; ++gh) {
@@ -466,11 +477,11 @@ int tm_paged_attention_amx(const void* q, const void* k_cache, const void* v_cac
                            const int64_t* first_pos, void* out, int64_t num_rows,
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                            int64_t head_stride, int64_t slot_stride, int64_t table_stride,
-                           int64_t window, float scale, int dtype) {
+                           int64_t window, float scale, float softcap, int dtype) {
 #if defined(TOKENMILL_AMX)
   if (dtype != 1 || head_dim % PASS_D != 0 || !tm_amx_ready()) return -1;
   const Shape s{num_heads, num_kv_heads, head_dim, table_stride, window,
-                head_stride, slot_stride, scale};
+                head_stride, slot_stride, scale, softcap};
   const std::vector<Item> items =
       tokenmill::plan(rows, token_starts, num_tokens, first_pos, num_rows, s);
   const int threads = omp_get_max_threads();
@@ -498,7 +509,7 @@ int tm_paged_attention_amx(const void* q, const void* k_cache, const void* v_cac
   (void)q, (void)k_cache, (void)v_cache, (void)table, (void)rows, (void)token_starts;
   (void)num_tokens, (void)first_pos, (void)out, (void)num_rows, (void)num_heads;
   (void)num_kv_heads, (void)head_dim, (void)head_stride, (void)slot_stride, (void)table_stride;
-  (void)window, (void)scale, (void)dtype;
+  (void)window, (void)scale, (void)softcap, (void)dtype;
   return -1;
 #endif
 }

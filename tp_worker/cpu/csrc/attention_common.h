@@ -49,6 +49,7 @@ struct Shape {
   int64_t num_heads, num_kv_heads, head_dim, table_stride, window;
   int64_t head_stride, slot_stride;  // elements between KV heads, between slots of a head
   float scale;
+  float softcap;  // > 0: each score s becomes softcap * tanh(s / softcap) (Gemma 2)
 };
 
 // A block of consecutive query tokens of one row (positions first_pos...), one KV head, and

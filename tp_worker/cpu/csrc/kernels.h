@@ -45,12 +45,13 @@ int tm_paged_attention(const void* q, const void* k_cache, const void* v_cache,
                        const int64_t* num_tokens, const int64_t* first_pos, void* out,
                        int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
                        int64_t head_dim, int64_t head_stride, int64_t slot_stride,
-                       int64_t table_stride, int64_t window, float scale, int dtype);
+                       int64_t table_stride, int64_t window, float scale, float softcap,
+                       int dtype);
 int tm_paged_attention_amx(const void* q, const void* k_cache, const void* v_cache,
                            const int32_t* table, const int64_t* rows,
                            const int64_t* token_starts, const int64_t* num_tokens,
                            const int64_t* first_pos, void* out, int64_t num_rows,
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                            int64_t head_stride, int64_t slot_stride, int64_t table_stride,
-                           int64_t window, float scale, int dtype);
+                           int64_t window, float scale, float softcap, int dtype);
 }

@@ -4,7 +4,7 @@
 // them through ctypes one by one, so every bit is the one the Python loop computes: RMSNorm,
 // the fused q/k/v product, the per-head q/k norms where the model has them, RoPE and the KV
 // write, paged attention, the output product added to the float32 residual stream in its
-// epilogue, RMSNorm, silu(gate) x up in the gate/up product's epilogue, the down product added in its epilogue. What goes is what lay between
+// epilogue, RMSNorm, act(gate) x up in the gate/up product's epilogue, the down product added in its epilogue. What goes is what lay between
 // them: at one decode row, a layer's eight calls cost more in Python and ctypes (argument
 // conversion, torch's allocations and views) than RMSNorm, RoPE and attention take to run.
 //
@@ -25,16 +25,25 @@ namespace {
 // both 0. INPUT_NORM and POST_NORM (before attention, before the MLP) are 0 where the model has
 // none (OLMo 2: the residual stream is rounded into the product's rows instead); ATTN_OUT_NORM
 // and MLP_OUT_NORM, where nonzero, norm the attention's and the MLP's outputs before the
-// residual add (OLMo 2).
+// residual add (OLMo 2, Gemma 2 and 3). WINDOW is not an address: the layer's sliding window
+// (0 none), and LOCAL_ROPE 1 where the layer rotates by the local RoPE table (Gemma 3's
+// sliding layers), else 0.
 enum Field {
   INPUT_NORM, QKV, QKV_BIAS, O, POST_NORM, GATE_UP, DOWN, K_CACHE, V_CACHE, Q_NORM, K_NORM,
-  ATTN_OUT_NORM, MLP_OUT_NORM, FIELDS
+  ATTN_OUT_NORM, MLP_OUT_NORM, WINDOW, LOCAL_ROPE, FIELDS
 };
 
 // The model's shape, cpu/layer_stack.py's order.
+// qk_norm: 1 per head, 2 per projection; activation: silu.h's code for the gate/up epilogue.
 struct Shape {
-  int64_t hidden, heads, kv_heads, head_dim, inter, dtype, linear_amx, attention_amx, window,
-      head_stride, slot_stride, rotary_dim, qk_norm;  // qk_norm: 1 per head, 2 per projection
+  int64_t hidden, heads, kv_heads, head_dim, inter, dtype, linear_amx, attention_amx,
+      activation, head_stride, slot_stride, rotary_dim, qk_norm;
+};
+
+// The step's RoPE tables (cos, sin [tokens, rotary_dim]): the global one, and the local one
+// (the global one again where the model has one table).
+struct Rope {
+  const void *cos, *sin, *local_cos, *local_sin;
 };
 
 // The step's attention plan (cpu/attention.py's PagedAttention's tensors).
@@ -102,8 +111,8 @@ int residual_product(Linear linear, const void* in, int64_t tokens, int64_t k, i
 
 // `next_qkv`: the next layer's q/k/v weights, or 0 after the last layer of the call.
 int run_layer(const int64_t* w, const Shape& s, const Plan& p, const Scratch& b, float* x,
-              int64_t tokens, const void* cos, const void* sin, const int64_t* slots, float eps,
-              float scale, int64_t next_qkv) {
+              int64_t tokens, const Rope& rope, const int64_t* slots, float eps, float scale,
+              float softcap, int64_t next_qkv) {
   auto* linear = s.linear_amx ? tm_linear_amx_then : tm_linear_then;
   auto* attention = s.attention_amx ? tm_paged_attention_amx : tm_paged_attention;
   const int dtype = static_cast<int>(s.dtype);
@@ -120,13 +129,16 @@ int run_layer(const int64_t* w, const Shape& s, const Plan& p, const Scratch& b,
                            whole ? s.kv_heads * s.head_dim : s.head_dim, at<void>(w[Q_NORM]),
                            at<void>(w[K_NORM]), eps, dtype);
   }
-  status |= tm_rope_store_partial(b.qkv, cos, sin, slots, b.q, mutable_at(w[K_CACHE]),
+  const bool local = w[LOCAL_ROPE] != 0;
+  status |= tm_rope_store_partial(b.qkv, local ? rope.local_cos : rope.cos,
+                                  local ? rope.local_sin : rope.sin, slots, b.q,
+                                  mutable_at(w[K_CACHE]),
                                   mutable_at(w[V_CACHE]), tokens, s.heads, s.kv_heads,
                                   s.head_dim, s.rotary_dim, s.head_stride, s.slot_stride, dtype);
   status |= attention(b.q, at<void>(w[K_CACHE]), at<void>(w[V_CACHE]), p.table, p.rows,
                       p.token_starts, p.num_tokens, p.first_pos, b.attended, p.num_rows, s.heads,
                       s.kv_heads, s.head_dim, s.head_stride, s.slot_stride, p.table_stride,
-                      s.window, scale, dtype);
+                      w[WINDOW], scale, softcap, dtype);
   const void* attended = b.attended;
   int64_t attended_lda = q_width;
   if (b.attended_rows != nullptr) {
@@ -141,7 +153,8 @@ int run_layer(const int64_t* w, const Shape& s, const Plan& p, const Scratch& b,
                              s, b, x, eps, w[GATE_UP], 2 * s.inter, s.hidden);
   status |= norm_or_cast(x, w[POST_NORM], b, tokens, s.hidden, eps, dtype);
   status |= linear(b.normed, tokens, s.hidden, normed_lda, at<void>(w[GATE_UP]), 2 * s.inter,
-                   nullptr, b.activated, b.activated_stride, dtype, dtype, nullptr, 1,
+                   nullptr, b.activated, b.activated_stride, dtype, dtype, nullptr,
+                   static_cast<int>(s.activation),
                    at<void>(w[DOWN]), s.hidden, s.inter);
   status |= residual_product(linear, b.activated, tokens, s.inter,
                              row_stride(tokens, b.activated_stride, s.inter), w[DOWN],
@@ -156,12 +169,14 @@ extern "C" {
 
 // Runs `num_layers` decoder layers (rows of `weights`, FIELDS int64 each) over the float32
 // residual stream x [tokens, hidden] (contiguous, updated in place). shape: Shape's fields;
-// cos, sin [tokens, rotary_dim] in the model's dtype; slots [tokens] the KV slot each token
+// cos, sin [tokens, rotary_dim] in the model's dtype, local_cos and local_sin the same for
+// the layers whose LOCAL_ROPE is 1 (or null); softcap: attention's (0: none); slots [tokens] the KV slot each token
 // writes; the attention plan's table and rows as tm_paged_attention takes them; scratch: the
 // Scratch fields in order (addresses and strides, int64). Returns 0, or nonzero where a
 // kernel refused its dtypes.
 int tm_layer_stack(const int64_t* weights, int64_t num_layers, const int64_t* shape, float eps,
-                   float scale, float* x, int64_t tokens, const void* cos, const void* sin,
+                   float scale, float softcap, float* x, int64_t tokens, const void* cos,
+                   const void* sin, const void* local_cos, const void* local_sin,
                    const int64_t* slots, const int32_t* table, int64_t table_stride,
                    const int64_t* rows, const int64_t* token_starts, const int64_t* num_tokens,
                    const int64_t* first_pos, int64_t num_rows, const int64_t* scratch) {
@@ -171,10 +186,11 @@ int tm_layer_stack(const int64_t* weights, int64_t num_layers, const int64_t* sh
   const Scratch b{mutable_at(scratch[0]), scratch[1], mutable_at(scratch[2]),
                   mutable_at(scratch[3]), mutable_at(scratch[4]), mutable_at(scratch[5]),
                   scratch[6], mutable_at(scratch[7]), scratch[8]};
+  const Rope rope{cos, sin, local_cos ? local_cos : cos, local_sin ? local_sin : sin};
   for (int64_t layer = 0; layer < num_layers; ++layer) {
     const int64_t next_qkv = layer + 1 < num_layers ? weights[(layer + 1) * FIELDS + QKV] : 0;
-    const int status = run_layer(weights + layer * FIELDS, s, p, b, x, tokens, cos, sin, slots,
-                                 eps, scale, next_qkv);
+    const int status = run_layer(weights + layer * FIELDS, s, p, b, x, tokens, rope, slots, eps,
+                                 scale, softcap, next_qkv);
     if (status != 0) return status;
   }
   return 0;

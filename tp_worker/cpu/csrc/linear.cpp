@@ -2,7 +2,8 @@
 // ctypes). r, a residual added in the epilogue, gives the bits of `r + y` in torch: y rounded
 // to the output dtype first, then one float32 add, rounded again. With `glu`, each panel holds
 // 16 gate and then the same 16 up features (cpu/ops.py's gate_up_panels' order for an MLP's
-// gate_up) and the epilogue writes silu(gate) * up for those 16 columns instead, with the bits
+// gate_up) and the epilogue writes act(gate) * up for those 16 columns instead (glu: silu.h's
+// activation code), with the bits
 // of activation.cpp over the unfused output (epilogue.h, shared with linear_amx.cpp).
 //
 // The rule: every output element sums its K products in float32 in an order fixed by K alone,
@@ -303,7 +304,7 @@ struct Product {
   Out* out;
   int64_t ldc;
   const Out* residual;
-  bool glu;
+  int glu;  // NOTE: 0, or silu.h's activation code
 
   // `after`: ask_ahead's, for the first block (the one that streams the panel in).
   void panel(int64_t p, int64_t first, int64_t last, intptr_t after) const {
@@ -318,7 +319,7 @@ struct Product {
       for (int r = 0; r < rows; ++r) {
         const int64_t row = m0 + r;
         if (glu) {
-          tokenmill::write_glu_row(acc + r * NR, b, out + row * ldc + p * NR / 2);
+          tokenmill::write_glu_row(acc + r * NR, b, out + row * ldc + p * NR / 2, glu);
         } else {
           tokenmill::write_row(acc + r * NR, cols, b, out + row * ldc + col0,
                                residual ? residual + row * ldc + col0 : nullptr);
@@ -330,7 +331,7 @@ struct Product {
 
 template <typename T, typename Out, template <int, Ask> class K>
 void linear(const T* x, int64_t m, int64_t k_len, int64_t lda, const T* packed, int64_t n,
-            const float* bias, Out* out, int64_t ldc, const Out* residual, bool glu,
+            const float* bias, Out* out, int64_t ldc, const Out* residual, int glu,
             const tokenmill::NextProduct& then) {
   const int64_t num_panels = (n + NR - 1) / NR;
   const int64_t panel_elems = (std::is_same<T, float>::value ? k_len : (k_len + 31) / 32 * 32) * NR;
@@ -362,7 +363,8 @@ extern "C" {
 // x [m, k] (row stride lda), packed: W [n, k] packed as above, bias [n] float32 or null,
 // out [m, n] (row stride ldc), residual [m, n] in out's dtype and row stride, or null.
 // dtype: 0 = float32 x and W, 1 = bfloat16 x and W; out_dtype: 0 = float32, 1 = bfloat16.
-// glu: W packed as gate/up panels (n a multiple of 32, no residual): out [m, n / 2].
+// glu: 0, or W packed as gate/up panels (n a multiple of 32, no residual) and out [m, n / 2]
+// act(gate) * up, act silu.h's code (1 silu, 2 gelu_tanh).
 // Returns 0, or -1 for an unsupported combination.
 int tm_linear(const void* x, int64_t m, int64_t k, int64_t lda, const void* packed, int64_t n,
               const float* bias, void* out, int64_t ldc, int dtype, int out_dtype,
@@ -381,17 +383,17 @@ int tm_linear_then(const void* x, int64_t m, int64_t k, int64_t lda, const void*
     linear<float, float, F32>(static_cast<const float*>(x), m, k, lda,
                               static_cast<const float*>(packed), n, bias,
                               static_cast<float*>(out), ldc, static_cast<const float*>(residual),
-                              glu != 0, then);
+                              glu, then);
   } else if (dtype == 1 && out_dtype == 1) {
     linear<uint16_t, uint16_t, BF16>(static_cast<const uint16_t*>(x), m, k, lda,
                                      static_cast<const uint16_t*>(packed), n, bias,
                                      static_cast<uint16_t*>(out), ldc,
-                                     static_cast<const uint16_t*>(residual), glu != 0, then);
+                                     static_cast<const uint16_t*>(residual), glu, then);
   } else if (dtype == 1 && out_dtype == 0) {
     linear<uint16_t, float, BF16>(static_cast<const uint16_t*>(x), m, k, lda,
                                   static_cast<const uint16_t*>(packed), n, bias,
                                   static_cast<float*>(out), ldc,
-                                  static_cast<const float*>(residual), glu != 0, then);
+                                  static_cast<const float*>(residual), glu, then);
   } else {
     return -1;
   }

@@ -57,7 +57,7 @@ int64_t chunk_rows(int64_t m, int64_t k_pad) {
 template <typename Out>
 class PendingRows {
  public:
-  PendingRows(Out* out, int64_t ldc, const Out* residual, bool glu)
+  PendingRows(Out* out, int64_t ldc, const Out* residual, int glu)
       : out_(out), residual_(residual), ldc_(ldc), glu_(glu) {}
 
   // The block of rows r0.. (count of them) of panel p, whose sums are in acc.
@@ -72,7 +72,7 @@ class PendingRows {
     for (; done_ < upto; ++done_) {
       const float* sums = acc_ + done_ * NR;
       if (glu_) {
-        tokenmill::write_glu_row(sums, bias_, dst_ + done_ * ldc_);
+        tokenmill::write_glu_row(sums, bias_, dst_ + done_ * ldc_, glu_);
       } else {
         tokenmill::write_row(sums, cols_, bias_, dst_ + done_ * ldc_,
                              res_ ? res_ + done_ * ldc_ : nullptr);
@@ -85,7 +85,7 @@ class PendingRows {
   Out* out_;
   const Out* residual_;
   int64_t ldc_;
-  bool glu_;
+  int glu_;  // NOTE: 0, or silu.h's activation code
   const float* acc_ = nullptr;
   int count_ = 0, done_ = 0;
   int64_t cols_ = 0;
@@ -202,7 +202,7 @@ class Rows {
 template <typename Out>
 void linear_amx(const uint16_t* x, int64_t m, int64_t k, int64_t lda, const uint16_t* packed,
                 int64_t n, const float* bias, Out* out, int64_t ldc, const Out* residual,
-                bool glu, const tokenmill::NextProduct& then) {
+                int glu, const tokenmill::NextProduct& then) {
   const int64_t k_pad = (k + TILE_K - 1) / TILE_K * TILE_K;
   const int64_t num_panels = (n + NR - 1) / NR, panel_elems = k_pad * NR;
   const Rows rows(x, m, k, lda, k_pad);
@@ -295,10 +295,10 @@ int tm_linear_amx_then(const void* x, int64_t m, int64_t k, int64_t lda, const v
   const auto* w = static_cast<const uint16_t*>(packed);
   if (out_dtype == 1) {
     linear_amx(xs, m, k, lda, w, n, bias, static_cast<uint16_t*>(out), ldc,
-               static_cast<const uint16_t*>(residual), glu != 0, then);
+               static_cast<const uint16_t*>(residual), glu, then);
   } else if (out_dtype == 0) {
     linear_amx(xs, m, k, lda, w, n, bias, static_cast<float*>(out), ldc,
-               static_cast<const float*>(residual), glu != 0, then);
+               static_cast<const float*>(residual), glu, then);
   } else {
     return -1;
   }

@@ -4,9 +4,11 @@
 // ascending) combined by a fixed tree; r = 1 / sqrt(sum / hidden + eps) (both correctly
 // rounded); out = weight * (x * r) in float32, rounded once to the output's dtype. A row's
 // result depends on nothing but the row: not on the batch, the thread or the CPU.
-// x is the residual stream (float32 whatever the model's dtype: model/decoder.py), weight and
-// out the model's dtype. In float32 this is transformers' formula; in bfloat16 transformers rounds
-// x * r to bfloat16 before the weight multiplies it, a second rounding this skips.
+// x is the residual stream (float32 whatever the model's dtype: model/decoder.py), out the
+// model's dtype, weight float32 in every model (a bfloat16 checkpoint's weight is exact in
+// float32, and Gemma's 1 + w is a float32 sum in transformers: model/weights.py folds it). In
+// float32 this is transformers' formula, Gemma's too; in bfloat16 transformers rounds x * r to
+// bfloat16 before the weight multiplies it (Gemma excepted), a second rounding this skips.
 
 #include <cmath>
 #include <cstdint>
@@ -55,7 +57,7 @@ float sum_of_squares(const T* x, int64_t hidden) {
 // One row of `hidden` elements: out = weight * (x * r), in float32, rounded once. `out` may
 // be `x` (every element is read before it is written, after the sum of squares is taken).
 template <typename In, typename T>
-inline void norm_row(const In* row, const T* weight, T* o, int64_t hidden, float eps) {
+inline void norm_row(const In* row, const float* weight, T* o, int64_t hidden, float eps) {
   const float inv = 1.0f / std::sqrt(sum_of_squares(row, hidden) / static_cast<float>(hidden) + eps);
   int64_t d = 0;
 #if defined(__AVX512F__)
@@ -63,15 +65,15 @@ inline void norm_row(const In* row, const T* weight, T* o, int64_t hidden, float
   const __m512 inv16 = _mm512_set1_ps(inv);
   for (; d + LANES <= hidden; d += LANES) {
     const __m512 n = _mm512_mul_ps(load16(row + d), inv16);
-    store16(o + d, _mm512_mul_ps(load16(weight + d), n));
+    store16(o + d, _mm512_mul_ps(_mm512_loadu_ps(weight + d), n));
   }
 #endif
   for (; d < hidden; ++d)
-    store(o + d, load(weight + d) * (load(row + d) * inv));
+    store(o + d, weight[d] * (load(row + d) * inv));
 }
 
 template <typename In, typename T>
-void rms_norm(const In* x, const T* weight, T* out, int64_t rows, int64_t hidden,
+void rms_norm(const In* x, const float* weight, T* out, int64_t rows, int64_t hidden,
               int64_t out_stride, float eps) {
   // NOTE: threads from ~16K elements: a decode step's 32 rows of 768 took 17 us on one
   // thread and 11 on two with the vector loop below (a 2-core Xeon, kernel_ab.py --only
@@ -85,7 +87,8 @@ void rms_norm(const In* x, const T* weight, T* out, int64_t rows, int64_t hidden
 // side from the first element (Qwen3: each q and k head; OLMo 2: all of q, then all of k).
 template <typename T>
 void head_norm(T* rows, int64_t tokens, int64_t width, int64_t q_count, int64_t q_dim,
-               int64_t k_count, int64_t k_dim, const T* q_weight, const T* k_weight, float eps) {
+               int64_t k_count, int64_t k_dim, const float* q_weight, const float* k_weight,
+               float eps) {
 #pragma omp parallel for schedule(static) if (tokens * (q_count * q_dim + k_count * k_dim) >= (1 << 14))
   for (int64_t t = 0; t < tokens; ++t) {
     T* row = rows + t * width;
@@ -98,7 +101,7 @@ void head_norm(T* rows, int64_t tokens, int64_t width, int64_t q_count, int64_t 
 // x[r] += RMSNorm(y[r]) rounded to y's dtype (a norm after a layer's attention or MLP, before
 // the residual add: OLMo 2, Gemma 2). x float32 [rows, hidden]; y [rows, hidden] y_stride apart.
 template <typename T>
-void norm_add(const T* y, const T* weight, float* x, int64_t rows, int64_t hidden,
+void norm_add(const T* y, const float* weight, float* x, int64_t rows, int64_t hidden,
               int64_t y_stride, float eps) {
 #pragma omp parallel for schedule(static) if (rows * hidden >= (1 << 14))
   for (int64_t r = 0; r < rows; ++r) {
@@ -108,7 +111,7 @@ void norm_add(const T* y, const T* weight, float* x, int64_t rows, int64_t hidde
         1.0f / std::sqrt(sum_of_squares(row, hidden) / static_cast<float>(hidden) + eps);
     for (int64_t d = 0; d < hidden; ++d) {
       T normed;
-      store(&normed, load(weight + d) * (load(row + d) * inv));
+      store(&normed, weight[d] * (load(row + d) * inv));
       out[d] += load(&normed);
     }
   }
@@ -127,8 +130,8 @@ void cast_rows(const float* x, T* out, int64_t rows, int64_t hidden, int64_t out
 
 extern "C" {
 
-// x [rows, hidden] in x_dtype; out [rows, hidden] with rows out_stride elements apart and
-// weight [hidden] in dtype; dtype codes 0 = float32, 1 = bfloat16. Returns 0, or -1 for an
+// x [rows, hidden] in x_dtype; out [rows, hidden] in dtype with rows out_stride elements apart;
+// weight [hidden] float32; dtype codes 0 = float32, 1 = bfloat16. Returns 0, or -1 for an
 // unknown dtype.
 int tm_rms_norm(const void* x, const void* weight, void* out, int64_t rows, int64_t hidden,
                 int64_t out_stride, float eps, int dtype, int x_dtype) {
@@ -136,10 +139,10 @@ int tm_rms_norm(const void* x, const void* weight, void* out, int64_t rows, int6
     rms_norm(static_cast<const float*>(x), static_cast<const float*>(weight),
              static_cast<float*>(out), rows, hidden, out_stride, eps);
   } else if (dtype == 1 && x_dtype == 0) {
-    rms_norm(static_cast<const float*>(x), static_cast<const uint16_t*>(weight),
+    rms_norm(static_cast<const float*>(x), static_cast<const float*>(weight),
              static_cast<uint16_t*>(out), rows, hidden, out_stride, eps);
   } else if (dtype == 1 && x_dtype == 1) {
-    rms_norm(static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(weight),
+    rms_norm(static_cast<const uint16_t*>(x), static_cast<const float*>(weight),
              static_cast<uint16_t*>(out), rows, hidden, out_stride, eps);
   } else {
     return -1;
@@ -149,7 +152,7 @@ int tm_rms_norm(const void* x, const void* weight, void* out, int64_t rows, int6
 
 // rows [tokens, width] in dtype (0 = float32, 1 = bfloat16): from each row's first element,
 // q_count slices of q_dim normed with q_weight [q_dim], then k_count slices of k_dim with
-// k_weight [k_dim], in place, by RMSNorm's rule above. Returns 0, or -1 for an unknown dtype.
+// k_weight [k_dim] (both float32), in place, by RMSNorm's rule above. Returns 0, or -1 for an unknown dtype.
 int tm_head_norm(void* rows, int64_t tokens, int64_t width, int64_t q_count, int64_t q_dim,
                  int64_t k_count, int64_t k_dim, const void* q_weight, const void* k_weight,
                  float eps, int dtype) {
@@ -158,15 +161,14 @@ int tm_head_norm(void* rows, int64_t tokens, int64_t width, int64_t q_count, int
               static_cast<const float*>(q_weight), static_cast<const float*>(k_weight), eps);
   } else if (dtype == 1) {
     head_norm(static_cast<uint16_t*>(rows), tokens, width, q_count, q_dim, k_count, k_dim,
-              static_cast<const uint16_t*>(q_weight), static_cast<const uint16_t*>(k_weight),
-              eps);
+              static_cast<const float*>(q_weight), static_cast<const float*>(k_weight), eps);
   } else {
     return -1;
   }
   return 0;
 }
 
-// x float32 [rows, hidden] += RMSNorm(y) by weight [hidden], y [rows, hidden] in dtype with
+// x float32 [rows, hidden] += RMSNorm(y) by weight [hidden] float32, y [rows, hidden] in dtype with
 // rows y_stride apart; the norm's output rounded to dtype before the float32 add. Returns 0, or
 // -1 for an unknown dtype.
 int tm_norm_add(const void* y, const void* weight, float* x, int64_t rows, int64_t hidden,
@@ -175,7 +177,7 @@ int tm_norm_add(const void* y, const void* weight, float* x, int64_t rows, int64
     norm_add(static_cast<const float*>(y), static_cast<const float*>(weight), x, rows, hidden,
              y_stride, eps);
   } else if (dtype == 1) {
-    norm_add(static_cast<const uint16_t*>(y), static_cast<const uint16_t*>(weight), x, rows,
+    norm_add(static_cast<const uint16_t*>(y), static_cast<const float*>(weight), x, rows,
              hidden, y_stride, eps);
   } else {
     return -1;
