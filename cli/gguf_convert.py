@@ -31,7 +31,10 @@ import torch
 
 # NOTE: the file's `general.architecture`: llama.cpp writes Mistral checkpoints as llama
 # (transformers' config tells them apart by `general.name`), Qwen2 as qwen2, Qwen3 as qwen3.
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "granite", "olmo2")
+# NOTE: the architectures transformers 5.25 builds no config for from a file: the config is
+# ours, from the metadata llama.cpp writes (own_config), the tokenizer still transformers'
+OWN_CONFIGS = {"granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM"}
 MODEL_CLASSES = {  # NOTE: by the model_type of the config transformers builds from the file
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -50,13 +53,16 @@ _GEMMA_PARTS = {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# NOTE: the architectures with norms after attention and the MLP, under Gemma's names
+POST_NORMS = (*GEMMA, "olmo2")
 # NOTE: the layer counts of Gemma 2 27B and Gemma 3 27B, whose attention scale llama.cpp
 # takes from hidden / heads; every other size's is its head size (query_pre_attn_scalar,
 # which a GGUF file does not hold)
 _GEMMA_27B_LAYERS = (46, 62)
-# NOTE: llama.cpp permutes q and k rows for its llama architecture only (its rotary takes
-# adjacent pairs; Hugging Face's takes halves), as transformers' GGUF loader undoes them.
-PERMUTED = ("llama",)
+# NOTE: llama.cpp permutes q and k rows for its llama architecture and Granite's (its
+# GraniteModel is its LlamaModel's: its rotary takes adjacent pairs, Hugging Face's halves),
+# as transformers' GGUF loader undoes them.
+PERMUTED = ("llama", "granite")
 SHARD_BYTES = 2 << 30
 _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -106,7 +112,7 @@ def hf_name(name: str, architecture: str = "llama") -> str:
     if name in _GLOBAL:
         return _GLOBAL[name]
     match = _LAYER.fullmatch(name)
-    parts = {**_LAYER_PARTS, **_GEMMA_PARTS} if architecture in GEMMA else _LAYER_PARTS
+    parts = {**_LAYER_PARTS, **_GEMMA_PARTS} if architecture in POST_NORMS else _LAYER_PARTS
     if match is None or match[2] not in parts:
         raise Unservable(
             f"tensor {name!r} is not part of a Llama / Qwen2 / Qwen3 / Phi-3 / Gemma / Mistral "
@@ -306,19 +312,71 @@ def _save(shard: dict[str, torch.Tensor], path: Path) -> list[str]:
 
 
 def write_config_and_tokenizer(path: Path, out: Path, reader, architecture: str) -> dict:
-    """transformers' config and tokenizer for the file, saved as a checkpoint's files, with
-    what transformers' GGUF config leaves out put back (completed)."""
+    """transformers' config and tokenizer for the file (our config where transformers builds
+    none: own_config), saved as a checkpoint's files, with what transformers' GGUF config
+    leaves out put back (completed)."""
     import transformers
 
-    config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    if config.model_type not in MODEL_CLASSES:
-        raise Unservable(f"model type {config.model_type!r} is not one tokenmill serves")
-    config.architectures = [MODEL_CLASSES[config.model_type]]
-    config.save_pretrained(out)
-    raw = completed(json.loads((out / "config.json").read_text()), reader, architecture)
+    if architecture in OWN_CONFIGS:
+        raw = own_config(reader, architecture)
+        # NOTE: AutoTokenizer asks for the architecture's GGUF config first; the class that
+        # builds any file's tokenizer does not
+        tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(
+            path.parent, gguf_file=path.name
+        )
+    else:
+        config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        if config.model_type not in MODEL_CLASSES:
+            raise Unservable(f"model type {config.model_type!r} is not one tokenmill serves")
+        config.architectures = [MODEL_CLASSES[config.model_type]]
+        config.save_pretrained(out)
+        raw = json.loads((out / "config.json").read_text())
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    raw = completed(raw, reader, architecture)
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     tokenizer.save_pretrained(out)
+    return raw
+
+
+def own_config(reader, architecture: str) -> dict[str, Any]:
+    """config.json for a file transformers builds none for, from the metadata llama.cpp
+    writes: the shape, the norms' epsilon, RoPE's base, the special ids, tied embeddings
+    where the file has no `output.weight`, and Granite's four multipliers."""
+
+    def value(key: str, default: Any = None) -> Any:
+        found = metadata(reader, architecture, key)
+        return default if found is None else found
+
+    heads, hidden = int(value("attention.head_count")), int(value("embedding_length"))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    raw: dict[str, Any] = {
+        "architectures": [OWN_CONFIGS[architecture]],
+        "model_type": architecture,
+        "hidden_size": hidden,
+        "intermediate_size": int(value("feed_forward_length")),
+        "num_hidden_layers": int(value("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(value("attention.head_count_kv", heads)),
+        "head_dim": int(value("attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(value("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(value("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(value("context_length", 4096)),
+        "vocab_size": int(value("vocab_size", 0) or len(tokens.data if tokens else [])),
+        "tie_word_embeddings": all(t.name != "output.weight" for t in reader.tensors),
+        "hidden_act": "silu",
+        "attention_bias": False,
+    }
+    for name, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding")):
+        found = reader.fields.get(f"tokenizer.ggml.{key}_token_id")
+        raw[f"{name}_token_id"] = None if found is None else int(found.contents())
+    if architecture == "granite":
+        for ours, theirs in (
+            ("embedding_multiplier", "embedding_scale"),
+            ("residual_multiplier", "residual_scale"),
+            ("attention_multiplier", "attention.scale"),
+            ("logits_scaling", "logit_scale"),
+        ):
+            raw[ours] = float(value(theirs, 1.0))
     return raw
 
 

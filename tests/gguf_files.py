@@ -59,8 +59,15 @@ _ARCHITECTURES = {
     "phi3": "phi3",
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
+    "granite": "granite",
+    "olmo2": "olmo2",
 }
 GEMMA = ("gemma2", "gemma3")
+# NOTE: the architectures whose norms go by Gemma's names (OLMo 2: its two after each sublayer)
+POST_NORMS = (*GEMMA, "olmo2")
+# NOTE: llama.cpp's converter permutes q and k for these (its LlamaModel and what derives
+# from it: Granite's)
+PERMUTED = ("llama", "granite")
 
 _GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -74,7 +81,7 @@ def gguf_name(hf_name: str, architecture: str = "llama") -> str:
         return _GLOBAL_NAMES[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    names = {**_LAYER_NAMES, **_GEMMA_NAMES} if architecture in GEMMA else _LAYER_NAMES
+    names = {**_LAYER_NAMES, **_GEMMA_NAMES} if architecture in POST_NORMS else _LAYER_NAMES
     return f"blk.{layer}.{names[module]}.{kind}"
 
 
@@ -128,6 +135,25 @@ def _rope_metadata(writer: gguf.GGUFWriter, config: dict[str, Any]) -> None:
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(scaling["factor"])
         writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+
+
+def _family_metadata(writer: gguf.GGUFWriter, arch: str, config: dict[str, Any]) -> None:
+    """Gemma's soft-caps, window and (Gemma 3) sliding layers, Granite's multipliers, as
+    llama.cpp's converter writes them."""
+    if arch in GEMMA:
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if config.get(key):
+                getattr(writer, f"add_{key}")(float(config[key]))
+        writer.add_sliding_window(config["sliding_window"])
+        if arch == "gemma3":  # NOTE: llama.cpp's default is five of six layers
+            writer.add_sliding_window_pattern(
+                [kind == "sliding_attention" for kind in config["layer_types"]]
+            )
+    if arch == "granite":
+        writer.add_embedding_scale(config["embedding_multiplier"])
+        writer.add_residual_scale(config["residual_multiplier"])
+        writer.add_attention_scale(config["attention_multiplier"])
+        writer.add_logit_scale(config["logits_scaling"])
 
 
 def encode(values: np.ndarray, kind: Q, rng: np.random.Generator) -> tuple[np.ndarray, Q]:
@@ -233,15 +259,7 @@ def hf_to_gguf(
     writer.add_head_count_kv(num_kv_heads)
     rope = (config.get("rope_parameters") or {}).get("full_attention") or {}
     writer.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
-    if arch in GEMMA:
-        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if config.get(key):
-                getattr(writer, f"add_{key}")(float(config[key]))
-        writer.add_sliding_window(config["sliding_window"])
-        if arch == "gemma3":  # NOTE: llama.cpp's default is five of six layers
-            writer.add_sliding_window_pattern(
-                [kind == "sliding_attention" for kind in config["layer_types"]]
-            )
+    _family_metadata(writer, arch, config)
     writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
     head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
     writer.add_rope_dimension_count(int(head_dim * config.get("partial_rotary_factor", 1.0)))
@@ -257,9 +275,9 @@ def hf_to_gguf(
             values = values * (1 + norm_noise * rng.standard_normal(values.shape)).astype(
                 np.float32
             )
-        if arch == "llama" and ".q_proj." in hf_name:
+        if arch in PERMUTED and ".q_proj." in hf_name:
             values = permute(values, num_heads)
-        elif arch == "llama" and ".k_proj." in hf_name:
+        elif arch in PERMUTED and ".k_proj." in hf_name:
             values = permute(values, num_kv_heads)
         elif arch in GEMMA and hf_name.endswith("norm.weight"):
             values = values + np.float32(1.0)  # NOTE: llama.cpp's converter writes 1 + w

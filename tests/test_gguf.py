@@ -205,6 +205,34 @@ def test_a_gemma_file(arch: str, tiny_checkpoint, tmp_path: Path) -> None:
         assert config["rope_parameters"] == original["rope_parameters"]
 
 
+@pytest.mark.parametrize("arch", ["granite", "olmo2"])
+def test_a_file_transformers_builds_no_config_for(arch: str, tiny_checkpoint, tmp_path) -> None:
+    """Granite (q and k permuted as llama.cpp's GraniteModel writes them, its four multipliers
+    as `granite.*_scale` metadata) and OLMo 2 (its norms after each sublayer, q/k norms over
+    the whole projection): transformers 5.25 has no GGUF config for either, so the config is
+    built from the metadata (the shape, the multipliers, tied embeddings), the tokenizer is
+    the one transformers builds from the file; in F32 the numbers of the checkpoint the file
+    was written from."""
+    source = tiny_checkpoint(arch)
+    file = hf_to_gguf(source, tmp_path / f"tiny-{arch}.gguf", Q.F32)
+    model_dir = gguf_checkpoint.gguf_checkpoint(file)
+    config = json.loads((model_dir / "config.json").read_text())
+    original = json.loads((source / "config.json").read_text())
+    keys = [
+        "architectures",
+        "hidden_size",
+        "num_key_value_heads",
+        "head_dim",
+        "tie_word_embeddings",
+    ]
+    if arch == "granite":
+        keys += ["embedding_multiplier", "residual_multiplier", "attention_multiplier"]
+    assert {k: config[k] for k in keys} == {k: original[k] for k in keys}
+    theirs = transformers.PreTrainedTokenizerFast.from_pretrained(file.parent, gguf_file=file.name)
+    assert [Tokenizer(model_dir).encode(t) for t in TEXTS] == [theirs.encode(t) for t in TEXTS]
+    _assert_served_as(model_dir, source)
+
+
 def test_a_llama_31_file_rotates_by_its_rope_freqs(tiny_checkpoint, tmp_path: Path) -> None:
     """Llama 3.1 / 3.2 files carry their rope_scaling as per-frequency factors
     (rope_freqs.weight): the settings that give those factors are found again, and the file
@@ -314,7 +342,7 @@ def test_an_architecture_tokenmill_cannot_serve_fails_at_start(tmp_path: Path) -
         timeout=120,
     )
     assert started.returncode != 0
-    served = "llama, qwen2, qwen3, phi3, gemma2, gemma3"
+    served = "llama, qwen2, qwen3, phi3, gemma2, gemma3, granite, olmo2"
     assert f"'falcon' is not one tokenmill serves (it serves {served})" in started.stderr
     assert f"--model {file}:" in started.stderr
     cache = gguf_checkpoint.cache_dir() / "gguf"

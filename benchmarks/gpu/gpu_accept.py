@@ -54,6 +54,7 @@ from tokenmill.tp_worker.cuda import attention as attention_triton  # noqa: E402
 from tokenmill.tp_worker.cuda import rowwise as rowwise_triton  # noqa: E402
 from tokenmill.tp_worker.cuda.attention import plan_triton  # noqa: E402
 from tokenmill.tp_worker.cuda.linear import TileConfig, k_slice, triton_linear  # noqa: E402
+from tokenmill.tp_worker.model.layer_attention import LayerAttention  # noqa: E402
 
 STAGES = ("env", "kernels", "tiny", "model", "syncs", "speed", "kv")
 LLAMA_8B = {"hidden": 4096, "heads": 32, "kv_heads": 8, "head_dim": 128, "inter": 14336,
@@ -232,8 +233,9 @@ def planned(
     rows, pos = rows.to(dev), pos.to(dev)
     slots = s.table[rows, pos].long()
     q = s.q[rows, pos]
-    plan = plan_triton(s.table, rows, pos, slots, None, host=host, **choices)
-    return lambda: plan.attend(q, s.k, s.v, s.q.shape[-1] ** -0.5)
+    plan = plan_triton(s.table, rows, pos, slots, host=host, **choices)
+    settings = LayerAttention(s.q.shape[-1] ** -0.5)
+    return lambda: plan.attend(q, s.k, s.v, settings)
 
 
 def attend(s: KvSetup, tokens: list[tuple[int, int, int]], **choices) -> torch.Tensor:

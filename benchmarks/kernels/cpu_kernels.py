@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from tokenmill.tp_worker.cpu.attention import PagedAttention
 from tokenmill.tp_worker.cpu.kernels import library
 from tokenmill.tp_worker.cpu.ops import PackedLinear, amx_enabled, product_input
+from tokenmill.tp_worker.model.layer_attention import LayerAttention
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, DIM = 768, 2048, 12, 12, 4, 64
 # (in, out) of each projection of one layer: q/k/v fused, o, gate/up fused, down
@@ -154,9 +155,9 @@ def attention_case(
         torch.full((rows,), new),
         torch.full((rows,), context),
         torch.zeros(0, dtype=torch.int64),
-        0,
     )
-    return lambda: plan.attend(q, k, v, DIM**-0.5)
+    settings = LayerAttention(DIM**-0.5)
+    return lambda: plan.attend(q, k, v, settings)
 
 
 def run(name: str, variants: dict[str, Callable[[], object]], flags: dict[str, str], n: int):

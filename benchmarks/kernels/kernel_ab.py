@@ -218,15 +218,19 @@ def norm_runs(libs: list[ctypes.CDLL], rows: int) -> list[Callable[[], torch.Ten
     NOTE: builds before b0d9189 take no output row stride, so they read this call's stride
     as the dtype and refuse it: this case then stops the run (`--only` another group skips it).
     The input is bfloat16, which builds before and after the float32 residual stream take
-    (the model now passes float32)."""
+    (the model now passes float32); the weight bfloat16, or float32 for builds that have
+    tm_glu_mul (from b1d8059 every norm weight is float32)."""
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, HIDDEN, generator=gen).bfloat16()
     weight = torch.randn(HIDDEN, generator=gen).bfloat16()
     code = DTYPE_CODES[x.dtype]
 
+    wide = weight.float()
+
     def call(lib: ctypes.CDLL, out: torch.Tensor) -> torch.Tensor:
+        w = wide if hasattr(lib, "tm_glu_mul") else weight
         status = lib.tm_rms_norm(
-            x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, HIDDEN, HIDDEN, 1e-5, code, code
+            x.data_ptr(), w.data_ptr(), out.data_ptr(), rows, HIDDEN, HIDDEN, 1e-5, code, code
         )
         assert status == 0, "a build before b0d9189: tm_rms_norm takes no out_stride there"
         return out
