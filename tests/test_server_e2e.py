@@ -625,12 +625,13 @@ def test_tensor_parallel_2_matches_1(server, tiny_checkpoint, tmp_path) -> None:
         assert tp2.stop() == 0
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3", "olmo2"])
 def test_tensor_parallel_2_matches_transformers(arch: str, tiny_checkpoint, tmp_path) -> None:
     """Qwen3 and Gemma 3 at TP 2: each rank norms its own q and k heads (the norms' weights
     are every rank's); Gemma 2: the soft-capped scores of each rank's heads, the logits
-    soft-capped after the gather; prompt and greedy logprobs as transformers computes them
-    (float32)."""
+    soft-capped after the gather; OLMo 2: its q and k norms over the whole projection, the
+    ranks' sums of squares all-reduced; prompt and greedy logprobs as transformers computes
+    them (float32)."""
     from helpers import oracle
     from server_process import start_server
 
@@ -660,19 +661,18 @@ def test_tensor_parallel_2_matches_transformers(arch: str, tiny_checkpoint, tmp_
     assert answer["output_ids"] == ref.logprobs[len(prompt) - 1 :].argmax(-1).tolist()
 
 
-def test_olmo2_at_tensor_parallel_2_is_refused_at_start(tiny_checkpoint) -> None:
-    """OLMo 2's q/k norms span every head (a rank holds half): refused, naming why, rather
-    than served with each rank's half normed alone."""
-    import subprocess
-    import sys
+def test_olmo2_with_kv_heads_that_do_not_divide_is_refused(tiny_checkpoint) -> None:
+    """OLMo 2's k norm spans every KV head: with fewer KV heads than ranks (each rank would
+    hold a copy of one), refused naming why, rather than normed over copies."""
+    from tokenmill.tp_worker.model.config import load_model_config
+    from tokenmill.tp_worker.model.decoder import DecoderLayer
+    from tokenmill.tp_worker.model.parallel import TpGroup
 
-    started = subprocess.run(
-        [sys.executable, "-m", "tokenmill.cli.main", "serve", "--model",
-         str(tiny_checkpoint("olmo2")), "--tensor-parallel-size", "2", "--port", "0"],
-        capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
-    assert started.returncode != 0
-    assert "olmo2's q/k norms span every head" in started.stderr
+    config = load_model_config(tiny_checkpoint("olmo2"))
+    assert config.num_kv_heads == 2
+    DecoderLayer(config, TpGroup(0, 2), torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match="2 KV heads do not divide among --tensor-parallel-size 4"):
+        DecoderLayer(config, TpGroup(0, 4), torch.float32, torch.device("cpu"))
 
 
 def children_of_server(proc) -> list[int]:

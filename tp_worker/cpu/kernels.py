@@ -154,6 +154,11 @@ def load(path: Path) -> ctypes.CDLL:
         lib.tm_norm_add.restype = ctypes.c_int
         lib.tm_cast_rows.argtypes = [_P, _P, _I, _I, _I, ctypes.c_int]
         lib.tm_cast_rows.restype = ctypes.c_int
+    if hasattr(lib, "tm_slice_sums"):
+        lib.tm_slice_sums.argtypes = [_P, _I, _I, _I, _P, _C]
+        lib.tm_slice_sums.restype = ctypes.c_int
+        lib.tm_scale_slices.argtypes = [_P, _I, _I, _I, _P, _I, _P, _F, _C]
+        lib.tm_scale_slices.restype = ctypes.c_int
     if hasattr(lib, "tm_glu_mul"):
         lib.tm_glu_mul.argtypes = [_P, _P, _I, _I, *[ctypes.c_int] * 3]
         lib.tm_glu_mul.restype = ctypes.c_int

@@ -256,7 +256,7 @@ def head_norm_cpu(
 
 
 def norm_add_cpu(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
-    """x [T, hidden] float32 += RMSNorm(y [T, hidden], weight) rounded to weight's dtype, in
+    """x [T, hidden] float32 += RMSNorm(y [T, hidden], weight) rounded to y's dtype, in
     place (csrc/rms_norm.cpp's tm_norm_add: a norm after a sublayer, before its residual add);
     weight float32."""
     assert x.dtype == torch.float32 and x.is_contiguous() and weight.dtype == torch.float32
@@ -272,6 +272,33 @@ def norm_add_cpu(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: fl
         DTYPE_CODES[y.dtype],
     )
     assert status == 0, f"tm_norm_add: unsupported {y.dtype}"
+
+
+def slice_sums_cpu(rows: torch.Tensor) -> torch.Tensor:
+    """rows [T, width] (unit stride within a row, any row stride) -> [T] float32: each row's
+    sum of squares in csrc/rms_norm.cpp's order (a rank's share of a norm split across ranks)."""
+    assert rows.dim() == 2 and rows.stride(1) == 1 and rows.dtype in DTYPE_CODES
+    sums = torch.empty(rows.shape[0], dtype=torch.float32)
+    status = library().tm_slice_sums(
+        rows.data_ptr(), rows.shape[0], rows.stride(0), rows.shape[1], sums.data_ptr(),
+        DTYPE_CODES[rows.dtype],
+    )  # fmt: skip
+    assert status == 0, f"tm_slice_sums: unsupported {rows.dtype}"
+    return sums
+
+
+def scale_slices_cpu(
+    rows: torch.Tensor, sums: torch.Tensor, whole: int, weight: torch.Tensor, eps: float
+) -> None:
+    """In place: rows [T, width] = weight * (x * r), r from the whole row's sums [T] (every
+    rank's slice_sums_cpu added) over `whole` elements (csrc/rms_norm.cpp's rule)."""
+    assert rows.stride(1) == 1 and sums.dtype == weight.dtype == torch.float32
+    sums = sums.contiguous()
+    status = library().tm_scale_slices(
+        rows.data_ptr(), rows.shape[0], rows.stride(0), rows.shape[1], sums.data_ptr(), whole,
+        weight.data_ptr(), eps, DTYPE_CODES[rows.dtype],
+    )  # fmt: skip
+    assert status == 0, f"tm_scale_slices: unsupported {rows.dtype}"
 
 
 def cast_rows_cpu(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

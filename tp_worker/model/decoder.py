@@ -21,6 +21,8 @@ from tokenmill.tp_worker.cpu.ops import (
     head_norm_cpu,
     norm_add_cpu,
     rms_norm_cpu,
+    scale_slices_cpu,
+    slice_sums_cpu,
     soft_cap_cpu,
 )
 from tokenmill.tp_worker.cuda import rowwise as rowwise_triton
@@ -53,7 +55,7 @@ class RMSNorm(nn.Module):
         self.triton = False  # cuda/rowwise.py on CUDA, switched on by use_triton_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., hidden] (the float32 residual stream) -> the weight's dtype."""
+        """x [..., hidden] (the float32 residual stream) -> `dtype`."""
         if self.cpu_kernel:
             return rms_norm_cpu(x, self.weight, self.eps, self.dtype)
         if self.triton and rowwise_triton.runs_on(x):
@@ -114,12 +116,17 @@ class DecoderLayer(nn.Module):
         self.down_proj = ShardedLinear(inter, hidden, False, True, group, dtype, device)
         self.qk_norm_scope = config.qk_norm
         self.q_norm = self.k_norm = None
+        # NOTE: OLMo 2's norms over the whole q and k, split across the ranks' heads
+        self.split_norm = config.qk_norm == "projection" and group.size > 1
+        self.group = group
+        self.whole_widths = (config.num_heads * head_dim, config.num_kv_heads * head_dim)
         if config.qk_norm:
             whole = config.qk_norm == "projection"
-            if whole and group.size > 1:
+            if self.split_norm and config.num_kv_heads % group.size:
                 raise ValueError(
-                    f"{config.architecture}'s q/k norms span every head: tensor parallelism "
-                    "is not served for it yet (--tensor-parallel-size 1)"
+                    f"{config.architecture}'s k norm spans every KV head: its "
+                    f"{config.num_kv_heads} KV heads do not divide among "
+                    f"--tensor-parallel-size {group.size}"
                 )
             q_width = self.num_heads * head_dim if whole else head_dim
             k_width = self.num_kv_heads * head_dim if whole else head_dim
@@ -146,6 +153,8 @@ class DecoderLayer(nn.Module):
         all of k: OLMo 2), or rows as they are."""
         if self.q_norm is None or self.k_norm is None:
             return rows
+        if self.split_norm:
+            return self._split_norm_heads(rows, heads, kv_heads)
         dim, tokens = self.head_dim, rows.shape[0]
         whole = self.qk_norm_scope == "projection"
         q = (min(heads, 1), heads * dim) if whole else (heads, dim)
@@ -159,6 +168,34 @@ class DecoderLayer(nn.Module):
         k_rows = self.k_norm(rows[:, q_end:k_end].reshape(-1, k[1])) if kv_heads else rows[:, :0]
         parts = (q_rows.reshape(tokens, q_end), k_rows.reshape(tokens, k_end - q_end))
         return torch.cat((*parts, rows[:, k_end:]), dim=1)
+
+    def _split_norm_heads(self, rows: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+        """OLMo 2's q and k norms at TP > 1, each over the whole projection that the ranks
+        share: this rank's sums of squares of its heads, all-reduced, then its heads scaled by
+        the whole row's r (csrc/rms_norm.cpp's tm_slice_sums and tm_scale_slices)."""
+        assert self.q_norm is not None and self.k_norm is not None
+        rows = rows.contiguous()
+        q_end, k_end = heads * self.head_dim, (heads + kv_heads) * self.head_dim
+        parts = [
+            (x, norm, whole)
+            for x, norm, whole in (
+                (rows[:, :q_end], self.q_norm, self.whole_widths[0]),
+                (rows[:, q_end:k_end], self.k_norm, self.whole_widths[1]),
+            )
+            if x.shape[1]
+        ]
+        cpu = self.q_norm.cpu_kernel
+        sums = torch.stack(
+            [slice_sums_cpu(x) if cpu else x.float().pow(2).sum(-1) for x, _, _ in parts], 1
+        )
+        self.group.all_reduce(sums)
+        for i, (x, norm, whole) in enumerate(parts):
+            if cpu:
+                scale_slices_cpu(x, sums[:, i], whole, norm.weight, norm.eps)
+            else:
+                inv = torch.rsqrt(sums[:, i : i + 1] / whole + norm.eps)
+                x.copy_((norm.weight * (x.float() * inv)).to(x.dtype))
+        return rows
 
     def layer_input(self, x: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
         """A sublayer's input: x [T, hidden] (float32) through its norm, or, where it has

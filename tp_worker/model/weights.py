@@ -142,8 +142,12 @@ def _load_layer(model: CausalLM, layer: DecoderLayer, part: str, tensor: torch.T
         norm = getattr(layer, norms[part])
         return norm is not None and _copy(norm.weight, _norm_weight(config, tensor))
     if part in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
-        norm = layer.q_norm if part.startswith("self_attn.q") else layer.k_norm
-        # NOTE: every rank's (head_dim wide; OLMo 2's whole-projection norms run at TP 1)
+        which = "q" if part.startswith("self_attn.q") else "k"
+        norm = layer.q_norm if which == "q" else layer.k_norm
+        if config.qk_norm == "projection":  # NOTE: OLMo 2's: this rank's heads' share
+            heads = config.num_heads if which == "q" else config.num_kv_heads
+            tensor = tensor[_head_rows(heads, config.head_dim, which, model)]
+        # NOTE: per head (Qwen3, Gemma 3): every rank's
         return norm is not None and _copy(norm.weight, _norm_weight(config, tensor))
     if part == "self_attn.o_proj.weight":
         start, end = group.shard(tensor.shape[1], "num_attention_heads * head_dim")

@@ -54,11 +54,15 @@ float sum_of_squares(const T* x, int64_t hidden) {
   return tokenmill::tree_sum16(lane);
 }
 
-// One row of `hidden` elements: out = weight * (x * r), in float32, rounded once. `out` may
-// be `x` (every element is read before it is written, after the sum of squares is taken).
+// r = 1 / sqrt(sum / width + eps), both correctly rounded.
+inline float inverse_rms(float sum, int64_t width, float eps) {
+  return 1.0f / std::sqrt(sum / static_cast<float>(width) + eps);
+}
+
+// One row of `hidden` elements: out = weight * (x * inv), in float32, rounded once. `out` may
+// be `x` (every element is read before it is written).
 template <typename In, typename T>
-inline void norm_row(const In* row, const float* weight, T* o, int64_t hidden, float eps) {
-  const float inv = 1.0f / std::sqrt(sum_of_squares(row, hidden) / static_cast<float>(hidden) + eps);
+inline void scale_row(const In* row, const float* weight, T* o, int64_t hidden, float inv) {
   int64_t d = 0;
 #if defined(__AVX512F__)
   // NOTE: the loop below in 16 lanes, the same operations per element.
@@ -70,6 +74,13 @@ inline void norm_row(const In* row, const float* weight, T* o, int64_t hidden, f
 #endif
   for (; d < hidden; ++d)
     store(o + d, weight[d] * (load(row + d) * inv));
+}
+
+// One row of `hidden` elements: out = weight * (x * r), in float32, rounded once. `out` may
+// be `x` (every element is read before it is written, after the sum of squares is taken).
+template <typename In, typename T>
+inline void norm_row(const In* row, const float* weight, T* o, int64_t hidden, float eps) {
+  scale_row(row, weight, o, hidden, inverse_rms(sum_of_squares(row, hidden), hidden, eps));
 }
 
 template <typename In, typename T>
@@ -107,8 +118,7 @@ void norm_add(const T* y, const float* weight, float* x, int64_t rows, int64_t h
   for (int64_t r = 0; r < rows; ++r) {
     const T* row = y + r * y_stride;
     float* out = x + r * hidden;
-    const float inv =
-        1.0f / std::sqrt(sum_of_squares(row, hidden) / static_cast<float>(hidden) + eps);
+    const float inv = inverse_rms(sum_of_squares(row, hidden), hidden, eps);
     for (int64_t d = 0; d < hidden; ++d) {
       T normed;
       store(&normed, weight[d] * (load(row + d) * inv));
@@ -126,9 +136,54 @@ void cast_rows(const float* x, T* out, int64_t rows, int64_t hidden, int64_t out
     for (int64_t d = 0; d < hidden; ++d) store(out + r * out_stride + d, x[r * hidden + d]);
 }
 
+// A norm whose row is split across tensor-parallel ranks (OLMo 2's q/k norms over the whole
+// projection): each rank's sums of squares of its slices (sum_of_squares' order), then,
+// once the ranks' sums are added, each slice scaled by the whole row's r.
+template <typename T>
+void slice_sums(const T* rows, int64_t tokens, int64_t stride, int64_t width, float* sums) {
+  for (int64_t t = 0; t < tokens; ++t) sums[t] = sum_of_squares(rows + t * stride, width);
+}
+
+template <typename T>
+void scale_slices(T* rows, int64_t tokens, int64_t stride, int64_t width, const float* sums,
+                  int64_t whole, const float* weight, float eps) {
+  for (int64_t t = 0; t < tokens; ++t)
+    scale_row(rows + t * stride, weight, rows + t * stride, width,
+              inverse_rms(sums[t], whole, eps));
+}
+
 }  // namespace
 
 extern "C" {
+
+// sums[t] = the sum of squares of rows[t * stride .. + width) in dtype (0 float32, 1 bfloat16),
+// in RMSNorm's order. Returns 0, or -1 for an unknown dtype.
+int tm_slice_sums(const void* rows, int64_t tokens, int64_t stride, int64_t width, float* sums,
+                  int dtype) {
+  if (dtype == 0) {
+    slice_sums(static_cast<const float*>(rows), tokens, stride, width, sums);
+  } else if (dtype == 1) {
+    slice_sums(static_cast<const uint16_t*>(rows), tokens, stride, width, sums);
+  } else {
+    return -1;
+  }
+  return 0;
+}
+
+// In place: each slice rows[t * stride .. + width) = weight * (x * r), r = 1 / sqrt(sums[t] /
+// whole + eps), rounded once to dtype; weight [width] float32. Returns 0, or -1.
+int tm_scale_slices(void* rows, int64_t tokens, int64_t stride, int64_t width, const float* sums,
+                    int64_t whole, const void* weight, float eps, int dtype) {
+  const float* w = static_cast<const float*>(weight);
+  if (dtype == 0) {
+    scale_slices(static_cast<float*>(rows), tokens, stride, width, sums, whole, w, eps);
+  } else if (dtype == 1) {
+    scale_slices(static_cast<uint16_t*>(rows), tokens, stride, width, sums, whole, w, eps);
+  } else {
+    return -1;
+  }
+  return 0;
+}
 
 // x [rows, hidden] in x_dtype; out [rows, hidden] in dtype with rows out_stride elements apart;
 // weight [hidden] float32; dtype codes 0 = float32, 1 = bfloat16. Returns 0, or -1 for an
