@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tokenmill.cli.gguf_checkpoint import gguf_checkpoint, gguf_file
+from tokenmill.cli.text_checkpoint import text_checkpoint, text_model
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,11 @@ def resolve_model(model: str | None) -> ResolvedModel:
             f"--model {model}: neither a checkpoint directory (no config.json there) "
             "nor a GGUF file"
         )
+    if text_model(path) is not None:  # NOTE: Gemma 3 4B-27B: its text model alone
+        try:
+            return ResolvedModel(model, text_checkpoint(path), model)
+        except (ValueError, OSError) as e:
+            raise ValueError(f"--model {model}: {e}") from None
     return ResolvedModel(model, path, model)
 
 

@@ -166,3 +166,46 @@ def _assert_bfloat16_promise(model_dir, cpu_kernels: bool = True) -> None:
 
 def _hf(model_dir, dtype: torch.dtype) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+
+
+def test_an_image_and_text_gemma3_checkpoint_serves_its_text_model(
+    tiny_checkpoint, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gemma 3 4B-27B are `Gemma3ForConditionalGeneration`: a vision tower beside a Gemma 3
+    text model whose `text_config` the Hub writes sparse. `--model` serves the text model
+    (cli/text_checkpoint.py: its config completed by transformers, the checkpoint's files
+    linked, the vision tower's tensors never read): prompt logprobs and greedy tokens as
+    transformers' whole model computes them on text alone (float32)."""
+    from tokenmill.cli.default_model import resolve_model
+
+    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path / "cache"))
+    text = tiny_checkpoint("gemma3")
+    text_config = json.loads((text / "config.json").read_text())
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "image_size": 28, "patch_size": 14}  # fmt: skip
+    config = transformers.Gemma3Config(
+        text_config=text_config, vision_config=vision, mm_tokens_per_image=4,
+        eos_token_id=text_config["eos_token_id"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    whole = transformers.Gemma3ForConditionalGeneration(config).eval()
+    text_model = transformers.AutoModelForCausalLM.from_pretrained(text, dtype=torch.float32)
+    whole.model.language_model.load_state_dict(text_model.model.state_dict())
+    source = tmp_path / "gemma3-image-and-text"
+    whole.save_pretrained(source)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(text / name, source / name)
+    saved = json.loads((source / "config.json").read_text())
+    defaults = transformers.Gemma3TextConfig().to_dict()
+    saved["text_config"] = {  # NOTE: as sparse as the Hub's: what differs from the defaults
+        k: v for k, v in saved["text_config"].items() if defaults.get(k) != v
+    }
+    (source / "config.json").write_text(json.dumps(saved))
+    served = resolve_model(str(source)).directory
+    assert json.loads((served / "config.json").read_text())["architectures"] == [
+        "Gemma3ForCausalLM"
+    ]
+    prompt = FrontendTokenizer(served).encode(TEXTS[2])
+    request = OfflineRequest(prompt, max_tokens=16, num_top=5, prompt_logprob_start=0)
+    out = make_engine(served).generate([request])[0]
+    assert_matches_oracle(out, prompt, whole, ATOL)

@@ -60,8 +60,10 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
     for number, path in enumerate(files, 1):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if _NOT_TEXT.fullmatch(name):
+                    continue  # NOTE: not read at all (a vision tower's hundreds of MB)
                 if load_tensor(model, name, f.get_tensor(name)):
-                    expected.discard(name)
+                    expected.discard(text_model_name(name))
         if len(files) > 1:
             logger.info(
                 "loaded weights %d/%d (%s) in %.1fs",
@@ -116,9 +118,25 @@ def _expected_names(model: CausalLM) -> set[str]:
     return names
 
 
+# NOTE: an image and text checkpoint's text model (Gemma 3 4B-27B: cli/text_checkpoint.py):
+# its tensors under the Hub's names (language_model.model.*) or transformers' own
+# (model.language_model.*); the vision tower's and the projector's have no place here
+_TEXT_MODEL = re.compile(r"(?:language_model\.model|model\.language_model)\.(.+)")
+_NOT_TEXT = re.compile(r"(?:model\.)?(?:vision_tower|multi_modal_projector)\..+")
+
+
+def text_model_name(name: str) -> str:
+    """A tensor's name as a text-only checkpoint names it."""
+    match = _TEXT_MODEL.fullmatch(name)
+    if match is not None:
+        return f"model.{match[1]}"
+    return "lm_head.weight" if name == "language_model.lm_head.weight" else name
+
+
 def load_tensor(model: CausalLM, name: str, tensor: torch.Tensor) -> bool:
     """One Hugging Face tensor into this rank's share of the parameter it belongs to; False
     for a tensor the model has no place for."""
+    name = text_model_name(name)
     if name == "model.embed_tokens.weight":
         return _copy_vocab_rows(model.embed_tokens.weight, model.embed_tokens.vocab_start, tensor)
     if name == "lm_head.weight":
