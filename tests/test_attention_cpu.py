@@ -30,8 +30,10 @@ def _reference(
     slots: list[int],
     window: int,
     scale: float,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """One query token [Hq, D] attending to the keys in `slots`, in float64."""
+    """One query token [Hq, D] attending to the keys in `slots`, in float64 (softcap: each
+    score s becomes softcap * tanh(s / softcap), as Gemma 2's)."""
     if window:
         slots = slots[-window:]
     keys = k_cache[:, slots].transpose(0, 1).double()  # [L, Hkv, D]
@@ -39,6 +41,8 @@ def _reference(
     keys = keys.repeat_interleave(HEADS // KV_HEADS, 1)  # [L, Hq, D]
     values = values.repeat_interleave(HEADS // KV_HEADS, 1)
     scores = torch.einsum("hd,lhd->hl", q.double(), keys) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     return torch.einsum("hl,lhd->hd", scores.softmax(-1), values)
 
 
@@ -51,6 +55,7 @@ def _run(
     window: int = 0,
     split: bool = False,
     dim: int = DIM,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attend without writing new keys: every token's own key is already in the cache.
     Consecutive tokens of a row form one batch row (a prompt chunk), or each token its own
@@ -71,7 +76,7 @@ def _run(
         first_pos=columns[3].clone(),
         out_slots=torch.zeros(0, dtype=torch.int64),
     )
-    return attention.attend(q, caches[0], caches[1], LayerAttention(dim**-0.5, window))
+    return attention.attend(q, caches[0], caches[1], LayerAttention(dim**-0.5, window, softcap))
 
 
 def _table(lens: list[int], width: int = 300) -> torch.Tensor:
@@ -90,9 +95,13 @@ def _in_runs(
     return (moved[0], moved[1]), runs
 
 
+@pytest.mark.parametrize("softcap", [0.0, 1.5])
 @pytest.mark.parametrize("window", [0, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_matches_float64_reference(dtype: torch.dtype, window: int, cpu_kernel: str) -> None:
+def test_matches_float64_reference(
+    dtype: torch.dtype, window: int, softcap: float, cpu_kernel: str
+) -> None:
+    """softcap: Gemma 2's soft-capped scores, low enough to bite (scores of a few units)."""
     if cpu_kernel == "amx" and dtype == torch.float32:
         pytest.skip("the AMX kernels take bfloat16")
     lens = [1, 7, 40, 260]
@@ -101,13 +110,46 @@ def test_matches_float64_reference(dtype: torch.dtype, window: int, cpu_kernel: 
     rows = [r for r, n in enumerate(lens) for _ in range(min(n, 9))]
     positions = [p for n in lens for p in range(n - min(n, 9), n)]
     q = torch.randn(len(rows), HEADS, DIM, generator=torch.Generator().manual_seed(3)).to(dtype)
-    out = _run(q, caches, table, rows, positions, window).view(len(rows), HEADS, DIM)
+    out = _run(q, caches, table, rows, positions, window, softcap=softcap)
+    out = out.view(len(rows), HEADS, DIM)
     # NOTE: in bfloat16 the output's own rounding is up to 2^-9 of it (0.0156 at 4 and more,
     # which an output of a window of 5 keys can reach): a relative part on top of the kernel's.
     atol, rtol = (2e-6, 0.0) if dtype == torch.float32 else (1e-2, 2**-8)
     for i, (row, pos) in enumerate(zip(rows, positions, strict=True)):
         slots = table[row, : pos + 1].tolist()
-        expected = _reference(q[i].float(), caches[0], caches[1], slots, window, DIM**-0.5)
+        expected = _reference(q[i].float(), caches[0], caches[1], slots, window, DIM**-0.5, softcap)
+        torch.testing.assert_close(out[i].double(), expected, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_soft_capped_scores_have_their_bits_on_every_path(
+    dtype: torch.dtype, cpu_kernel: str
+) -> None:
+    """Gemma 2's soft-cap (here 2, low enough to bite) on heads of 128: prompt chunks and
+    decode rows, slots scattered or in runs, and a decode row past 3,072 keys (its heads
+    shared among the threads), the same bits; close to float64."""
+    if cpu_kernel == "amx" and dtype == torch.float32:
+        pytest.skip("the AMX kernels take bfloat16")
+    dim, lens, cap = 128, [1, 40, 3100], 2.0
+    table = _table(lens, width=3100)
+    caches = _cache(table.numel(), dtype, dim=dim)
+    rows = [r for r, n in enumerate(lens) for _ in range(min(n, 40))]
+    positions = [p for n in lens for p in range(n - min(n, 40), n)]
+    gen = torch.Generator().manual_seed(6)
+    q = (3 * torch.randn(len(rows), HEADS, dim, generator=gen)).to(dtype)
+    together = _run(q, caches, table, rows, positions, dim=dim, softcap=cap)
+    split = _run(q, caches, table, rows, positions, split=True, dim=dim, softcap=cap)
+    assert torch.equal(split, together)
+    in_runs, runs = _in_runs(table, caches)
+    assert torch.equal(_run(q, in_runs, runs, rows, positions, dim=dim, softcap=cap), together)
+    last = len(rows) - 1
+    alone = _run(q[last:], caches, table, rows[last:], positions[last:], dim=dim, softcap=cap)
+    assert torch.equal(alone[0], together[last])
+    out = together.view(len(rows), HEADS, dim)
+    atol, rtol = (2e-6, 0.0) if dtype == torch.float32 else (1e-2, 2**-8)
+    for i in (0, 1, 40, last):
+        slots = table[rows[i], : positions[i] + 1].tolist()
+        expected = _reference(q[i].float(), caches[0], caches[1], slots, 0, dim**-0.5, cap)
         torch.testing.assert_close(out[i].double(), expected, atol=atol, rtol=rtol)
 
 
