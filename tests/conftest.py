@@ -10,7 +10,20 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-ARCHS = ("llama", "qwen2", "mistral", "qwen3", "phi3", "granite", "olmo2", "gemma2", "gemma3")
+ARCHS = (
+    "llama",
+    "qwen2",
+    "mistral",
+    "qwen3",
+    "phi3",
+    "granite",
+    "olmo2",
+    "gemma2",
+    "gemma3",
+    "qwen3_moe",
+    "olmoe",
+    "mixtral",
+)
 
 
 @pytest.fixture(scope="session")

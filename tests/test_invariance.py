@@ -53,7 +53,7 @@ def _assert_same(a: OfflineOutput, b: OfflineOutput, atol: float) -> None:
 DTYPES = ["float32", "bfloat16"]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
 def test_batch_of_8_equals_each_alone(
@@ -103,7 +103,9 @@ def test_the_same_tokens_whether_or_not_a_batch_reads_logprobs(
     assert [m.output_ids for m in mixed] == [b.output_ids for b in with_them]
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3", "olmo2", "gemma2", "gemma3"])
+@pytest.mark.parametrize(
+    "arch", ["qwen2", "qwen3", "phi3", "olmo2", "gemma2", "gemma3", "qwen3_moe", "olmoe", "mixtral"]
+)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("max_prefill_tokens", "decode_steps"), [(7, 1), (4096, 4), (16, 3)])
 def test_chunked_prefill_and_multi_step(

@@ -116,8 +116,18 @@ def test_drafts_change_no_token_and_no_logprob_bit(
         {"arch": "qwen3", "dtype": "bfloat16"},
         {"arch": "gemma2", "dtype": "bfloat16"},
         {"arch": "gemma3", "cpu_kernels": False},
+        {"arch": "qwen3_moe", "dtype": "bfloat16"},
     ],
-    ids=["bfloat16", "sdpa", "processed", "decode-steps-4", "qwen3", "gemma2", "gemma3-sdpa"],
+    ids=[
+        "bfloat16",
+        "sdpa",
+        "processed",
+        "decode-steps-4",
+        "qwen3",
+        "gemma2",
+        "gemma3-sdpa",
+        "qwen3-moe",
+    ],
 )
 def test_the_same_bits_on_every_path(
     tiny_checkpoint, oracle_drafts, settings: dict, cpu_kernel: str

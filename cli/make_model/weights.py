@@ -19,7 +19,20 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save_file
 
-ARCHS = ("llama", "qwen2", "mistral", "qwen3", "phi3", "granite", "olmo2", "gemma2", "gemma3")
+ARCHS = (
+    "llama",
+    "qwen2",
+    "mistral",
+    "qwen3",
+    "phi3",
+    "granite",
+    "olmo2",
+    "gemma2",
+    "gemma3",
+    "qwen3_moe",
+    "olmoe",
+    "mixtral",
+)
 PRESETS = ("tiny", "small", "medium")
 
 # Above this many bytes of weights, write HF-style shards plus an index file.
@@ -82,7 +95,13 @@ _ARCH_CLASSES = {
     "olmo2": "Olmo2ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
+# NOTE: the mixtures of experts: 4 experts, 2 a token, each half the dense MLP's width;
+# router rows of this std, so that a token's experts follow the token
+MOE_EXPERTS, MOE_TOP_K, ROUTER_GAIN = 4, 2, 2.0
 # NOTE: config.json's model_type where it is not the arch's name
 _MODEL_TYPES = {"gemma3": "gemma3_text"}
 # NOTE: a sliding window short enough that the tests' prompts reach past it, on every other
@@ -195,6 +214,52 @@ _ARCH_FIELDS: dict[str, dict[str, Any]] = {
 }
 
 
+_MOE_FIELDS: dict[str, dict[str, Any]] = {
+    # NOTE: Qwen3-MoE's way: per-head q/k norms, the top-k renormalized, a dense first layer
+    # (mlp_only_layers, as the issue's RL checkpoints have)
+    "qwen3_moe": {
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "tie_word_embeddings": True,
+        "num_experts": MOE_EXPERTS,
+        "num_experts_per_tok": MOE_TOP_K,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [0],
+    },
+    # NOTE: OLMoE: q/k norms over the whole projection, the top-k weights not renormalized
+    "olmoe": {
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "num_experts": MOE_EXPERTS,
+        "num_experts_per_tok": MOE_TOP_K,
+        "norm_topk_prob": False,
+    },
+    "mixtral": {
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000.0,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "num_local_experts": MOE_EXPERTS,
+        "num_experts_per_tok": MOE_TOP_K,
+    },
+}
+_ARCH_FIELDS.update(_MOE_FIELDS)
+
+
+def moe_layers(config: dict[str, Any]) -> list[int]:
+    """The layers with experts (transformers' rule: Qwen3-MoE's mlp_only_layers dense)."""
+    if config["model_type"] not in _MOE_FIELDS:
+        return []
+    dense = set(config.get("mlp_only_layers") or [])
+    return [i for i in range(config["num_hidden_layers"]) if i not in dense]
+
+
 def _arch_fields(arch: str) -> dict[str, Any]:
     if arch not in _ARCH_FIELDS:
         raise ValueError(f"arch={arch!r} is not one of {ARCHS}")
@@ -228,6 +293,10 @@ def make_config(arch: str, shape: ModelShape, token_ids: dict[str, int]) -> dict
         config["max_window_layers"] = shape.num_hidden_layers
     elif arch != "qwen2":
         config["head_dim"] = shape.head_dim
+    if arch in _MOE_FIELDS:
+        # NOTE: each expert half the dense MLP's width (Qwen3-MoE's dense layers keep it)
+        width = shape.intermediate_size // 2
+        config["moe_intermediate_size" if arch == "qwen3_moe" else "intermediate_size"] = width
     if arch in ("gemma2", "gemma3"):
         del config["hidden_act"]
         config["query_pre_attn_scalar"] = shape.head_dim // 2
@@ -266,8 +335,13 @@ def _layer_specs(config: dict[str, Any], i: int) -> list[TensorSpec]:
     if config["model_type"] == "qwen2":
         for name, dim in (("q", q_dim), ("k", kv_dim), ("v", kv_dim)):
             specs.append((p + f"self_attn.{name}_proj.bias", (dim,), BIAS_STD))
-    if config["model_type"] == "qwen3":
+    if config["model_type"] in ("qwen3", "qwen3_moe"):
         specs += [(p + f"self_attn.{name}_norm.weight", (head_dim,), NORM_STD) for name in "qk"]
+    if config["model_type"] == "olmoe":  # NOTE: its q/k norms over the whole projection
+        specs += [
+            (p + "self_attn.q_norm.weight", (q_dim,), NORM_STD),
+            (p + "self_attn.k_norm.weight", (kv_dim,), NORM_STD),
+        ]
     if config["model_type"] == "olmo2":
         # NOTE: OLMo 2's norms: after attention and after the MLP (not before them), and over
         # all of q and all of k before RoPE
@@ -286,11 +360,35 @@ def _layer_specs(config: dict[str, Any], i: int) -> list[TensorSpec]:
         specs += [(p + f"{name}_layernorm.weight", (hidden,), NORM_STD) for name in names]
         if config["model_type"] == "gemma3_text":
             specs += [(p + f"self_attn.{n}_norm.weight", (head_dim,), NORM_STD) for n in "qk"]
+    if i in moe_layers(config):
+        specs = [spec for spec in specs if ".mlp." not in spec[0]] + _expert_specs(config, p)
     if config["model_type"] == "phi3":
         # NOTE: Phi-3's layout: q/k/v as one qkv_proj, gate/up as one gate_up_proj
         specs = [spec for spec in specs if not re.search(r"\.(q|k|v|gate|up)_proj\.", spec[0])]
         specs.append((p + "self_attn.qkv_proj.weight", (q_dim + 2 * kv_dim, hidden), QK_GAIN * std))
         specs.append((p + "mlp.gate_up_proj.weight", (2 * inter, hidden), std))
+    return specs
+
+
+def _expert_specs(config: dict[str, Any], p: str) -> list[TensorSpec]:
+    """A mixture of experts' router and experts, by the family's names (Mixtral's w1, w3, w2
+    under block_sparse_moe; mlp.experts.N.*_proj otherwise)."""
+    hidden = config["hidden_size"]
+    inter = config.get("moe_intermediate_size") or config["intermediate_size"]
+    experts = config.get("num_experts") or config["num_local_experts"]
+    std = 1.0 / math.sqrt(hidden)
+    mixtral = config["model_type"] == "mixtral"
+    scope = p + ("block_sparse_moe" if mixtral else "mlp")
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    shapes = (
+        (inter, hidden, std),
+        (inter, hidden, std),
+        (hidden, inter, OUT_GAIN / math.sqrt(inter)),
+    )
+    specs: list[TensorSpec] = [(f"{scope}.gate.weight", (experts, hidden), ROUTER_GAIN * std)]
+    for e in range(experts):
+        for name, (rows, cols, gain) in zip(names, shapes, strict=True):
+            specs.append((f"{scope}.experts.{e}.{name}.weight", (rows, cols), gain))
     return specs
 
 

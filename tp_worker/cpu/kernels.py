@@ -36,6 +36,7 @@ SOURCES = tuple(
         "log_softmax.cpp",
         "sample.cpp",
         "layer_stack.cpp",
+        "route.cpp",
     )
 )
 HEADERS = tuple(
@@ -191,6 +192,9 @@ def load(path: Path) -> ctypes.CDLL:
         _P,
     ]
     lib.tm_layer_stack.restype = ctypes.c_int
+    if hasattr(lib, "tm_route"):
+        lib.tm_route.argtypes = [_P, _I, _I, _I, _C, _P, _P]
+        lib.tm_route.restype = ctypes.c_int
     lib.tm_linear_isa.argtypes = []
     lib.tm_linear_isa.restype = ctypes.c_int
     return lib

@@ -119,6 +119,8 @@ class LayerStack:
         if not enabled() or tp_size != 1 or dtype not in DTYPE_CODES or not layers:
             return None
         for layer in layers:
+            if layer.moe is not None:  # NOTE: experts run from Python (model/moe.py)
+                return None
             linears = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
             if any(linear.kernel is None for linear in linears):
                 return None
@@ -261,7 +263,7 @@ def _address(norm: torch.nn.Module | None) -> int:
     return int(weight.data_ptr())
 
 
-def _kernel(linear: torch.nn.Module) -> PackedLinear:
+def _kernel(linear: torch.nn.Module | None) -> PackedLinear:
     kernel = getattr(linear, "kernel", None)
     assert isinstance(kernel, PackedLinear), linear
     return kernel

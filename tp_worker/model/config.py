@@ -47,6 +47,14 @@ class ModelConfig:
     # NOTE: > 0: soft-caps (c * tanh(x / c)) of attention scores and final logits (Gemma 2)
     attention_softcap: float = 0.0
     final_softcap: float = 0.0
+    # NOTE: a mixture of experts (model/moe.py) in the layers `moe_layers`; families.py's
+    # Family.moe names its tensors
+    moe: str = ""
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    moe_renormalize: bool = False
+    moe_layers: tuple[int, ...] = ()
     # NOTE: how many of each head's head_dim elements RoPE rotates (partial_rotary_factor)
     rotary_dim: int = 0
     # NOTE: Granite's multipliers (1, or None for head_dim ** -0.5, in every other family)
@@ -108,6 +116,7 @@ def parse_model_config(raw: dict[str, Any], max_model_len: int | None = None) ->
         full_attention_layers=full_layers,
         local_rope_theta=local_rope[0],
         local_rope_scaling=local_rope[1],
+        **_experts(raw, family),
         attention_softcap=float(raw.get("attn_logit_softcapping") or 0.0),
         final_softcap=float(raw.get("final_logit_softcapping") or 0.0),
         rotary_dim=int(head_dim * float(partial)),
@@ -241,6 +250,30 @@ def _default_layer_types(raw: dict[str, Any], family: Family) -> list[str]:
     return [
         "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)
     ]
+
+
+def _experts(raw: dict[str, Any], family: Family) -> dict[str, Any]:
+    """ModelConfig's mixture-of-experts fields: the experts, the k each token takes, their
+    width, and the layers that have them (Qwen3-MoE: every `decoder_sparse_step`-th but its
+    `mlp_only_layers`; every layer otherwise)."""
+    experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+    if not family.moe or not experts:
+        return {}
+    layers, step = int(raw["num_hidden_layers"]), int(raw.get("decoder_sparse_step") or 1)
+    dense = set(raw.get("mlp_only_layers") or [])
+    renormalize = family.moe_renormalize
+    if raw.get("shared_expert_intermediate_size"):
+        raise ValueError("shared experts are not served yet")
+    return {
+        "moe": family.moe,
+        "num_experts": experts,
+        "experts_per_token": int(raw["num_experts_per_tok"]),
+        "moe_intermediate_size": int(raw.get("moe_intermediate_size") or raw["intermediate_size"]),
+        "moe_renormalize": bool(raw.get("norm_topk_prob", False))
+        if renormalize is None
+        else renormalize,
+        "moe_layers": tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0),
+    }
 
 
 def layer_window(config: ModelConfig, index: int) -> int:

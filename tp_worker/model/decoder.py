@@ -30,6 +30,7 @@ from tokenmill.tp_worker.cuda.linear import triton_linear
 from tokenmill.tp_worker.model.attention import Attention
 from tokenmill.tp_worker.model.config import ModelConfig, layer_window
 from tokenmill.tp_worker.model.layer_attention import LayerAttention
+from tokenmill.tp_worker.model.moe import SparseMoe
 from tokenmill.tp_worker.model.parallel import (
     ShardedLinear,
     TpGroup,
@@ -110,10 +111,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, device) if pre else None
         self.attn_out_norm = RMSNorm(hidden, eps, dtype, device) if post else None
         self.mlp_out_norm = RMSNorm(hidden, eps, dtype, device) if post else None
-        self.gate_up_proj = ShardedLinear(
-            hidden, 2 * inter, False, False, group, dtype, device, glu=config.activation
+        # NOTE: a mixture of experts in the family's MoE layers (model/moe.py), else the MLP
+        self.moe = SparseMoe(config, group, dtype, device) if index in config.moe_layers else None
+        dense = self.moe is None
+        self.gate_up_proj = (
+            ShardedLinear(
+                hidden, 2 * inter, False, False, group, dtype, device, glu=config.activation
+            )
+            if dense
+            else None
         )
-        self.down_proj = ShardedLinear(inter, hidden, False, True, group, dtype, device)
+        self.down_proj = (
+            ShardedLinear(inter, hidden, False, True, group, dtype, device) if dense else None
+        )
         self.qk_norm_scope = config.qk_norm
         self.q_norm = self.k_norm = None
         # NOTE: OLMo 2's norms over the whole q and k, split across the ranks' heads
@@ -244,6 +254,9 @@ class DecoderLayer(nn.Module):
             x = x[keep]
         x = self.add_output(self.o_proj, attended, x, self.attn_out_norm)
         mlp_in = self.layer_input(x, self.post_attention_layernorm)
+        if self.moe is not None:
+            return x + self.moe(mlp_in)
+        assert self.gate_up_proj is not None and self.down_proj is not None
         activated = self.gate_up_proj(mlp_in)  # act(gate) * up
         return self.add_output(self.down_proj, activated, x, self.mlp_out_norm)
 
@@ -294,6 +307,8 @@ class CausalLM(nn.Module):
                 module.use_cpu_kernel()
             elif isinstance(module, RMSNorm):
                 module.cpu_kernel = True
+            elif isinstance(module, SparseMoe):
+                module.use_cpu_kernel()
         self.lm_head_kernel = PackedLinear(self.lm_head.weight.data, None)
         self.layer_stack = LayerStack.of(
             [layer for layer in self.layers if isinstance(layer, DecoderLayer)],
@@ -311,6 +326,8 @@ class CausalLM(nn.Module):
                 module.kernel = None
             elif isinstance(module, DecoderLayer):
                 module.kv_kernel = None
+            elif isinstance(module, SparseMoe):
+                module.kernels = module.router_kernel = None
         self.lm_head_kernel = None
         self.layer_stack = None
 

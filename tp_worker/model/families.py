@@ -39,6 +39,13 @@ class Family:
     # multiple of this (config.json's `sliding_window_pattern` overrides it); 0: every layer
     # slides where a window is set
     window_pattern: int = 0
+    # NOTE: a mixture of experts in place of the MLP, its tensors named "mlp" (Qwen3-MoE,
+    # OLMoE: mlp.gate, mlp.experts.N.gate_proj / up_proj / down_proj) or "block_sparse_moe"
+    # (Mixtral: its gate, experts.N.w1 / w3 / w2); "": a dense MLP
+    moe: str = ""
+    # NOTE: the top-k weights renormalized to sum to 1: always (True: Mixtral), or as
+    # config.json's `norm_topk_prob` says (None)
+    moe_renormalize: bool | None = None
 
 
 GEMMA: dict[str, Any] = {
@@ -57,6 +64,11 @@ FAMILIES: dict[str, Family] = {  # the Hugging Face architecture name -> its swi
     # NOTE: its multipliers are config.json fields (ModelConfig's, default 1 for the rest)
     "GraniteForCausalLM": Family("granite"),
     "Olmo2ForCausalLM": Family("olmo2", qk_norm="projection", norms="post"),
+    "Qwen3MoeForCausalLM": Family(
+        "qwen3_moe", sliding_window_switch="use_sliding_window", qk_norm="head", moe="mlp"
+    ),
+    "OlmoeForCausalLM": Family("olmoe", qk_norm="projection", moe="mlp"),
+    "MixtralForCausalLM": Family("mixtral", moe="block_sparse_moe", moe_renormalize=True),
     # NOTE: their soft-caps and two RoPE tables are config.json fields (ModelConfig's)
     "Gemma2ForCausalLM": Family("gemma2", **GEMMA, window_pattern=2),
     "Gemma3ForCausalLM": Family("gemma3", **GEMMA, qk_norm="head", window_pattern=6),

@@ -113,9 +113,52 @@ def _expected_names(model: CausalLM) -> set[str]:
         per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
     if model.config.qk_norm:
         per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
-    for i in range(model.config.num_layers):
-        names.update(f"model.layers.{i}.{p}" for p in per_layer)
+    config = model.config
+    dense = [p for p in per_layer if not p.startswith("mlp.")]
+    experts = [
+        name for e in range(config.num_experts) for name in _expert_names(config.moe, e).values()
+    ]
+    moe = [*dense, *experts, f"{config.moe}.gate.weight"] if config.moe else []
+    for i in range(config.num_layers):
+        names.update(
+            f"model.layers.{i}.{p}" for p in (moe if i in config.moe_layers else per_layer)
+        )
     return names
+
+
+def _expert_names(scope: str, expert: int) -> dict[str, str]:
+    """An expert's tensors: gate, up, down -> their names in the checkpoint."""
+    prefix = f"{scope}.experts.{expert}"
+    if scope == "block_sparse_moe":  # NOTE: Mixtral's w1 (gate), w3 (up), w2 (down)
+        return {
+            k: f"{prefix}.{w}.weight" for k, w in (("gate", "w1"), ("up", "w3"), ("down", "w2"))
+        }
+    return {k: f"{prefix}.{k}_proj.weight" for k in ("gate", "up", "down")}
+
+
+_EXPERT = re.compile(r"(mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+
+
+def _load_expert(model: CausalLM, layer: DecoderLayer, part: str, tensor: torch.Tensor) -> bool:
+    """A mixture of experts' router or one of an expert's three tensors into this rank's
+    share (every expert's intermediate dimension sharded)."""
+    moe, config = layer.moe, model.config
+    assert moe is not None
+    if part == f"{config.moe}.gate.weight":
+        return _copy(moe.router, tensor)
+    match = _EXPERT.fullmatch(part)
+    if match is None or match[1] != config.moe:
+        return False
+    expert = int(match[2])
+    kind = {v: k for k, v in _expert_names(config.moe, expert).items()}.get(part)
+    if kind is None:
+        return False
+    if kind == "down":
+        start, end = model.group.shard(tensor.shape[1], "moe_intermediate_size")
+        return _copy(moe.down[expert], tensor[:, start:end])
+    start, end = model.group.shard(tensor.shape[0], "moe_intermediate_size")
+    offset = 0 if kind == "gate" else end - start
+    return _copy(moe.gate_up[expert][offset : offset + end - start], tensor[start:end])
 
 
 # NOTE: an image and text checkpoint's text model (Gemma 3 4B-27B: cli/text_checkpoint.py):
@@ -153,6 +196,8 @@ def load_tensor(model: CausalLM, name: str, tensor: torch.Tensor) -> bool:
 
 def _load_layer(model: CausalLM, layer: DecoderLayer, part: str, tensor: torch.Tensor) -> bool:
     group, config = model.group, model.config
+    if layer.moe is not None and part.startswith(f"{config.moe}."):
+        return _load_expert(model, layer, part, tensor)
     if part in ("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"):
         return _load_fused(model, layer, part, tensor)
     norms = NORM_NAMES[config.norms]
@@ -170,10 +215,10 @@ def _load_layer(model: CausalLM, layer: DecoderLayer, part: str, tensor: torch.T
     if part == "self_attn.o_proj.weight":
         start, end = group.shard(tensor.shape[1], "num_attention_heads * head_dim")
         return _copy(layer.o_proj.weight, _residual_scaled(config, tensor[:, start:end]))
-    if part == "mlp.down_proj.weight":
+    if part == "mlp.down_proj.weight" and layer.down_proj is not None:
         start, end = group.shard(tensor.shape[1], "intermediate_size")
         return _copy(layer.down_proj.weight, _residual_scaled(config, tensor[:, start:end]))
-    if part in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
+    if part in ("mlp.gate_proj.weight", "mlp.up_proj.weight") and layer.gate_up_proj is not None:
         start, end = group.shard(tensor.shape[0], "intermediate_size")
         offset = 0 if "gate" in part else end - start
         return _copy(layer.gate_up_proj.weight[offset : offset + end - start], tensor[start:end])

@@ -1,0 +1,118 @@
+"""A mixture of experts in place of a layer's MLP (tp_worker): Qwen3-MoE, OLMoE, Mixtral.
+
+The router's logits are the model's dtype, as transformers computes them; each token's top-k
+experts and weights come from csrc/route.cpp (softmax in float32, a fixed tie rule). Each
+expert multiplies the rows routed to it at once (its weights stream once a step for all of
+them), and a row's sums follow from its own elements only (csrc/linear.cpp's rule), so its
+output does not depend on which other rows share the expert. A token's k expert outputs
+(float32) are then added in the order of its top-k, weighted: never in the order the
+experts ran. So a token's bits are its own in any batch, chunk or schedule.
+
+Tensor parallelism shards every expert's intermediate dimension: each rank's partial sums of
+a token's k outputs, all-reduced once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.tp_worker.cpu.kernels import library
+from tokenmill.tp_worker.cpu.ops import PackedLinear, glu_mul_cpu
+from tokenmill.tp_worker.model.config import ModelConfig
+from tokenmill.tp_worker.model.parallel import TpGroup, invariant_linear
+
+
+@dataclass(frozen=True)
+class Routing:
+    ids: torch.Tensor  # [T, k] int64 each token's experts, best first
+    weights: torch.Tensor  # [T, k] float32 their weights
+
+
+def route(logits: torch.Tensor, k: int, renormalize: bool) -> Routing:
+    """Each row of logits [T, E] (float32, on the CPU) -> its top-k experts and weights
+    (csrc/route.cpp)."""
+    logits = logits.float().contiguous().cpu()
+    tokens, experts = logits.shape
+    ids = torch.empty(tokens, k, dtype=torch.int64)
+    weights = torch.empty(tokens, k, dtype=torch.float32)
+    status = library().tm_route(
+        logits.data_ptr(), tokens, experts, k, int(renormalize), ids.data_ptr(), weights.data_ptr()
+    )
+    assert status == 0, f"tm_route: k={k} of {experts} experts"
+    return Routing(ids, weights)
+
+
+class SparseMoe(nn.Module):
+    """The experts of one layer: router [E, hidden], gate_up [E, 2 inter, hidden] (gate rows
+    then up rows, this rank's share of each), down [E, hidden, inter]."""
+
+    def __init__(
+        self, config: ModelConfig, group: TpGroup, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        experts, hidden = config.num_experts, config.hidden_size
+        inter = config.moe_intermediate_size // group.size
+        self.group = group
+        self.top_k = config.experts_per_token
+        self.renormalize = config.moe_renormalize
+        self.activation = config.activation
+        self.router = nn.Parameter(
+            torch.empty(experts, hidden, dtype=dtype, device=device), requires_grad=False
+        )
+        self.gate_up = nn.Parameter(
+            torch.empty(experts, 2 * inter, hidden, dtype=dtype, device=device),
+            requires_grad=False,
+        )
+        self.down = nn.Parameter(
+            torch.empty(experts, hidden, inter, dtype=dtype, device=device), requires_grad=False
+        )
+        # NOTE: csrc/linear.cpp's panels per expert (use_cpu_kernel), or None: torch's products
+        self.kernels: list[tuple[PackedLinear, PackedLinear]] | None = None
+        self.router_kernel: PackedLinear | None = None
+
+    def use_cpu_kernel(self) -> None:
+        """Every expert's products through csrc/ from now on (after the weights are loaded)."""
+        glu = self.gate_up.shape[1] % 32 == 0
+        self.kernels = [
+            (PackedLinear(g, None, glu=glu, activation=self.activation), PackedLinear(d, None))
+            for g, d in zip(self.gate_up.data, self.down.data, strict=True)
+        ]
+        self.router_kernel = PackedLinear(self.router.data, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] (the MLP's normed input, the model's dtype) -> [T, hidden] float32."""
+        routing = route(self._router_logits(x), self.top_k, self.renormalize)
+        outputs = x.new_zeros(x.shape[0], self.top_k, x.shape[1], dtype=torch.float32)
+        ids = routing.ids.to(x.device)
+        for expert in torch.unique(ids).tolist():
+            tokens, slots = (ids == expert).nonzero(as_tuple=True)
+            outputs[tokens, slots] = self._expert(expert, x[tokens])
+        weights = routing.weights.to(x.device)
+        out = outputs[:, 0] * weights[:, :1]
+        for slot in range(1, self.top_k):  # NOTE: in the order of the top-k, every time
+            out = out + outputs[:, slot] * weights[:, slot : slot + 1]
+        return self.group.all_reduce(out)
+
+    def _router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, E] as transformers computes them: in the model's dtype (then float32)."""
+        if self.router_kernel is not None:
+            return self.router_kernel(x, torch.float32).to(x.dtype).float()
+        return invariant_linear(x, self.router).float()
+
+    def _expert(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        """One expert's MLP over the rows routed to it -> [R, hidden] float32 (this rank's
+        partial sums)."""
+        if self.kernels is not None:
+            gate_up, down = self.kernels[expert]
+            if gate_up.glu:
+                activated = gate_up(rows)
+            else:
+                activated = glu_mul_cpu(gate_up(rows, torch.float32), rows.dtype, self.activation)
+            return down(activated, torch.float32)
+        gate, up = invariant_linear(rows, self.gate_up[expert]).float().chunk(2, dim=-1)
+        act = F.gelu(gate, approximate="tanh") if self.activation == "gelu_tanh" else F.silu(gate)
+        return invariant_linear((act * up).to(rows.dtype), self.down[expert]).float()
