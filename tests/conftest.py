@@ -23,6 +23,7 @@ ARCHS = (
     "qwen3_moe",
     "olmoe",
     "mixtral",
+    "qwen2_moe",
 )
 
 

@@ -104,7 +104,19 @@ def test_the_same_tokens_whether_or_not_a_batch_reads_logprobs(
 
 
 @pytest.mark.parametrize(
-    "arch", ["qwen2", "qwen3", "phi3", "olmo2", "gemma2", "gemma3", "qwen3_moe", "olmoe", "mixtral"]
+    "arch",
+    [
+        "qwen2",
+        "qwen3",
+        "phi3",
+        "olmo2",
+        "gemma2",
+        "gemma3",
+        "qwen3_moe",
+        "olmoe",
+        "mixtral",
+        "qwen2_moe",
+    ],
 )
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("max_prefill_tokens", "decode_steps"), [(7, 1), (4096, 4), (16, 3)])

@@ -47,7 +47,7 @@ _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle
 
 # NOTE: the families whose tokenizer is Qwen2's: no bos, its own pre-tokenizer split, a
 # template that shows tools (Qwen3 ships Qwen2's tokenizer).
-QWEN_ARCHS = ("qwen2", "qwen3", "qwen3_moe")
+QWEN_ARCHS = ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
 # NOTE: the families whose tokenizer is Gemma's (SentencePiece-style, no dummy prefix, turns
 # as <start_of_turn> / <end_of_turn>, the assistant's role named "model")
 GEMMA_ARCHS = ("gemma2", "gemma3")

@@ -32,6 +32,7 @@ ARCHS = (
     "qwen3_moe",
     "olmoe",
     "mixtral",
+    "qwen2_moe",
 )
 PRESETS = ("tiny", "small", "medium")
 
@@ -98,6 +99,7 @@ _ARCH_CLASSES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
 }
 # NOTE: the mixtures of experts: 4 experts, 2 a token, each half the dense MLP's width;
 # router rows of this std, so that a token's experts follow the token
@@ -249,6 +251,21 @@ _MOE_FIELDS: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": MOE_TOP_K,
     },
 }
+# NOTE: Qwen2-MoE's way: q/k/v biases, the top-k not renormalized, a shared expert as wide
+# as the dense MLP beside the routed ones
+_MOE_FIELDS["qwen2_moe"] = {
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "use_sliding_window": False,
+    "sliding_window": None,
+    "max_window_layers": 0,
+    "tie_word_embeddings": False,
+    "num_experts": MOE_EXPERTS,
+    "num_experts_per_tok": MOE_TOP_K,
+    "norm_topk_prob": False,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+}
 _ARCH_FIELDS.update(_MOE_FIELDS)
 
 
@@ -296,7 +313,10 @@ def make_config(arch: str, shape: ModelShape, token_ids: dict[str, int]) -> dict
     if arch in _MOE_FIELDS:
         # NOTE: each expert half the dense MLP's width (Qwen3-MoE's dense layers keep it)
         width = shape.intermediate_size // 2
-        config["moe_intermediate_size" if arch == "qwen3_moe" else "intermediate_size"] = width
+        qwen = arch in ("qwen3_moe", "qwen2_moe")
+        config["moe_intermediate_size" if qwen else "intermediate_size"] = width
+        if arch == "qwen2_moe":
+            config["shared_expert_intermediate_size"] = shape.intermediate_size
     if arch in ("gemma2", "gemma3"):
         del config["hidden_act"]
         config["query_pre_attn_scalar"] = shape.head_dim // 2
@@ -332,7 +352,7 @@ def _layer_specs(config: dict[str, Any], i: int) -> list[TensorSpec]:
         (p + "mlp.up_proj.weight", (inter, hidden), std),
         (p + "mlp.down_proj.weight", (hidden, inter), OUT_GAIN / math.sqrt(inter)),
     ]
-    if config["model_type"] == "qwen2":
+    if config["model_type"] in ("qwen2", "qwen2_moe"):
         for name, dim in (("q", q_dim), ("k", kv_dim), ("v", kv_dim)):
             specs.append((p + f"self_attn.{name}_proj.bias", (dim,), BIAS_STD))
     if config["model_type"] in ("qwen3", "qwen3_moe"):
@@ -389,6 +409,13 @@ def _expert_specs(config: dict[str, Any], p: str) -> list[TensorSpec]:
     for e in range(experts):
         for name, (rows, cols, gain) in zip(names, shapes, strict=True):
             specs.append((f"{scope}.experts.{e}.{name}.weight", (rows, cols), gain))
+    shared = config.get("shared_expert_intermediate_size")
+    if shared:  # NOTE: Qwen2-MoE's shared expert and its gate
+        for name, shape in (("gate", (shared, hidden)), ("up", (shared, hidden))):
+            specs.append((f"{scope}.shared_expert.{name}_proj.weight", shape, std))
+        down_std = OUT_GAIN / math.sqrt(shared)
+        specs.append((f"{scope}.shared_expert.down_proj.weight", (hidden, shared), down_std))
+        specs.append((f"{scope}.shared_expert_gate.weight", (1, hidden), std))
     return specs
 
 

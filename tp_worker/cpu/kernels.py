@@ -165,6 +165,9 @@ def load(path: Path) -> ctypes.CDLL:
         lib.tm_glu_mul.restype = ctypes.c_int
         lib.tm_soft_cap.argtypes = [_P, _I, _F]
         lib.tm_soft_cap.restype = None
+    if hasattr(lib, "tm_sigmoid"):
+        lib.tm_sigmoid.argtypes = [_P, _I]
+        lib.tm_sigmoid.restype = None
     lib.tm_rope_store.argtypes = [*[_P] * 7, *[_I] * 6, ctypes.c_int]
     lib.tm_rope_store.restype = ctypes.c_int
     if hasattr(lib, "tm_rope_store_partial"):

@@ -336,6 +336,14 @@ def glu_mul_cpu(
     return out
 
 
+def sigmoid_cpu(x: torch.Tensor) -> torch.Tensor:
+    """x (float32) = sigmoid(x) in place through csrc/activation.cpp (our exp: torch's vector
+    kernel follows the machine and an element's place in the tensor)."""
+    assert x.dtype == torch.float32 and x.is_contiguous() and x.device.type == "cpu"
+    library().tm_sigmoid(x.data_ptr(), x.numel())
+    return x
+
+
 def soft_cap_cpu(x: torch.Tensor, cap: float) -> torch.Tensor:
     """x (float32) = cap * tanh(x / cap) in place through csrc/activation.cpp (its own tanh:
     torch's picks its vector kernel by the machine and an element's place in the tensor)."""

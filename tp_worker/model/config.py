@@ -55,6 +55,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     moe_renormalize: bool = False
     moe_layers: tuple[int, ...] = ()
+    shared_expert_size: int = 0  # NOTE: Qwen2-MoE's shared expert's width (0: none)
     # NOTE: how many of each head's head_dim elements RoPE rotates (partial_rotary_factor)
     rotary_dim: int = 0
     # NOTE: Granite's multipliers (1, or None for head_dim ** -0.5, in every other family)
@@ -262,9 +263,8 @@ def _experts(raw: dict[str, Any], family: Family) -> dict[str, Any]:
     layers, step = int(raw["num_hidden_layers"]), int(raw.get("decoder_sparse_step") or 1)
     dense = set(raw.get("mlp_only_layers") or [])
     renormalize = family.moe_renormalize
-    if raw.get("shared_expert_intermediate_size"):
-        raise ValueError("shared experts are not served yet")
     return {
+        "shared_expert_size": int(raw.get("shared_expert_intermediate_size") or 0),
         "moe": family.moe,
         "num_experts": experts,
         "experts_per_token": int(raw["num_experts_per_tok"]),

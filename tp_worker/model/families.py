@@ -64,6 +64,9 @@ FAMILIES: dict[str, Family] = {  # the Hugging Face architecture name -> its swi
     # NOTE: its multipliers are config.json fields (ModelConfig's, default 1 for the rest)
     "GraniteForCausalLM": Family("granite"),
     "Olmo2ForCausalLM": Family("olmo2", qk_norm="projection", norms="post"),
+    "Qwen2MoeForCausalLM": Family(
+        "qwen2_moe", qkv_bias=True, sliding_window_switch="use_sliding_window", moe="mlp"
+    ),
     "Qwen3MoeForCausalLM": Family(
         "qwen3_moe", sliding_window_switch="use_sliding_window", qk_norm="head", moe="mlp"
     ),

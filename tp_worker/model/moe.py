@@ -1,4 +1,5 @@
-"""A mixture of experts in place of a layer's MLP (tp_worker): Qwen3-MoE, OLMoE, Mixtral.
+"""A mixture of experts in place of a layer's MLP (tp_worker): Qwen3-MoE, OLMoE, Mixtral, and
+Qwen2-MoE with its shared expert.
 
 The router's logits are the model's dtype, as transformers computes them; each token's top-k
 experts and weights come from csrc/route.cpp (softmax in float32, a fixed tie rule). Each
@@ -6,7 +7,8 @@ expert multiplies the rows routed to it at once (its weights stream once a step 
 them), and a row's sums follow from its own elements only (csrc/linear.cpp's rule), so its
 output does not depend on which other rows share the expert. A token's k expert outputs
 (float32) are then added in the order of its top-k, weighted: never in the order the
-experts ran. So a token's bits are its own in any batch, chunk or schedule.
+experts ran; a shared expert (Qwen2-MoE) is added last, scaled by the sigmoid of its gate
+(csrc/activation.cpp's). So a token's bits are its own in any batch, chunk or schedule.
 
 Tensor parallelism shards every expert's intermediate dimension: each rank's partial sums of
 a token's k outputs, all-reduced once.
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.tp_worker.cpu.kernels import library
-from tokenmill.tp_worker.cpu.ops import PackedLinear, glu_mul_cpu
+from tokenmill.tp_worker.cpu.ops import PackedLinear, glu_mul_cpu, sigmoid_cpu
 from tokenmill.tp_worker.model.config import ModelConfig
 from tokenmill.tp_worker.model.parallel import TpGroup, invariant_linear
 
@@ -70,9 +72,20 @@ class SparseMoe(nn.Module):
         self.down = nn.Parameter(
             torch.empty(experts, hidden, inter, dtype=dtype, device=device), requires_grad=False
         )
+        # NOTE: Qwen2-MoE's shared expert (every token's), this rank's share, and its gate
+        shared = config.shared_expert_size // group.size
+        self.shared = (
+            nn.ParameterList(
+                nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+                for shape in ((2 * shared, hidden), (hidden, shared), (1, hidden))
+            )
+            if shared
+            else None
+        )
         # NOTE: csrc/linear.cpp's panels per expert (use_cpu_kernel), or None: torch's products
         self.kernels: list[tuple[PackedLinear, PackedLinear]] | None = None
         self.router_kernel: PackedLinear | None = None
+        self.shared_kernels: tuple[PackedLinear, PackedLinear, PackedLinear] | None = None
 
     def use_cpu_kernel(self) -> None:
         """Every expert's products through csrc/ from now on (after the weights are loaded)."""
@@ -82,6 +95,14 @@ class SparseMoe(nn.Module):
             for g, d in zip(self.gate_up.data, self.down.data, strict=True)
         ]
         self.router_kernel = PackedLinear(self.router.data, None)
+        if self.shared is not None:
+            gate_up, down, gate = (p.data for p in self.shared)
+            glu = gate_up.shape[0] % 32 == 0
+            self.shared_kernels = (
+                PackedLinear(gate_up, None, glu=glu, activation=self.activation),
+                PackedLinear(down, None),
+                PackedLinear(gate, None),
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] (the MLP's normed input, the model's dtype) -> [T, hidden] float32."""
@@ -95,7 +116,29 @@ class SparseMoe(nn.Module):
         out = outputs[:, 0] * weights[:, :1]
         for slot in range(1, self.top_k):  # NOTE: in the order of the top-k, every time
             out = out + outputs[:, slot] * weights[:, slot : slot + 1]
+        if self.shared is not None:
+            out = out + self._shared_expert(x)
         return self.group.all_reduce(out)
+
+    def _shared_expert(self, x: torch.Tensor) -> torch.Tensor:
+        """Qwen2-MoE's shared expert over every token, times the sigmoid of its gate (the gate's
+        logit in the model's dtype, as transformers computes it) -> [T, hidden] float32."""
+        assert self.shared is not None
+        if self.shared_kernels is not None:
+            gate_up, down, gate = self.shared_kernels
+            if gate_up.glu:
+                activated = gate_up(x)
+            else:
+                activated = glu_mul_cpu(gate_up(x, torch.float32), x.dtype, self.activation)
+            shared = down(activated, torch.float32)
+            scale = sigmoid_cpu(gate(x, torch.float32).to(x.dtype).float().contiguous())
+            return shared * scale
+        weights = self.shared
+        up_gate, down_w, gate_w = weights[0], weights[1], weights[2]
+        g, up = invariant_linear(x, up_gate).float().chunk(2, dim=-1)
+        act = F.gelu(g, approximate="tanh") if self.activation == "gelu_tanh" else F.silu(g)
+        shared = invariant_linear((act * up).to(x.dtype), down_w).float()
+        return shared * torch.sigmoid(invariant_linear(x, gate_w).float())
 
     def _router_logits(self, x: torch.Tensor) -> torch.Tensor:
         """[T, E] as transformers computes them: in the model's dtype (then float32)."""

@@ -118,7 +118,10 @@ def _expected_names(model: CausalLM) -> set[str]:
     experts = [
         name for e in range(config.num_experts) for name in _expert_names(config.moe, e).values()
     ]
+    shared = [f"mlp.shared_expert.{n}_proj.weight" for n in ("gate", "up", "down")]
+    shared += ["mlp.shared_expert_gate.weight"] if config.shared_expert_size else []
     moe = [*dense, *experts, f"{config.moe}.gate.weight"] if config.moe else []
+    moe += shared if config.shared_expert_size else []
     for i in range(config.num_layers):
         names.update(
             f"model.layers.{i}.{p}" for p in (moe if i in config.moe_layers else per_layer)
@@ -139,6 +142,24 @@ def _expert_names(scope: str, expert: int) -> dict[str, str]:
 _EXPERT = re.compile(r"(mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
 
 
+def _load_shared(
+    model: CausalLM, shared: torch.nn.ParameterList, part: str, tensor: torch.Tensor
+) -> bool:
+    """Qwen2-MoE's shared expert (gate_up, down, sharded as a dense MLP) and its gate (every
+    rank's)."""
+    if part == "mlp.shared_expert_gate.weight":
+        return _copy(shared[2], tensor)
+    kind = part.removeprefix("mlp.shared_expert.").removesuffix("_proj.weight")
+    if kind == "down":
+        start, end = model.group.shard(tensor.shape[1], "shared_expert_intermediate_size")
+        return _copy(shared[1], tensor[:, start:end])
+    if kind not in ("gate", "up"):
+        return False
+    start, end = model.group.shard(tensor.shape[0], "shared_expert_intermediate_size")
+    offset = 0 if kind == "gate" else end - start
+    return _copy(shared[0][offset : offset + end - start], tensor[start:end])
+
+
 def _load_expert(model: CausalLM, layer: DecoderLayer, part: str, tensor: torch.Tensor) -> bool:
     """A mixture of experts' router or one of an expert's three tensors into this rank's
     share (every expert's intermediate dimension sharded)."""
@@ -146,6 +167,8 @@ def _load_expert(model: CausalLM, layer: DecoderLayer, part: str, tensor: torch.
     assert moe is not None
     if part == f"{config.moe}.gate.weight":
         return _copy(moe.router, tensor)
+    if moe.shared is not None and part.startswith("mlp.shared_expert"):
+        return _load_shared(model, moe.shared, part, tensor)
     match = _EXPERT.fullmatch(part)
     if match is None or match[1] != config.moe:
         return False

@@ -78,6 +78,15 @@ int tm_glu_mul(const void* gate_up, void* out, int64_t rows, int64_t inter, int 
   return 0;
 }
 
+// x [n] float32 = sigmoid(x) = (x >= 0 ? 1 : e) / (1 + e), e = exp(-|x|) (silu.h's form), in
+// place (a shared expert's gate: Qwen2-MoE).
+void tm_sigmoid(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float e = tokenmill::exp_nonpositive(x[i] >= 0.0f ? -x[i] : x[i]);
+    x[i] = (x[i] >= 0.0f ? 1.0f : e) / (1.0f + e);
+  }
+}
+
 // x [n] float32 = cap * tanh(x / cap), in place (Gemma 2's final-logit soft-cap).
 void tm_soft_cap(float* x, int64_t n, float cap) {
 #pragma omp parallel for schedule(static) if (n >= (1 << 18))
