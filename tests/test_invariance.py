@@ -275,3 +275,20 @@ def test_the_last_layer_keeps_each_rows_last_token_and_scored_positions() -> Non
         HOST,
     )
     assert every is None  # a decode step reads every token
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_experts_in_passes_give_the_same_bits(
+    tiny_checkpoint, dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefill chunk goes through a mixture of experts in passes of TOKENS_PER_PASS tokens
+    (bounded memory); passes of 7 give the bits of one pass (Qwen2-MoE: the shared expert
+    too)."""
+    from tokenmill.tp_worker.model import moe
+
+    model = tiny_checkpoint("qwen2_moe")
+    requests = _requests(sampled=True)
+    whole = make_engine(model, dtype=dtype).generate(requests)
+    monkeypatch.setattr(moe, "TOKENS_PER_PASS", 7)
+    for a, b in zip(whole, make_engine(model, dtype=dtype).generate(requests), strict=True):
+        _assert_same(a, b, atol=0.0)

@@ -27,6 +27,11 @@ from tokenmill.tp_worker.cpu.ops import PackedLinear, glu_mul_cpu, sigmoid_cpu
 from tokenmill.tp_worker.model.config import ModelConfig
 from tokenmill.tp_worker.model.parallel import TpGroup, invariant_linear
 
+# NOTE: tokens a pass of the experts takes (a prefill chunk goes through in passes): each pass
+# holds its tokens' k float32 outputs, [TOKENS_PER_PASS, k, hidden], so the memory is bounded
+# (Qwen3-30B-A3B's 8 x 2,048 take 64 MiB a pass); a token's bits do not depend on its pass.
+TOKENS_PER_PASS = 1024
+
 
 @dataclass(frozen=True)
 class Routing:
@@ -88,7 +93,8 @@ class SparseMoe(nn.Module):
         self.shared_kernels: tuple[PackedLinear, PackedLinear, PackedLinear] | None = None
 
     def use_cpu_kernel(self) -> None:
-        """Every expert's products through csrc/ from now on (after the weights are loaded)."""
+        """Every expert's products through csrc/ from now on (after the weights are loaded);
+        the unpacked weights are freed, as ShardedLinear frees its own."""
         glu = self.gate_up.shape[1] % 32 == 0
         self.kernels = [
             (PackedLinear(g, None, glu=glu, activation=self.activation), PackedLinear(d, None))
@@ -103,9 +109,18 @@ class SparseMoe(nn.Module):
                 PackedLinear(down, None),
                 PackedLinear(gate, None),
             )
+        for param in self.parameters():
+            param.data = param.data.new_empty(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] (the MLP's normed input, the model's dtype) -> [T, hidden] float32."""
+        if x.shape[0] > TOKENS_PER_PASS:
+            parts = [self._routed(part) for part in x.split(TOKENS_PER_PASS)]
+            return self.group.all_reduce(torch.cat(parts))
+        return self.group.all_reduce(self._routed(x))
+
+    def _routed(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sums for the tokens x [T, hidden] -> [T, hidden] float32."""
         routing = route(self._router_logits(x), self.top_k, self.renormalize)
         outputs = x.new_zeros(x.shape[0], self.top_k, x.shape[1], dtype=torch.float32)
         ids = routing.ids.to(x.device)
@@ -118,7 +133,7 @@ class SparseMoe(nn.Module):
             out = out + outputs[:, slot] * weights[:, slot : slot + 1]
         if self.shared is not None:
             out = out + self._shared_expert(x)
-        return self.group.all_reduce(out)
+        return out
 
     def _shared_expert(self, x: torch.Tensor) -> torch.Tensor:
         """Qwen2-MoE's shared expert over every token, times the sigmoid of its gate (the gate's
