@@ -141,19 +141,10 @@ class SparseMoe(nn.Module):
         assert self.shared is not None
         if self.shared_kernels is not None:
             gate_up, down, gate = self.shared_kernels
-            if gate_up.glu:
-                activated = gate_up(x)
-            else:
-                activated = glu_mul_cpu(gate_up(x, torch.float32), x.dtype, self.activation)
-            shared = down(activated, torch.float32)
             scale = sigmoid_cpu(gate(x, torch.float32).to(x.dtype).float().contiguous())
-            return shared * scale
-        weights = self.shared
-        up_gate, down_w, gate_w = weights[0], weights[1], weights[2]
-        g, up = invariant_linear(x, up_gate).float().chunk(2, dim=-1)
-        act = F.gelu(g, approximate="tanh") if self.activation == "gelu_tanh" else F.silu(g)
-        shared = invariant_linear((act * up).to(x.dtype), down_w).float()
-        return shared * torch.sigmoid(invariant_linear(x, gate_w).float())
+            return self._packed_mlp((gate_up, down), x) * scale
+        shared = self._torch_mlp(self.shared[0], self.shared[1], x)
+        return shared * torch.sigmoid(invariant_linear(x, self.shared[2]).float())
 
     def _router_logits(self, x: torch.Tensor) -> torch.Tensor:
         """[T, E] as transformers computes them: in the model's dtype (then float32)."""
@@ -165,12 +156,25 @@ class SparseMoe(nn.Module):
         """One expert's MLP over the rows routed to it -> [R, hidden] float32 (this rank's
         partial sums)."""
         if self.kernels is not None:
-            gate_up, down = self.kernels[expert]
-            if gate_up.glu:
-                activated = gate_up(rows)
-            else:
-                activated = glu_mul_cpu(gate_up(rows, torch.float32), rows.dtype, self.activation)
-            return down(activated, torch.float32)
-        gate, up = invariant_linear(rows, self.gate_up[expert]).float().chunk(2, dim=-1)
+            return self._packed_mlp(self.kernels[expert], rows)
+        return self._torch_mlp(self.gate_up[expert], self.down[expert], rows)
+
+    def _packed_mlp(
+        self, kernels: tuple[PackedLinear, PackedLinear], rows: torch.Tensor
+    ) -> torch.Tensor:
+        """act(rows Wg) * (rows Wu) through csrc/ (in the gate/up epilogue where the width
+        allows), then its down product -> [R, hidden] float32."""
+        gate_up, down = kernels
+        if gate_up.glu:
+            activated = gate_up(rows)
+        else:
+            activated = glu_mul_cpu(gate_up(rows, torch.float32), rows.dtype, self.activation)
+        return down(activated, torch.float32)
+
+    def _torch_mlp(
+        self, gate_up: torch.Tensor, down: torch.Tensor, rows: torch.Tensor
+    ) -> torch.Tensor:
+        """The same with torch's products (act(gate) * up in float32, rounded once)."""
+        gate, up = invariant_linear(rows, gate_up).float().chunk(2, dim=-1)
         act = F.gelu(gate, approximate="tanh") if self.activation == "gelu_tanh" else F.silu(gate)
-        return invariant_linear((act * up).to(rows.dtype), self.down[expert]).float()
+        return invariant_linear((act * up).to(rows.dtype), down).float()

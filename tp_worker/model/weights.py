@@ -150,14 +150,11 @@ def _load_shared(
     if part == "mlp.shared_expert_gate.weight":
         return _copy(shared[2], tensor)
     kind = part.removeprefix("mlp.shared_expert.").removesuffix("_proj.weight")
-    if kind == "down":
-        start, end = model.group.shard(tensor.shape[1], "shared_expert_intermediate_size")
-        return _copy(shared[1], tensor[:, start:end])
-    if kind not in ("gate", "up"):
+    if kind not in ("gate", "up", "down"):
         return False
-    start, end = model.group.shard(tensor.shape[0], "shared_expert_intermediate_size")
-    offset = 0 if kind == "gate" else end - start
-    return _copy(shared[0][offset : offset + end - start], tensor[start:end])
+    return _copy_mlp_part(
+        model, kind, shared[0], shared[1], tensor, "shared_expert_intermediate_size"
+    )
 
 
 def _load_expert(model: CausalLM, layer: DecoderLayer, part: str, tensor: torch.Tensor) -> bool:
@@ -176,12 +173,27 @@ def _load_expert(model: CausalLM, layer: DecoderLayer, part: str, tensor: torch.
     kind = {v: k for k, v in _expert_names(config.moe, expert).items()}.get(part)
     if kind is None:
         return False
+    return _copy_mlp_part(
+        model, kind, moe.gate_up[expert], moe.down[expert], tensor, "moe_intermediate_size"
+    )
+
+
+def _copy_mlp_part(
+    model: CausalLM,
+    kind: str,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    tensor: torch.Tensor,
+    width: str,
+) -> bool:
+    """An MLP's gate, up or down tensor into this rank's share of its fused gate_up (gate
+    rows, then up rows) or its down (`width`: the intermediate size's name, for errors)."""
     if kind == "down":
-        start, end = model.group.shard(tensor.shape[1], "moe_intermediate_size")
-        return _copy(moe.down[expert], tensor[:, start:end])
-    start, end = model.group.shard(tensor.shape[0], "moe_intermediate_size")
+        start, end = model.group.shard(tensor.shape[1], width)
+        return _copy(down, _residual_scaled(model.config, tensor[:, start:end]))
+    start, end = model.group.shard(tensor.shape[0], width)
     offset = 0 if kind == "gate" else end - start
-    return _copy(moe.gate_up[expert][offset : offset + end - start], tensor[start:end])
+    return _copy(gate_up[offset : offset + end - start], tensor[start:end])
 
 
 # NOTE: an image and text checkpoint's text model (Gemma 3 4B-27B: cli/text_checkpoint.py):
@@ -238,13 +250,10 @@ def _load_layer(model: CausalLM, layer: DecoderLayer, part: str, tensor: torch.T
     if part == "self_attn.o_proj.weight":
         start, end = group.shard(tensor.shape[1], "num_attention_heads * head_dim")
         return _copy(layer.o_proj.weight, _residual_scaled(config, tensor[:, start:end]))
-    if part == "mlp.down_proj.weight" and layer.down_proj is not None:
-        start, end = group.shard(tensor.shape[1], "intermediate_size")
-        return _copy(layer.down_proj.weight, _residual_scaled(config, tensor[:, start:end]))
-    if part in ("mlp.gate_proj.weight", "mlp.up_proj.weight") and layer.gate_up_proj is not None:
-        start, end = group.shard(tensor.shape[0], "intermediate_size")
-        offset = 0 if "gate" in part else end - start
-        return _copy(layer.gate_up_proj.weight[offset : offset + end - start], tensor[start:end])
+    dense = re.fullmatch(r"mlp\.(gate|up|down)_proj\.weight", part)
+    if dense is not None and layer.gate_up_proj is not None and layer.down_proj is not None:
+        gate_up, down = layer.gate_up_proj.weight, layer.down_proj.weight
+        return _copy_mlp_part(model, dense[1], gate_up, down, tensor, "intermediate_size")
     proj = re.fullmatch(r"self_attn\.([qkv])_proj\.(weight|bias)", part)
     if proj is None:
         return False
