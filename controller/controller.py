@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import get_args
 
 import msgspec
+import numpy as np
 import zmq
 
 from tokenmill.controller.batch_builder import BatchBuilder
@@ -23,6 +24,7 @@ from tokenmill.controller.grammar import GrammarEngine
 from tokenmill.controller.kv_allocator import KvAllocator
 from tokenmill.controller.output_processor import OutputProcessor
 from tokenmill.controller.request import Request
+from tokenmill.controller.routed_experts import RoutedExperts
 from tokenmill.controller.scheduler import ScheduledRow, Scheduler
 from tokenmill.controller.slot_pool import IndexPool
 from tokenmill.controller.speculation import DraftState, SpeculativeConfig, Speculator
@@ -74,7 +76,15 @@ class Controller:
             decode_steps=config.decode_steps,
             speculator=self.speculator,
         )
-        self.outputs = OutputProcessor(ready.eos_token_ids, ready.max_model_len, self.speculator)
+        # NOTE: --enable-return-routed-experts: each slot's experts, and the slots of each
+        # step in flight (in the order its result logs them)
+        self.routing = (
+            None if ready.routing is None else RoutedExperts(ready.routing, ready.kv_cache_tokens)
+        )
+        self.routed_slots: dict[int, np.ndarray] = {}
+        self.outputs = OutputProcessor(
+            ready.eos_token_ids, ready.max_model_len, self.speculator, self.routing
+        )
         self.batches = BatchBuilder()
         self.max_model_len = ready.max_model_len
         self.requests: dict[str, Request] = {}
@@ -137,6 +147,8 @@ class Controller:
         batch = self.batches.build(self.num_steps, rows, self.scheduler.num_steps)
         self.sockets.send_batch(batch)
         self.in_flight.append((self.num_steps, rows))
+        if self.routing is not None:
+            self.routed_slots[self.num_steps] = RoutedExperts.step_slots(batch)
         grammar = batch.sampling.grammar
         if grammar is not None:
             self.masks_due[self.num_steps] = [rows[b] for b in unpack(grammar.rows).tolist()]
@@ -167,6 +179,8 @@ class Controller:
             )
             if decode_only:
                 self.time_decode_step(step_id, rows)
+            if self.routing is not None:
+                self.routing.record(self.routed_slots.pop(step_id), result.routed_experts)
             self.emit(self.outputs.apply(rows, result))
             self.send_due_masks()
             if keep:
@@ -284,6 +298,8 @@ class Controller:
         """Ends `request` outside a step: frees what it holds and tells the detokenizer (with
         its detokenize params, if it never had an output)."""
         request.finish_reason = reason
+        # NOTE: before its slots are freed (the detokenizer's stop strings end requests so)
+        routed = self.outputs.routed_experts(request)
         if request.req_id in self.requests:
             self._drop(request)
         output = RequestOutput(
@@ -293,6 +309,7 @@ class Controller:
             finish_detail=detail,
             num_prompt_tokens=request.num_prompt_tokens,
             detokenize=request.announce(),
+            routed_experts=routed,
         )
         self.pending_outputs.append(output)  # NOTE: after the request's earlier outputs
 

@@ -11,6 +11,7 @@ from functools import cached_property
 import numpy as np
 
 from tokenmill.controller.request import Request
+from tokenmill.controller.routed_experts import RoutedExperts
 from tokenmill.controller.scheduler import ScheduledRow
 from tokenmill.controller.speculation import Speculator
 from tokenmill.protocol.arrays import Array, pack, pack_each, unpack
@@ -76,10 +77,12 @@ class OutputProcessor:
         eos_token_ids: tuple[int, ...],
         max_model_len: int,
         speculator: Speculator | None = None,
+        routing: RoutedExperts | None = None,
     ) -> None:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.speculator = speculator
+        self.routing = routing
 
     def apply(self, rows: list[ScheduledRow], result: StepResult) -> list[RequestOutput]:
         arrays = StepArrays(result, rows)
@@ -195,7 +198,20 @@ class OutputProcessor:
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
             detokenize=request.announce(),
+            routed_experts=self.routed_experts(request),
         )
+
+    def routed_experts(self, request: Request) -> Array | None:
+        """With the last output, where asked: the experts of positions [start, prompt +
+        output - 1), every one computed (the last sampled token never is), as SGLang
+        counts them; read through the request's slots before they are freed (None where
+        it holds none: preempted, or never started)."""
+        start, end = request.message.routed_experts_start, request.num_tokens - 1
+        if start < 0 or not request.finished or self.routing is None:
+            return None
+        if len(request.slots) < end or request.num_computed_tokens < end:
+            return None
+        return pack(self.routing.gather(request.slots[start:end]))
 
     @staticmethod
     def _token_ids_share(arrays: StepArrays, b: int, n: int) -> Array:

@@ -8,6 +8,7 @@ the request finishes.
 
 from __future__ import annotations
 
+import base64
 import logging
 import os
 import sys
@@ -21,7 +22,7 @@ from tokenmill.detokenizer.config import DetokenizerConfig
 from tokenmill.detokenizer.incremental import IncrementalDetokenizer
 from tokenmill.detokenizer.logprob_format import LogprobFormatter
 from tokenmill.detokenizer.token_table import TokenTable
-from tokenmill.protocol.arrays import unpack_list
+from tokenmill.protocol.arrays import Array, unpack, unpack_list
 from tokenmill.protocol.outputs import (
     BatchOutput,
     DetokenizedBatch,
@@ -41,7 +42,12 @@ _POLL_S = 0.5
 class _RequestState:
     decoder: IncrementalDetokenizer
     formatter: LogprobFormatter
-    num_output_tokens: int = 0
+    wants_routing: bool = False  # DetokenizeParams.routed_experts
+    num_output_tokens: int = 0  # kept: up to a stop string
+    num_received: int = 0  # output ids the controller sent, past a stop string too
+    # NOTE: ended by a stop string while the controller ran it, and asking for its routed
+    # experts: its last output waits for the controller's, which carries them
+    held: DetokenizedOutput | None = None
 
 
 class Detokenizer:
@@ -79,17 +85,17 @@ class Detokenizer:
         state = _RequestState(
             IncrementalDetokenizer(self.table, params),
             LogprobFormatter(self.table, _num_top(params), params.text_in_logprobs),
+            params.routed_experts,
         )
         self._states[out.req_id] = state
         return state
 
     def _handle_request_output(self, out: RequestOutput) -> DetokenizedOutput | None:
         if out.req_id in self._stopped:
-            if out.finish_reason is not None:
-                self._stopped.discard(out.req_id)
-            return None
+            return self._after_stop(out)
         state = self._state(out)
         ids = unpack_list(out.new_ids)
+        state.num_received += len(ids)
         delta = state.decoder.feed(ids)
         kept = ids[: delta.num_ids]
         text, reason, detail = delta.text, out.finish_reason, out.finish_detail
@@ -103,9 +109,7 @@ class Detokenizer:
                 self.stopped_req_ids.append(out.req_id)
                 self._stopped.add(out.req_id)
         state.num_output_tokens += len(kept)
-        if reason is not None:
-            del self._states[out.req_id]
-        return DetokenizedOutput(
+        result = DetokenizedOutput(
             out.req_id,
             text,
             kept,
@@ -116,7 +120,42 @@ class Detokenizer:
             out.num_prompt_tokens,
             state.num_output_tokens,
             out.num_cached_tokens,
+            _routed_experts(state, out.routed_experts),
         )
+        if reason is not None:
+            if out.req_id in self._stopped and state.wants_routing:
+                state.held = result
+                return None
+            del self._states[out.req_id]
+        return result
+
+    def _after_stop(self, out: RequestOutput) -> DetokenizedOutput | None:
+        """An output of a request a stop string ended while the controller ran it: dropped,
+        but for the controller's last, which brings a held output its routed experts."""
+        state = self._states.get(out.req_id)
+        if state is not None:
+            state.num_received += out.new_ids.shape[0]
+        if out.finish_reason is None:
+            return None
+        self._stopped.discard(out.req_id)
+        self._states.pop(out.req_id, None)
+        if state is None or state.held is None:
+            return None
+        routed = _routed_experts(state, out.routed_experts)
+        return msgspec.structs.replace(state.held, routed_experts=routed)
+
+
+def _routed_experts(state: _RequestState, routed: Array | None) -> str | None:
+    """SGLang's encoding: base64 of the int32 array's little-endian bytes (flat, in C order:
+    position, layer, k). NOTE: the controller's rows run to its last output id; those past
+    a stop string (ids the response leaves out) are cut."""
+    if routed is None:
+        return None
+    experts = unpack(routed)
+    extra = state.num_received - state.num_output_tokens
+    if extra > 0:
+        experts = experts[: max(0, len(experts) - extra)]
+    return base64.b64encode(experts.astype("<i4").tobytes()).decode("ascii")
 
 
 def _num_top(params: DetokenizeParams) -> int | None:

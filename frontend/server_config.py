@@ -98,6 +98,11 @@ class SchedulerArgs:
     step_timing: bool = False
     """Measure where decode steps spend their time (model forward vs the rest) and show the
     totals in /metrics (tokenmill_step_timing_*); off by default."""
+    enable_return_routed_experts: bool = False
+    """Keep the experts every token is routed to (a mixture-of-experts model), so that a
+    request with `return_routed_experts` gets them back for its prompt and completion, as
+    SGLang returns them (RL's routing replay). Costs 2 bytes x MoE layers x top-k per KV
+    slot in the controller, and the last layer computes every token."""
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,9 @@ class OfflineRequest:
     """May draft, where the engine speculates."""
     processed: bool = False
     """Its sampled tokens' logprobs describe the distribution sampled from."""
+    routed_experts_start: int = -1
+    """Return the experts of positions from here (the runner's return_routed_experts);
+    -1: not asked."""
 
     def message(self, req_id: str) -> GenerateRequest:
         sampling = SamplingParams(
@@ -88,6 +91,7 @@ class OfflineRequest:
             DetokenizeParams(),
             constraint=self.constraint,
             speculative=self.speculative,
+            routed_experts_start=self.routed_experts_start,
         )
 
 
@@ -102,6 +106,8 @@ class OfflineOutput:
     prompt_top_ids: list[np.ndarray] = field(default_factory=list)
     prompt_top_logprobs: list[np.ndarray] = field(default_factory=list)
     finish_reason: str | None = None
+    # [N, num_layers, k] int16, with the last output where asked (-1 in dense layers)
+    routed_experts: np.ndarray | None = None
 
     def add(self, out: RequestOutput) -> None:
         self.output_ids += unpack(out.new_ids).tolist()
@@ -116,6 +122,8 @@ class OfflineOutput:
             self.prompt_logprobs += unpack(out.prompt.logprobs).tolist()
             self.prompt_top_ids += list(unpack(out.prompt.top_ids))
             self.prompt_top_logprobs += list(unpack(out.prompt.top_logprobs))
+        if out.routed_experts is not None:
+            self.routed_experts = unpack(out.routed_experts)
         self.finish_reason = out.finish_reason
 
 
@@ -187,7 +195,10 @@ class OfflineEngine:
             report_interval_s=3600.0,
         )
         ready = WorkerReady(
-            runner.kv_cache_tokens, runner.max_model_len, runner.model_config.eos_token_ids
+            runner.kv_cache_tokens,
+            runner.max_model_len,
+            runner.model_config.eos_token_ids,
+            runner.routing_shape,
         )
         self.controller = Controller(config, ready, self.sockets, grammar)  # type: ignore[arg-type]
         self.num_requests = 0

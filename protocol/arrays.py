@@ -17,7 +17,9 @@ import msgspec
 import numpy as np
 
 # NOTE: a closed set of dtypes keeps a malformed frame from naming an object dtype.
-_DTYPES = frozenset({"bool", "int8", "int32", "int64", "float16", "float32", "float64", "uint8"})
+_DTYPES = frozenset(
+    {"bool", "int8", "int16", "int32", "int64", "float16", "float32", "float64", "uint8"}
+)
 # NOTE: looked up, not rebuilt per call: a step packs a few arrays per request.
 _LITTLE = {name: np.dtype(name).newbyteorder("<") for name in _DTYPES}
 _NAME_OF = {dtype: name for name, dtype in _LITTLE.items()}
@@ -25,6 +27,7 @@ _NAME_OF = {dtype: name for name, dtype in _LITTLE.items()}
 _FORMATS = {
     "bool": "?",
     "int8": "b",
+    "int16": "h",
     "uint8": "B",
     "int32": "i",
     "int64": "q",

@@ -51,6 +51,9 @@ class RequestOutput(msgspec.Struct, frozen=True, array_like=True, gc=False):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     detokenize: DetokenizeParams | None = None  # with the request's first output only
+    # With the last output, where the request asked (GenerateRequest.routed_experts_start):
+    # [N, num_layers, top_k] int16 each position's experts, best first; -1 in dense layers
+    routed_experts: Array | None = None
 
 
 class BatchOutput(msgspec.Struct, frozen=True, tag="batch_output"):
@@ -84,6 +87,8 @@ class DetokenizedOutput(msgspec.Struct, frozen=True, array_like=True, gc=False):
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # total so far
     num_cached_tokens: int = 0
+    # RequestOutput.routed_experts as SGLang returns them: base64 of the int32 array's bytes
+    routed_experts: str | None = None
 
 
 class DetokenizedBatch(msgspec.Struct, frozen=True, tag="detokenized"):

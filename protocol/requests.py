@@ -51,6 +51,9 @@ class DetokenizeParams(msgspec.Struct, frozen=True):
     skip_special_tokens: bool = True
     include_stop_str: bool = False
     text_in_logprobs: bool = True  # token strings in logprob entries (native API may not)
+    # the request asked for its routed experts: where a stop string ends it, its last
+    # output waits for the controller's, which carries them
+    routed_experts: bool = False
 
 
 class Constraint(msgspec.Struct, frozen=True, array_like=True):
@@ -75,6 +78,9 @@ class GenerateRequest(msgspec.Struct, frozen=True, tag="generate"):
     # False: never drafts, where the server runs speculative decoding (its tokens and
     # logprobs are the same either way; only the speed differs)
     speculative: bool = True
+    # --enable-return-routed-experts: the experts of positions [routed_experts_start,
+    # prompt + output - 1) come back with the request's last output; -1: not asked
+    routed_experts_start: int = -1
 
 
 class AbortRequest(msgspec.Struct, frozen=True, tag="abort"):

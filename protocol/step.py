@@ -173,6 +173,18 @@ class StepResult(msgspec.Struct, frozen=True, tag="step"):
     # draft is the row's own sample at its position; the row's new tokens are then
     # next_ids[:num_accepted[b] + 1, b]. None: the batch had no drafts.
     num_accepted: Array | None = None
+    # --enable-return-routed-experts: [S, moe layers, top_k] int16 the experts of every token
+    # the step computed, in the order of its slots (out_slots, then decode_slots' rows); a
+    # verifying step's rejected drafts too. None: the server returns no routed experts.
+    routed_experts: Array | None = None
+
+
+class RoutingShape(msgspec.Struct, frozen=True, array_like=True):
+    """What StepResult.routed_experts holds per token: top_k experts in each MoE layer."""
+
+    num_layers: int  # the model's layers, dense ones too
+    moe_layers: tuple[int, ...]  # the layers with experts, ascending
+    top_k: int
 
 
 class WorkerReady(msgspec.Struct, frozen=True, tag="worker_ready"):
@@ -181,6 +193,7 @@ class WorkerReady(msgspec.Struct, frozen=True, tag="worker_ready"):
     kv_cache_tokens: int  # KV slots per layer, 0..kv_cache_tokens-1
     max_model_len: int  # longest sequence a row of the request->slot table holds
     eos_token_ids: tuple[int, ...]
+    routing: RoutingShape | None = None  # set where the steps return routed experts
 
 
 class WorkerFailed(msgspec.Struct, frozen=True, tag="worker_failed"):

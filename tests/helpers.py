@@ -27,8 +27,10 @@ def make_engine(
     logprobs_mode: str = "raw",
     speculative_config: str = "",
     grammar: bool = False,
+    routed_experts: bool = False,
 ) -> OfflineEngine:
-    """grammar: with the grammar engine, for constrained requests."""
+    """grammar: with the grammar engine, for constrained requests; routed_experts: each
+    MoE token's experts kept (--enable-return-routed-experts)."""
     config = RunnerConfig(
         model=str(model),
         kv_cache_tokens=rows * 512,
@@ -39,6 +41,7 @@ def make_engine(
         prompt_logprob_chunk=prompt_chunk,
         cpu_kernels=cpu_kernels,
         logprobs_mode=logprobs_mode,
+        return_routed_experts=routed_experts,
         draft_model=spec.model if (spec := SpeculativeConfig.parse(speculative_config)) else "",
     )
     runner = ModelRunner(config)

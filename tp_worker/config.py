@@ -49,6 +49,9 @@ class RunnerConfig:
     logprobs_mode: str = "raw"
     """raw: generated tokens' logprobs are the log-softmax of the model's logits; processed:
     of the distribution sampled from (after stop ban, bias, penalties, temperature, filters)."""
+    return_routed_experts: bool = False
+    """Each step's result carries the experts every token it computed was routed to
+    (--enable-return-routed-experts; a mixture-of-experts model only)."""
 
 
 @dataclass(frozen=True)

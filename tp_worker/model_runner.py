@@ -17,7 +17,7 @@ import torch
 
 from tokenmill.protocol.arrays import unpack
 from tokenmill.protocol.control import WorkerAction
-from tokenmill.protocol.step import ForwardBatch, StepResult
+from tokenmill.protocol.step import ForwardBatch, RoutingShape, StepResult
 from tokenmill.tp_worker.config import RunnerConfig
 from tokenmill.tp_worker.cpu import ops as cpu_ops
 from tokenmill.tp_worker.cuda import attention as attention_triton
@@ -34,6 +34,7 @@ from tokenmill.tp_worker.model.config import ModelConfig, load_model_config
 from tokenmill.tp_worker.model.decoder import CausalLM, local_kv_heads
 from tokenmill.tp_worker.model.draft import DraftModel
 from tokenmill.tp_worker.model.parallel import TpGroup
+from tokenmill.tp_worker.model.routing_log import RoutingLog
 from tokenmill.tp_worker.model.weights import dummy_weights, load_weights
 from tokenmill.tp_worker.sample.logprobs import ScoredPositions, default_chunk_size, score_prompt
 from tokenmill.tp_worker.sample.penalties import LogitAdjuster
@@ -102,6 +103,7 @@ class ModelRunner:
             self.model_config.vocab_size
         )
         self.updater: WeightUpdater | None = None  # the control plane's, made on first use
+        self.routing_log = self._routing_log()
         self.kv_cache: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.kv_budget: KvBudget | None = None  # what the profiling step found, where it ran
         # NOTE: every rank must address the same slots: the smallest memory decides.
@@ -112,6 +114,25 @@ class ModelRunner:
         self.max_model_len = min(config.max_model_len, self.kv_cache_tokens)
         self.allocate_kv()
         self._allocate_table(config.max_running_requests)
+
+    def _routing_log(self) -> RoutingLog | None:
+        """--enable-return-routed-experts: the log the MoE layers fill each forward pass."""
+        if not self.config.return_routed_experts:
+            return None
+        if not self.model_config.moe_layers:
+            raise ValueError(
+                f"--enable-return-routed-experts: {self.model_config.architecture} has no "
+                "mixture of experts to return the routing of"
+            )
+        return self.model.log_routing()
+
+    @property
+    def routing_shape(self) -> RoutingShape | None:
+        """What each token's routed experts hold, where the steps return them."""
+        if self.routing_log is None:
+            return None
+        c = self.model_config
+        return RoutingShape(c.num_layers, c.moe_layers, c.experts_per_token)
 
     def allocate_kv(self) -> None:
         """The KV cache (the draft model's too), zeroed. NOTE: head-major: a row's keys of one
@@ -215,6 +236,7 @@ class ModelRunner:
                 inputs = inputs.next_decode_step(i, outputs.last_ids)
                 self.adjuster.count_sampled(inputs.adjust, outputs.last_ids)
             prompt_hidden, logits = self._forward(inputs)
+            self._take_routing(outputs)
             if self.drafter is not None:
                 self.drafter.follow(self.table, inputs)
             if i == 0 and prompt_hidden is not None:
@@ -240,6 +262,7 @@ class ModelRunner:
         verify = inputs.verify
         assert verify is not None
         prompt_hidden, logits = self._forward(inputs)  # NOTE: [L, V], each row's 1 + drafts
+        self._take_routing(outputs)
         if prompt_hidden is not None:
             outputs.prompt = self._score_prompt(inputs, prompt_hidden)
         bitmask = self._grammar_mask(batch)
@@ -261,6 +284,10 @@ class ModelRunner:
         result = outputs.to_result(batch.step_id, accepted)
         self.last_samples.record(batch, result)
         return result
+
+    def _take_routing(self, outputs: StepOutputs) -> None:
+        if self.routing_log is not None:
+            outputs.routed.append(self.routing_log.take())
 
     def _grammar_mask(self, batch: ForwardBatch) -> np.ndarray | None:
         """The constrained rows' bitmask: in the batch, or read now, after the forward pass,
@@ -306,8 +333,9 @@ class ModelRunner:
             # NOTE: the host's token rows only where a backend plans from them
             inputs.host.tokens if inputs.host and self.attention_backend == "triton" else None,
         )
-        # NOTE: the last layer computes only the tokens read, where the backend allows it.
-        kept, last = inputs.last_layer, None
+        # NOTE: the last layer computes only the tokens read, where the backend allows it
+        # (every token, where each one's experts are returned).
+        kept, last = (inputs.last_layer if self.routing_log is None else None), None
         last_plan = plan_last_layer(attention, kept)
         if kept is not None and last_plan is not None:
             last = (last_plan, kept.index)

@@ -138,6 +138,8 @@ class StepOutputs:
         self.inputs = inputs
         self.sampled: list[SampledScores] = []
         self.prompt: ScoredPositions | None = None
+        # NOTE: --enable-return-routed-experts: [T, moe layers, k] int16 per forward pass
+        self.routed: list[np.ndarray] = []
 
     @property
     def last_ids(self) -> torch.Tensor:
@@ -186,6 +188,7 @@ class StepOutputs:
             prompt_top_ids=scored[1],
             prompt_top_logprobs=scored[2],
             num_accepted=None if num_accepted is None else pack(num_accepted),
+            routed_experts=pack(np.concatenate(self.routed)) if self.routed else None,
         )
 
 

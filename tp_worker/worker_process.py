@@ -107,6 +107,7 @@ def run_tp_worker(config: WorkerConfig) -> None:
                     kv_cache_tokens=runner.kv_cache_tokens,
                     max_model_len=runner.max_model_len,
                     eos_token_ids=runner.model_config.eos_token_ids,
+                    routing=runner.routing_shape,
                 )
             )
         )

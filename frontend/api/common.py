@@ -98,6 +98,7 @@ class RequestContext:
     tool_call_parser: str = "auto"  # --tool-call-parser
     logprobs_mode: str = "raw"  # --logprobs-mode: a request's without `logprobs_mode`
     reasoning_parser: str = ""  # --reasoning-parser; "": answers are not split
+    routed_experts: bool = False  # --enable-return-routed-experts
 
 
 @dataclass(frozen=True)
@@ -151,6 +152,7 @@ class PromptOptions:
     min_tokens_param: str = "min_tokens"
     constraint: Constraint | None = None
     speculative: bool = True  # False: this request never drafts (speculative decoding)
+    routed_experts_start: int = -1  # return the experts of positions from here; -1: no
 
 
 T = TypeVar("T")
@@ -255,6 +257,21 @@ def logprobs_processed(mode: str | None, ctx: RequestContext) -> bool:
     return mode == "processed"
 
 
+def routed_experts_start(asked: bool | None, start: int | None, ctx: RequestContext) -> int:
+    """A request's `return_routed_experts` (and SGLang's `routed_experts_start_len`) -> the
+    first position whose experts come back; -1: not asked (the start is then ignored, as
+    SGLang ignores it)."""
+    if not asked:
+        return -1
+    if not ctx.routed_experts:
+        raise ApiError(
+            "this server returns no routed experts: start it with "
+            "--enable-return-routed-experts (a mixture-of-experts model)",
+            "return_routed_experts",
+        )
+    return start or 0
+
+
 def draw_seed(seed: int | None) -> int:
     return secrets.randbits(SEED_BITS) if seed is None else seed
 
@@ -284,6 +301,12 @@ def build_choices(
                 f"({max_tokens})",
                 opts.min_tokens_param,
             )
+        if opts.routed_experts_start > len(ids):
+            raise ApiError(
+                f"routed_experts_start_len {opts.routed_experts_start} is past the prompt's "
+                f"{len(ids)} tokens",
+                "routed_experts_start_len",
+            )
         input_ids = pack(np.asarray(ids, dtype=np.int32))
         for j in range(opts.n):
             index = len(choices)
@@ -300,6 +323,7 @@ def build_choices(
                 detokenize=opts.detokenize,
                 constraint=opts.constraint,
                 speculative=opts.speculative,
+                routed_experts_start=opts.routed_experts_start,
             )
             choices.append(Choice(index, request, p, ids, text))
     return choices

@@ -35,6 +35,7 @@ from tokenmill.frontend.api.common import (
     is_token_ids,
     logprobs_processed,
     new_id,
+    routed_experts_start,
     stop_strings,
 )
 from tokenmill.frontend.api.constraints import Asked, add_sglang_fields
@@ -87,6 +88,9 @@ class GenerateBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         Annotated[list[NonNegative], Meta(max_length=MAX_TOKEN_IDS_LOGPROB)] | None
     ) = None
     return_text_in_logprobs: bool | None = None
+    # --enable-return-routed-experts: meta_info.routed_experts, positions from the start on
+    return_routed_experts: bool | None = None
+    routed_experts_start_len: NonNegative | None = None
     stream: bool | None = None
     rid: str | None = None
 
@@ -146,11 +150,15 @@ def _options(body: GenerateBody, ctx: RequestContext) -> PromptOptions:
         min_tokens=sp.min_new_tokens,
     )
     sampling = sampling_fields(given, ctx, "sampling_params.")
+    routed_start = routed_experts_start(
+        body.return_routed_experts, body.routed_experts_start_len, ctx
+    )
     detokenize = DetokenizeParams(
         stop=stop_strings(sp.stop, MAX_STOP_NATIVE, "sampling_params.stop"),
         skip_special_tokens=sp.skip_special_tokens is not False,
         include_stop_str=bool(sp.no_stop_trim),
         text_in_logprobs=bool(body.return_text_in_logprobs),
+        routed_experts=routed_start >= 0,
     )
     return PromptOptions(
         n=sp.n or 1,
@@ -165,6 +173,7 @@ def _options(body: GenerateBody, ctx: RequestContext) -> PromptOptions:
         min_tokens_param="sampling_params.min_new_tokens",
         constraint=constraint,
         speculative=sp.speculative_decoding is not False,
+        routed_experts_start=routed_start,
     )
 
 

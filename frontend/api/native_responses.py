@@ -16,6 +16,8 @@ Entry = list[Any]  # [logprob | None, token_id, text | None]
 
 
 class NativeResponder(Responder):
+    sglext_in_chunks = False  # NOTE: meta_info carries them
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._keep = True  # chunks are cumulative
@@ -75,6 +77,9 @@ class NativeResponder(Responder):
             "cached_tokens": s.num_cached_tokens,
             "weight_version": self.weight_version(),
         }
+        if s.routed_experts is not None:
+            meta["routed_experts"] = s.routed_experts
+            meta["routed_experts_start_len"] = s.choice.request.routed_experts_start
         if s.choice.request.logprobs.return_logprob:
             meta.update(self._input_logprobs(s))
         meta.update(self._output_logprobs(s.logprobs, s))

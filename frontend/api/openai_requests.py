@@ -36,6 +36,7 @@ from tokenmill.frontend.api.common import (
     decode_body,
     logprobs_processed,
     new_id,
+    routed_experts_start,
     stop_strings,
 )
 from tokenmill.frontend.api.constraints import (
@@ -117,6 +118,8 @@ class _OpenAIFields(_IgnoredFields, kw_only=True, forbid_unknown_fields=True):
     # vLLM's: the prompt's and each choice's token ids in the response (streamed: the
     # prompt's with a choice's first chunk, each chunk's new ones)
     return_token_ids: bool | None = None
+    # SGLang's (--enable-return-routed-experts): the response's sglext.routed_experts
+    return_routed_experts: bool | None = None
     # raw (the model's own distribution) or processed (the one sampled from); default: the
     # server's --logprobs-mode
     logprobs_mode: str | None = None
@@ -203,10 +206,12 @@ def _options(
         min_tokens=body.min_tokens,
     )
     sampling = sampling_fields(given, ctx)
+    routed_start = routed_experts_start(body.return_routed_experts, 0, ctx)
     detokenize = DetokenizeParams(
         stop=stop_strings(body.stop, MAX_STOP_OPENAI),
         skip_special_tokens=body.skip_special_tokens is not False,
         include_stop_str=bool(body.include_stop_str_in_output),
+        routed_experts=routed_start >= 0,
     )
     return PromptOptions(
         n=body.n or 1,
@@ -220,6 +225,7 @@ def _options(
         detokenize=detokenize,
         constraint=constraint,
         speculative=body.speculative_decoding is not False,
+        routed_experts_start=routed_start,
     )
 
 

@@ -60,6 +60,7 @@ class ChoiceState:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     num_outputs: int = 0
+    routed_experts: str | None = None  # SGLang's base64 int32, with the last output
     offsets: TextOffsets = field(default_factory=lambda: TextOffsets())  # completions
 
     def update(self, out: DetokenizedOutput, keep: bool) -> None:
@@ -72,6 +73,8 @@ class ChoiceState:
         self.finish_detail = out.finish_detail
         if out.prompt_logprobs:
             self.prompt_logprobs = list(out.prompt_logprobs)
+        if out.routed_experts is not None:
+            self.routed_experts = out.routed_experts
         if keep:
             self.texts.append(out.text)
             self.token_ids.extend(out.token_ids)
@@ -107,6 +110,7 @@ class Responder:
     object_name = ""
     chunk_object_name = ""
     done_marker: bytes | None = SSE_DONE  # the stream's last bytes
+    sglext_in_chunks = True  # a choice's routed experts in its last chunk's `sglext`
 
     def encode(self, chunk: Any) -> bytes:
         """One streamed chunk as a server-sent event."""
@@ -127,7 +131,13 @@ class Responder:
         state = self.states[index]
         first = state.num_outputs == 0
         state.update(out, self._keep)
-        return self.chunks(state, out, first) if self.parsed.stream else []
+        if not self.parsed.stream:
+            return []
+        chunks = self.chunks(state, out, first)
+        if chunks and out.routed_experts is not None and self.sglext_in_chunks:
+            # NOTE: a choice's last chunk, which holds that choice alone
+            chunks[-1]["sglext"] = {"routed_experts": out.routed_experts}
+        return chunks
 
     def chunks(self, state: ChoiceState, out: DetokenizedOutput, first: bool) -> list[Any]:
         raise NotImplementedError
@@ -159,6 +169,23 @@ class Responder:
         if self.parsed.include_usage:
             chunk["usage"] = None
         return chunk
+
+    def sglext(self, states: list[ChoiceState]) -> dict[str, Any] | None:
+        """SGLang's extension object where the request asked for routed experts: its
+        `routed_experts` (base64, as /generate's meta_info has them) for one choice; a list
+        of them, in choice order, for n > 1 (SGLang's field holds one)."""
+        if self.parsed.choices[0].request.routed_experts_start < 0:
+            return None
+        routed = [s.routed_experts for s in states]
+        if any(r is None for r in routed):
+            return None
+        return {"routed_experts": routed[0] if len(self.states) == 1 else routed}
+
+    def _with_sglext(self, body: dict[str, Any], states: list[ChoiceState]) -> dict[str, Any]:
+        ext = self.sglext(states)
+        if ext is not None:
+            body["sglext"] = ext
+        return body
 
 
 # --- chat ------------------------------------------------------------------------------
@@ -277,7 +304,7 @@ class ChatResponder(Responder):
         body = {**self._envelope(self.object_name), "choices": choices, "usage": self.usage()}
         if self.parsed.return_token_ids:
             body["prompt_token_ids"] = self.states[0].choice.prompt_ids
-        return body
+        return self._with_sglext(body, self.states)
 
 
 def _delta(text: str, reasoning: str, final: bool) -> dict[str, Any]:
@@ -378,4 +405,5 @@ class CompletionResponder(Responder):
                 choice["token_ids"] = s.token_ids
                 choice["prompt_token_ids"] = s.choice.prompt_ids
             choices.append(choice)
-        return {**self._envelope(self.object_name), "choices": choices, "usage": self.usage()}
+        body = {**self._envelope(self.object_name), "choices": choices, "usage": self.usage()}
+        return self._with_sglext(body, self.states)

@@ -467,6 +467,7 @@ def build_app(
         tool_call_parser=config.http.tool_call_parser,
         logprobs_mode=config.scheduler.logprobs_mode,
         reasoning_parser=config.http.reasoning_parser,
+        routed_experts=config.scheduler.enable_return_routed_experts,
     )
     api = HttpApi(config, engine, ctx)
     middlewares = [_error_middleware(api.metrics)]

@@ -208,6 +208,7 @@ def runner_config(
         logprobs_mode="raw",
         load_format=m.load_format,
         attention_backend=m.attention_backend,
+        return_routed_experts=s.enable_return_routed_experts,
     )
 
 

@@ -38,6 +38,7 @@ from tokenmill.tp_worker.model.parallel import (
     invariant_linear,
 )
 from tokenmill.tp_worker.model.rope import Rotary
+from tokenmill.tp_worker.model.routing_log import RoutingLog
 
 
 class RMSNorm(nn.Module):
@@ -317,6 +318,14 @@ class CausalLM(nn.Module):
         )
         if self.lm_head is not self.embed_tokens:
             self.lm_head.weight.data = self.lm_head.weight.data.new_empty(0)
+
+    def log_routing(self) -> RoutingLog:
+        """From now on, every MoE layer adds its tokens' experts to the log returned."""
+        moe = [layer.moe for layer in self.layers if isinstance(layer, DecoderLayer) and layer.moe]
+        log = RoutingLog(len(moe), self.config.experts_per_token)
+        for index, layer in enumerate(moe):
+            layer.log, layer.log_index = log, index
+        return log
 
     def drop_cpu_kernels(self) -> None:
         """The packed panels gone: the layers multiply their (restored) weights with torch

@@ -26,6 +26,7 @@ from tokenmill.tp_worker.cpu.kernels import library
 from tokenmill.tp_worker.cpu.ops import PackedLinear, glu_mul_cpu, sigmoid_cpu
 from tokenmill.tp_worker.model.config import ModelConfig
 from tokenmill.tp_worker.model.parallel import TpGroup, invariant_linear
+from tokenmill.tp_worker.model.routing_log import RoutingLog
 
 # NOTE: tokens a pass of the experts takes (a prefill chunk goes through in passes): each pass
 # holds its tokens' k float32 outputs, [TOKENS_PER_PASS, k, hidden], so the memory is bounded
@@ -87,6 +88,10 @@ class SparseMoe(nn.Module):
             if shared
             else None
         )
+        # NOTE: where the server returns routed experts, the log this layer adds its routing
+        # to, as its `log_index`-th MoE layer (CausalLM.log_routing)
+        self.log: RoutingLog | None = None
+        self.log_index = 0
         # NOTE: csrc/linear.cpp's panels per expert (use_cpu_kernel), or None: torch's products
         self.kernels: list[tuple[PackedLinear, PackedLinear]] | None = None
         self.router_kernel: PackedLinear | None = None
@@ -122,6 +127,8 @@ class SparseMoe(nn.Module):
     def _routed(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sums for the tokens x [T, hidden] -> [T, hidden] float32."""
         routing = route(self._router_logits(x), self.top_k, self.renormalize)
+        if self.log is not None:
+            self.log.add(self.log_index, routing.ids)
         outputs = x.new_zeros(x.shape[0], self.top_k, x.shape[1], dtype=torch.float32)
         ids = routing.ids.to(x.device)
         for expert in torch.unique(ids).tolist():
