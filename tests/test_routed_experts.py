@@ -262,3 +262,30 @@ def test_the_errors(moe_server, server) -> None:
     assert status == 400 and answer["error"]["param"] == "return_routed_experts", answer
     status, answer = moe_server.post("/generate", {**body, "routed_experts_start_len": 3})
     assert status == 200 and json.dumps(answer)
+
+
+def test_at_tensor_parallel_2(tiny_checkpoint, tmp_path) -> None:
+    """Two ranks, each expert's width halved: the same experts as one rank (the router reads
+    the whole hidden state on every rank; rank 0's result carries them)."""
+    model = tiny_checkpoint("qwen3_moe")
+    server = start_server(
+        model, tmp_path / "log", "--tensor-parallel-size", "2", "--max-model-len", "1024",
+        "--enable-return-routed-experts",
+    )  # fmt: skip
+    prompt = _prompt(10, 50)
+    body = {
+        "input_ids": prompt,
+        "return_routed_experts": True,
+        "sampling_params": {"max_new_tokens": 10, "temperature": 0},
+    }
+    try:
+        status, answer = server.post("/generate", body)
+        assert status == 200, answer
+    finally:
+        assert server.stop() == 0
+    engine = make_engine(model, routed_experts=True)
+    ref = engine.generate([OfflineRequest(prompt, max_tokens=10, routed_experts_start=0)])[0]
+    assert answer["output_ids"] == ref.output_ids
+    np.testing.assert_array_equal(
+        _decode(answer["meta_info"]["routed_experts"]), ref.routed_experts
+    )
