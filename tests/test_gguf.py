@@ -233,6 +233,38 @@ def test_a_file_transformers_builds_no_config_for(arch: str, tiny_checkpoint, tm
     _assert_served_as(model_dir, source)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral"])
+def test_a_mixture_of_experts_file(arch: str, tiny_checkpoint, tmp_path: Path) -> None:
+    """llama.cpp's layout of experts: each layer's stacked ffn_{gate,up,down}_exps, the
+    router as ffn_gate_inp, Qwen2-MoE's shared expert (*_shexp, its gate a vector), Mixtral a
+    llama file with an expert_count. In F32 the checkpoint's own tensors and expert fields
+    come back (the widths from the tensors, Qwen3-MoE's dense first layer from the layer
+    without a router, the renormalisation llama.cpp's architecture fixes) and serve its
+    numbers; in Q8_0 the blocks dequantized as the gguf package does, served as transformers
+    computes on them. NOTE: transformers 5.25 loads no MoE file's experts (a shape mismatch
+    on Qwen2-MoE's shared expert), so it is no reference for the file itself."""
+    source = tiny_checkpoint(arch)
+    exact = hf_to_gguf(source, tmp_path / "exact.gguf", Q.F32)
+    out = _converted(exact, tmp_path)
+    ours = load_file(str(out / "model.safetensors"))
+    theirs = load_file(str(next(source.glob("*.safetensors"))))
+    assert set(ours) == set(theirs)
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name], tensor.float()), name
+    keys = (
+        "architectures", "num_experts", "num_local_experts", "num_experts_per_tok",
+        "moe_intermediate_size", "intermediate_size", "shared_expert_intermediate_size",
+        "mlp_only_layers", "norm_topk_prob",
+    )  # fmt: skip
+    config, original = (json.loads((d / "config.json").read_text()) for d in (out, source))
+    assert {k: config.get(k) for k in keys if k in original} == {
+        k: original[k] for k in keys if k in original
+    }
+    _assert_served_as(gguf_checkpoint.gguf_checkpoint(exact), source)
+    quantized = gguf_checkpoint.gguf_checkpoint(hf_to_gguf(source, tmp_path / "q8.gguf", Q.Q8_0))
+    _assert_served_as(quantized, quantized)
+
+
 def test_a_llama_31_file_rotates_by_its_rope_freqs(tiny_checkpoint, tmp_path: Path) -> None:
     """Llama 3.1 / 3.2 files carry their rope_scaling as per-frequency factors
     (rope_freqs.weight): the settings that give those factors are found again, and the file
@@ -342,7 +374,7 @@ def test_an_architecture_tokenmill_cannot_serve_fails_at_start(tmp_path: Path) -
         timeout=120,
     )
     assert started.returncode != 0
-    served = "llama, qwen2, qwen3, phi3, gemma2, gemma3, granite, olmo2"
+    served = ", ".join(gguf_convert.ARCHITECTURES)
     assert f"'falcon' is not one tokenmill serves (it serves {served})" in started.stderr
     assert f"--model {file}:" in started.stderr
     cache = gguf_checkpoint.cache_dir() / "gguf"
