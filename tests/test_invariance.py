@@ -284,3 +284,23 @@ def test_experts_in_passes_give_the_same_bits(
     monkeypatch.setattr(moe, "TOKENS_PER_PASS", 7)
     for a, b in zip(whole, make_engine(model, dtype=dtype).generate(requests), strict=True):
         _assert_same(a, b, atol=0.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe", "mixtral", "qwen2_moe"])
+def test_the_native_experts_give_the_python_loops_bits(
+    tiny_checkpoint, arch: str, dtype: str
+) -> None:
+    """csrc/moe.cpp (every expert of a layer in one call) against model/moe.py's loop over
+    the experts from Python, with the same packed panels: the same bits, prompt and decode."""
+    from tokenmill.tp_worker.model.moe import SparseMoe
+
+    model, requests = tiny_checkpoint(arch), _requests(sampled=True)
+    native = make_engine(model, dtype=dtype)
+    assert all(m.panels for m in native.runner.model.modules() if isinstance(m, SparseMoe))
+    looped = make_engine(model, dtype=dtype)
+    for module in looped.runner.model.modules():
+        if isinstance(module, SparseMoe):
+            module.panels = None
+    for a, b in zip(native.generate(requests), looped.generate(requests), strict=True):
+        _assert_same(a, b, atol=0.0)

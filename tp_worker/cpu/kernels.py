@@ -37,6 +37,7 @@ SOURCES = tuple(
         "sample.cpp",
         "layer_stack.cpp",
         "route.cpp",
+        "moe.cpp",
     )
 )
 HEADERS = tuple(
@@ -198,6 +199,9 @@ def load(path: Path) -> ctypes.CDLL:
     if hasattr(lib, "tm_route"):
         lib.tm_route.argtypes = [_P, _I, _I, _I, _C, _P, _P]
         lib.tm_route.restype = ctypes.c_int
+    if hasattr(lib, "tm_moe_experts"):
+        lib.tm_moe_experts.argtypes = [_P, _I, _I, _I, _P, _P, _I, _P, _P, _I, _I, _C, _C, _C, _P]
+        lib.tm_moe_experts.restype = ctypes.c_int
     lib.tm_linear_isa.argtypes = []
     lib.tm_linear_isa.restype = ctypes.c_int
     return lib

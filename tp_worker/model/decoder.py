@@ -336,7 +336,7 @@ class CausalLM(nn.Module):
             elif isinstance(module, DecoderLayer):
                 module.kv_kernel = None
             elif isinstance(module, SparseMoe):
-                module.kernels = module.router_kernel = None
+                module.kernels = module.router_kernel = module.panels = None
         self.lm_head_kernel = None
         self.layer_stack = None
 

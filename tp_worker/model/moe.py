@@ -16,6 +16,7 @@ a token's k outputs, all-reduced once.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.tp_worker.cpu.kernels import library
-from tokenmill.tp_worker.cpu.ops import PackedLinear, glu_mul_cpu, sigmoid_cpu
+from tokenmill.tp_worker.cpu.ops import (
+    ACTIVATION_CODES,
+    DTYPE_CODES,
+    PackedLinear,
+    glu_mul_cpu,
+    product_input,
+    row_stride,
+    sigmoid_cpu,
+)
 from tokenmill.tp_worker.model.config import ModelConfig
 from tokenmill.tp_worker.model.parallel import TpGroup, invariant_linear
 from tokenmill.tp_worker.model.routing_log import RoutingLog
@@ -95,6 +104,9 @@ class SparseMoe(nn.Module):
         # NOTE: csrc/linear.cpp's panels per expert (use_cpu_kernel), or None: torch's products
         self.kernels: list[tuple[PackedLinear, PackedLinear]] | None = None
         self.router_kernel: PackedLinear | None = None
+        # NOTE: every expert's packed gate/up and down panels' addresses, for csrc/moe.cpp
+        # (use_cpu_kernel, where every gate/up takes its activation in the epilogue)
+        self.panels: tuple[ctypes.Array[ctypes.c_void_p], ...] | None = None
         self.shared_kernels: tuple[PackedLinear, PackedLinear, PackedLinear] | None = None
 
     def use_cpu_kernel(self) -> None:
@@ -106,6 +118,13 @@ class SparseMoe(nn.Module):
             for g, d in zip(self.gate_up.data, self.down.data, strict=True)
         ]
         self.router_kernel = PackedLinear(self.router.data, None)
+        if glu:
+            self.panels = tuple(
+                (ctypes.c_void_p * len(self.kernels))(
+                    *(k[i].packed.data_ptr() for k in self.kernels)
+                )
+                for i in (0, 1)
+            )
         if self.shared is not None:
             gate_up, down, gate = (p.data for p in self.shared)
             glu = gate_up.shape[0] % 32 == 0
@@ -129,6 +148,40 @@ class SparseMoe(nn.Module):
         routing = route(self._router_logits(x), self.top_k, self.renormalize)
         if self.log is not None:
             self.log.add(self.log_index, routing.ids)
+        out = self._native_experts(x, routing) if self.panels else self._experts(x, routing)
+        if self.shared is not None:
+            out = out + self._shared_expert(x)
+        return out
+
+    def _native_experts(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """The experts' weighted sum through csrc/moe.cpp: the loop of _experts in one call,
+        with its bits (tested)."""
+        assert self.panels is not None and self.kernels is not None
+        x = product_input(x)
+        out = torch.empty(x.shape[0], x.shape[1], dtype=torch.float32)
+        gate_up, down = self.kernels[0]
+        status = library().tm_moe_experts(
+            x.data_ptr(),
+            x.shape[0],
+            x.shape[1],
+            row_stride(x),
+            routing.ids.data_ptr(),
+            routing.weights.data_ptr(),
+            self.top_k,
+            *self.panels,
+            len(self.kernels),
+            down.in_features,
+            DTYPE_CODES[x.dtype],
+            ACTIVATION_CODES[self.activation],
+            int(gate_up.amx),
+            out.data_ptr(),
+        )
+        assert status == 0, f"tm_moe_experts: {x.dtype}, experts {routing.ids.unique()}"
+        return out
+
+    def _experts(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """The experts' weighted sum, expert by expert from Python (the torch path, and
+        gate/up widths whose activation runs apart)."""
         outputs = x.new_zeros(x.shape[0], self.top_k, x.shape[1], dtype=torch.float32)
         ids = routing.ids.to(x.device)
         for expert in torch.unique(ids).tolist():
@@ -138,8 +191,6 @@ class SparseMoe(nn.Module):
         out = outputs[:, 0] * weights[:, :1]
         for slot in range(1, self.top_k):  # NOTE: in the order of the top-k, every time
             out = out + outputs[:, slot] * weights[:, slot : slot + 1]
-        if self.shared is not None:
-            out = out + self._shared_expert(x)
         return out
 
     def _shared_expert(self, x: torch.Tensor) -> torch.Tensor:
