@@ -270,15 +270,16 @@ def test_the_last_layer_keeps_each_rows_last_token_and_scored_positions() -> Non
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe"])
 def test_experts_in_passes_give_the_same_bits(
-    tiny_checkpoint, dtype: str, monkeypatch: pytest.MonkeyPatch
+    tiny_checkpoint, arch: str, dtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A prefill chunk goes through a mixture of experts in passes of TOKENS_PER_PASS tokens
     (bounded memory); passes of 7 give the bits of one pass (Qwen2-MoE: the shared expert
-    too)."""
+    too, from Python; Qwen3-MoE: inside the layer stack's call)."""
     from tokenmill.tp_worker.model import moe
 
-    model = tiny_checkpoint("qwen2_moe")
+    model = tiny_checkpoint(arch)
     requests = _requests(sampled=True)
     whole = make_engine(model, dtype=dtype).generate(requests)
     monkeypatch.setattr(moe, "TOKENS_PER_PASS", 7)

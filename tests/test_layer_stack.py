@@ -3,8 +3,9 @@ give the Python loop's bits: tokens, logprobs, top-k and prompt logprobs, greedy
 prefill chunks and decode steps, with q/k/v biases (qwen2), per-head q/k norms (qwen3),
 partial rotary (phi3), norms after each sublayer and over whole projections (olmo2), norms
 before and after each sublayer, soft-caps, GeGLU and sliding windows on every other layer
-(gemma2), two RoPE tables (gemma3), a window on every layer (mistral), in float32 and bfloat16
-and on each kind of bfloat16 kernel the machine has."""
+(gemma2), two RoPE tables (gemma3), a window on every layer (mistral), a mixture of experts
+(qwen3_moe with its dense first layer, olmoe, mixtral: router, top-k and experts in the same
+call), in float32 and bfloat16 and on each kind of bfloat16 kernel the machine has."""
 
 from __future__ import annotations
 
@@ -55,7 +56,11 @@ def _same(native: OfflineEngine, python: OfflineEngine) -> None:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize(
-    "arch", ["llama", "qwen2", "qwen3", "phi3", "granite", "olmo2", "gemma2", "gemma3"]
+    "arch",
+    [
+        *("llama", "qwen2", "qwen3", "phi3", "granite", "olmo2", "gemma2", "gemma3"),
+        *("qwen3_moe", "olmoe", "mixtral"),
+    ],
 )
 def test_native_layers_give_the_python_loops_bits(
     tiny_checkpoint, monkeypatch: pytest.MonkeyPatch, arch: str, dtype: str
@@ -96,4 +101,7 @@ def test_no_native_layers_where_a_layer_leaves_csrc(
     """Without the CPU kernels (torch's products) there is nothing to run natively."""
     monkeypatch.setenv("TOKENMILL_CPU_LAYER_STACK", "1")
     engine = make_engine(tiny_checkpoint("llama"), cpu_kernels=False)
+    assert engine.runner.model.layer_stack is None
+    # NOTE: Qwen2-MoE's shared expert runs from Python, so its layers do
+    engine = make_engine(tiny_checkpoint("qwen2_moe"))
     assert engine.runner.model.layer_stack is None

@@ -82,14 +82,20 @@ def model_dir(args: argparse.Namespace) -> Path:
 
 def step_bytes(c: ModelConfig, dtype_bytes: int, context: int) -> tuple[int, int]:
     """(weights, keys and values) a one-row decode step reads at `context` positions: every
-    layer's products and norms, the final norm and the lm_head (a tied embedding is read
-    again as the lm_head; the embedding row itself is one row)."""
+    layer's products and norms (of a mixture of experts, the router and a token's experts),
+    the final norm and the lm_head (a tied embedding is read again as the lm_head; the
+    embedding row itself is one row)."""
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    per_layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size
-    per_layer += 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size
-    weights = (
-        c.num_layers * per_layer + c.hidden_size + c.vocab_size * c.hidden_size
-    ) * dtype_bytes
+    attention = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 2 * c.hidden_size
+    dense = 3 * c.hidden_size * c.intermediate_size
+    # NOTE: a mixture of experts' layer reads its router and the token's k experts only
+    # (and a shared expert, with its gate)
+    moe = c.num_experts * c.hidden_size + c.experts_per_token * 3 * c.hidden_size * (
+        c.moe_intermediate_size
+    )
+    moe += 3 * c.hidden_size * c.shared_expert_size + (c.hidden_size if c.shared_expert_size else 0)
+    layers = sum(attention + (moe if i in c.moe_layers else dense) for i in range(c.num_layers))
+    weights = (layers + c.hidden_size + c.vocab_size * c.hidden_size) * dtype_bytes
     return weights, c.num_layers * 2 * kv * context * dtype_bytes
 
 

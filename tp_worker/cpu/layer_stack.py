@@ -9,7 +9,8 @@ conversion, torch's allocations and views) added ~0.08 ms more, 30 layers deep (
 
 Used where the whole layer runs in csrc/: one rank (a row-parallel product's all-reduce is
 torch.distributed's, between kernels), our paged attention, the MLP's gate/up product with
-its fused activation epilogue. TOKENMILL_CPU_LAYER_STACK=0 turns it off (the Python loop, for an
+its fused activation epilogue, or a mixture of experts without a shared expert (its router,
+top-k and experts: csrc/moe.cpp). TOKENMILL_CPU_LAYER_STACK=0 turns it off (the Python loop, for an
 A/B or a test: the two give the same bits).
 """
 
@@ -33,9 +34,11 @@ from tokenmill.tp_worker.cpu.ops import (
     product_rows,
     rows_alias,
 )
+from tokenmill.tp_worker.model import moe as moe_module
 
 if TYPE_CHECKING:
     from tokenmill.tp_worker.model.decoder import DecoderLayer
+    from tokenmill.tp_worker.model.moe import SparseMoe
 
 # NOTE: a layer's row of the weights table, csrc/layer_stack.cpp's Field order.
 FIELDS = (
@@ -54,6 +57,9 @@ FIELDS = (
     "mlp_out_norm",
     "window",
     "local_rope",
+    "router",
+    "experts",
+    "moe_index",
 )
 K_COLUMN, V_COLUMN = FIELDS.index("k"), FIELDS.index("v")
 # NOTE: csrc/layer_stack.cpp's Shape.qk_norm
@@ -78,25 +84,35 @@ class LayerStack:
         self.heads, self.kv_heads = first.num_heads, first.num_kv_heads
         self.head_dim = first.head_dim
         self.rotary_dim = first.rotary_dim
-        gate_up = _kernel(first.gate_up_proj)
-        self.inter = gate_up.out_features // 2
+        self.layers = list(layers)
+        dense = [layer for layer in layers if layer.moe is None]
+        self.moe = [layer.moe for layer in layers if layer.moe is not None]
+        self.inter = _kernel(dense[0].gate_up_proj).out_features // 2 if dense else 0
         self.eps = first.eps
         self.scale = first.attention_settings.scale
         self.softcap = first.attention_settings.softcap
-        self.activation = ACTIVATION_CODES[_kernel(first.gate_up_proj).activation]
+        activation = _kernel(dense[0].gate_up_proj).activation if dense else self.moe[0].activation
+        self.activation = ACTIVATION_CODES[activation]
         self.linear_amx = _kernel(first.qkv_proj).amx
         self.attention_amx = uses_amx(dtype, self.head_dim)  # NOTE: as PagedAttention.attend
+        # NOTE: the experts' panels' addresses, gate/up then down, one array per MoE layer
+        self._panels = [_expert_panels(moe) for moe in self.moe]
         self.table = torch.zeros(len(layers), len(FIELDS), dtype=torch.int64)
         for row, layer in zip(self.table, layers, strict=True):
             bias = _kernel(layer.qkv_proj).bias
+            moe = layer.moe
+            index = -1 if moe is None else next(i for i, m in enumerate(self.moe) if m is moe)
             addresses = {
                 "input_norm": _address(layer.input_layernorm),
                 "qkv": _kernel(layer.qkv_proj).packed.data_ptr(),
                 "qkv_bias": 0 if bias is None else bias.data_ptr(),
                 "o": _kernel(layer.o_proj).packed.data_ptr(),
                 "post_norm": _address(layer.post_attention_layernorm),
-                "gate_up": _kernel(layer.gate_up_proj).packed.data_ptr(),
-                "down": _kernel(layer.down_proj).packed.data_ptr(),
+                "gate_up": 0 if moe else _kernel(layer.gate_up_proj).packed.data_ptr(),
+                "down": 0 if moe else _kernel(layer.down_proj).packed.data_ptr(),
+                "router": 0 if moe is None else _router(moe).packed.data_ptr(),
+                "experts": 0 if moe is None else ctypes.addressof(self._panels[index]),
+                "moe_index": max(index, 0),
                 "q_norm": _address(layer.q_norm),
                 "k_norm": _address(layer.k_norm),
                 "attn_out_norm": _address(layer.attn_out_norm),
@@ -119,14 +135,16 @@ class LayerStack:
         if not enabled() or tp_size != 1 or dtype not in DTYPE_CODES or not layers:
             return None
         for layer in layers:
-            if layer.moe is not None:  # NOTE: experts run from Python (model/moe.py)
+            moe = layer.moe
+            if moe is not None and (not moe.panels or moe.shared is not None):
+                return None  # NOTE: experts from Python, or a shared expert (Qwen2-MoE's)
+            mlp = (layer.gate_up_proj, layer.down_proj) if moe is None else ()
+            linears = (layer.qkv_proj, layer.o_proj, *mlp)
+            if any(getattr(linear, "kernel", None) is None for linear in linears):
                 return None
-            linears = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
-            if any(linear.kernel is None for linear in linears):
+            if moe is None and not _kernel(layer.gate_up_proj).glu:
                 return None
-            if not _kernel(layer.gate_up_proj).glu:
-                return None
-            if layer.o_proj.bias is not None or layer.down_proj.bias is not None:
+            if layer.o_proj.bias is not None or (moe is None and layer.down_proj.bias is not None):
                 return None
         return LayerStack(layers, dtype)
 
@@ -182,6 +200,15 @@ class LayerStack:
             scratch.addresses,
         )
         assert status == 0, f"tm_layer_stack failed ({status})"
+        if scratch.routed is not None:
+            self._log_routing(scratch.routed, count)
+
+    def _log_routing(self, routed: torch.Tensor, count: int) -> None:
+        """The routing of the MoE layers among the first `count` into their log."""
+        ran = {id(layer.moe) for layer in self.layers[:count] if layer.moe is not None}
+        for index, moe in enumerate(self.moe):
+            if id(moe) in ran and moe.log is not None:
+                moe.log.add(moe.log_index, routed[index].clone())
 
     def _shape_for(self, k_cache: torch.Tensor) -> ctypes.Array[ctypes.c_int64]:
         """Shape's fields (csrc/layer_stack.cpp), made again only where the cache's layout
@@ -200,10 +227,21 @@ class LayerStack:
             k_cache.stride(1),
             self.rotary_dim,
             self.qk_norm,
+            *self._moe_shape(),
         )
         if self._shape is None or self._shape[0] != fields:
             self._shape = (fields, (ctypes.c_int64 * len(fields))(*fields))
         return self._shape[1]
+
+    def _moe_shape(self) -> tuple[int, int, int, int, int]:
+        """Shape's expert fields: count, k, width, renormalized, tokens a pass (0s without)."""
+        if not self.moe:
+            return 0, 0, 0, 0, moe_module.TOKENS_PER_PASS
+        moe = self.moe[0]
+        assert moe.kernels is not None
+        width = moe.kernels[0][1].in_features
+        passes = moe_module.TOKENS_PER_PASS
+        return len(moe.kernels), moe.top_k, width, int(moe.renormalize), passes
 
     def _point_at(self, kv_cache: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """The table's K and V columns at this cache (written again only for a new cache)."""
@@ -229,7 +267,8 @@ class LayerStack:
         # NOTE: cpu/ops.py's product_input's copy, where attention's rows would alias in L1.
         aliased = tokens > 1 and rows_alias(q_width, dtype)
         attended_rows = product_rows(tokens, q_width, dtype) if aliased else None
-        activated = product_rows(tokens, self.inter, dtype)
+        activated = product_rows(tokens, max(self.inter, 1), dtype)
+        experts = self._moe_scratch(tokens)
         fields = (
             normed.data_ptr(),
             normed.stride(0),
@@ -240,11 +279,28 @@ class LayerStack:
             0 if attended_rows is None else attended_rows.stride(0),
             activated.data_ptr(),
             activated.stride(0),
+            *(0 if t is None else t.data_ptr() for t in experts),
         )
         held = [t for t in (normed, qkv, q, attended, attended_rows, activated) if t is not None]
-        scratch = Scratch(tokens, (ctypes.c_int64 * len(fields))(*fields), held)
+        held += [t for t in experts if t is not None]
+        scratch = Scratch(tokens, (ctypes.c_int64 * len(fields))(*fields), held, experts[4])
         self._scratch = scratch if tokens <= KEEP_SCRATCH_TOKENS else None
         return scratch
+
+    def _moe_scratch(self, tokens: int) -> tuple[torch.Tensor | None, ...]:
+        """The experts' rows (csrc/layer_stack.cpp's Scratch: logits, ids, weights, their sum,
+        every MoE layer's ids where a routing log keeps them), or Nones without experts."""
+        if not self.moe:
+            return (None,) * 5
+        experts, k = len(self.moe[0].kernels or ()), self.moe[0].top_k
+        routed = self.moe[0].log is not None
+        return (
+            torch.empty(tokens, experts, dtype=torch.float32),
+            torch.empty(tokens, k, dtype=torch.int64),
+            torch.empty(tokens, k, dtype=torch.float32),
+            torch.empty(tokens, self.hidden, dtype=torch.float32),
+            torch.empty(len(self.moe), tokens, k, dtype=torch.int64) if routed else None,
+        )
 
 
 @dataclass(frozen=True)
@@ -252,6 +308,7 @@ class Scratch:
     tokens: int
     addresses: ctypes.Array[ctypes.c_int64]  # csrc/layer_stack.cpp's Scratch fields
     tensors: list[torch.Tensor]  # what the addresses point into
+    routed: torch.Tensor | None = None  # [MoE layers, T, k] their ids, where a log keeps them
 
 
 def _address(norm: torch.nn.Module | None) -> int:
@@ -261,6 +318,18 @@ def _address(norm: torch.nn.Module | None) -> int:
     weight = norm.weight
     assert isinstance(weight, torch.Tensor)
     return int(weight.data_ptr())
+
+
+def _router(moe: SparseMoe) -> PackedLinear:
+    assert moe.router_kernel is not None
+    return moe.router_kernel
+
+
+def _expert_panels(moe: SparseMoe) -> ctypes.Array[ctypes.c_void_p]:
+    """gate/up addresses of every expert, then down ones (csrc/layer_stack.cpp's EXPERTS)."""
+    assert moe.panels is not None
+    gate_up, down = moe.panels
+    return (ctypes.c_void_p * (2 * len(gate_up)))(*gate_up, *down)
 
 
 def _kernel(linear: torch.nn.Module | None) -> PackedLinear:

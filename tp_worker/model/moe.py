@@ -175,6 +175,9 @@ class SparseMoe(nn.Module):
             ACTIVATION_CODES[self.activation],
             int(gate_up.amx),
             out.data_ptr(),
+            None,
+            0,
+            0,
         )
         assert status == 0, f"tm_moe_experts: {x.dtype}, experts {routing.ids.unique()}"
         return out

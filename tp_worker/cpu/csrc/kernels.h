@@ -31,6 +31,14 @@ int tm_linear_amx_then(const void* x, int64_t m, int64_t k, int64_t lda, const v
                        int64_t n, const float* bias, void* out, int64_t ldc, int dtype,
                        int out_dtype, const void* residual, int glu, const void* then_packed,
                        int64_t then_n, int64_t then_k);
+int tm_route(const float* logits, int64_t tokens, int64_t experts, int64_t k, int renormalize,
+             int64_t* ids, float* weights);
+// then_packed, then_n, then_k: the product after the last expert's (as tm_linear_then's).
+int tm_moe_experts(const void* x, int64_t tokens, int64_t hidden, int64_t ldx,
+                   const int64_t* ids, const float* weights, int64_t k,
+                   const void* const* gate_up, const void* const* down, int64_t num_experts,
+                   int64_t inter, int dtype, int activation, int amx, float* out,
+                   const void* then_packed, int64_t then_n, int64_t then_k);
 int tm_rope_store(const void* qkv, const void* cos, const void* sin, const int64_t* slots,
                   void* q_out, void* k_cache, void* v_cache, int64_t tokens, int64_t heads,
                   int64_t kv_heads, int64_t dim, int64_t head_stride, int64_t slot_stride,

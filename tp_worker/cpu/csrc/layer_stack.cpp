@@ -4,7 +4,8 @@
 // them through ctypes one by one, so every bit is the one the Python loop computes: RMSNorm,
 // the fused q/k/v product, the per-head q/k norms where the model has them, RoPE and the KV
 // write, paged attention, the output product added to the float32 residual stream in its
-// epilogue, RMSNorm, act(gate) x up in the gate/up product's epilogue, the down product added in its epilogue. What goes is what lay between
+// epilogue, RMSNorm, act(gate) x up in the gate/up product's epilogue, the down product added in its epilogue
+// (or, in a mixture of experts' layer, the router, the top-k and the experts: run_experts). What goes is what lay between
 // them: at one decode row, a layer's eight calls cost more in Python and ctypes (argument
 // conversion, torch's allocations and views) than RMSNorm, RoPE and attention take to run.
 //
@@ -13,9 +14,11 @@
 // told which product runs next (tm_linear_then), so that each thread streams in its first
 // panel of that one under its last panel of this one (panel_queue.h's NextProduct).
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
+#include "bf16.h"
 #include "kernels.h"
 
 namespace {
@@ -28,16 +31,24 @@ namespace {
 // residual add (OLMo 2, Gemma 2 and 3). WINDOW is not an address: the layer's sliding window
 // (0 none), and LOCAL_ROPE 1 where the layer rotates by the local RoPE table (Gemma 3's
 // sliding layers), else 0.
+// ROUTER: a mixture of experts' layer's router (its packed panels; 0 in a dense layer, whose
+// GATE_UP and DOWN run instead), EXPERTS the address of its experts' panels (num_experts
+// gate/up addresses, then num_experts down ones), MOE_INDEX its place among the MoE layers
+// (where Scratch.routed keeps each one's routing).
 enum Field {
   INPUT_NORM, QKV, QKV_BIAS, O, POST_NORM, GATE_UP, DOWN, K_CACHE, V_CACHE, Q_NORM, K_NORM,
-  ATTN_OUT_NORM, MLP_OUT_NORM, WINDOW, LOCAL_ROPE, FIELDS
+  ATTN_OUT_NORM, MLP_OUT_NORM, WINDOW, LOCAL_ROPE, ROUTER, EXPERTS, MOE_INDEX, FIELDS
 };
 
 // The model's shape, cpu/layer_stack.py's order.
-// qk_norm: 1 per head, 2 per projection; activation: silu.h's code for the gate/up epilogue.
+// qk_norm: 1 per head, 2 per projection; activation: silu.h's code for the gate/up epilogue;
+// the experts (0 where none): their count, the k a token takes, each one's width, whether
+// the k weights are renormalized, and the tokens a pass through them takes at most
+// (model/moe.py's TOKENS_PER_PASS).
 struct Shape {
   int64_t hidden, heads, kv_heads, head_dim, inter, dtype, linear_amx, attention_amx,
-      activation, head_stride, slot_stride, rotary_dim, qk_norm;
+      activation, head_stride, slot_stride, rotary_dim, qk_norm, experts, top_k, moe_inter,
+      renormalize, pass_tokens;
 };
 
 // The step's RoPE tables (cos, sin [tokens, rotary_dim]): the global one, and the local one
@@ -66,6 +77,11 @@ struct Scratch {
   int64_t attended_stride;
   void* activated;  // [T, inter]
   int64_t activated_stride;
+  float* logits;  // [T, experts] the router's, float32 (null without experts)
+  int64_t* ids;  // [T, top_k] each token's experts
+  float* weights;  // [T, top_k] their weights
+  float* moe_out;  // [T, hidden] the experts' weighted sum
+  int64_t* routed;  // [MoE layers, T, top_k] every MoE layer's ids, or null (not kept)
 };
 
 template <typename T>
@@ -109,6 +125,42 @@ int residual_product(Linear linear, const void* in, int64_t tokens, int64_t k, i
   return status | tm_norm_add(b.normed, at<void>(out_norm), x, tokens, s.hidden, ldc, eps, dtype);
 }
 
+// A mixture of experts' layer after attention (model/moe.py's SparseMoe, the same kernels in
+// the same order): the router's logits in float32, rounded to the model's dtype as
+// transformers computes them, each token's top-k (tm_route), the experts in passes
+// (tm_moe_experts), their sum added to the residual stream.
+int run_experts(const int64_t* w, const Shape& s, const Scratch& b, float* x, int64_t tokens,
+                int64_t normed_lda, Linear linear, int64_t next_qkv) {
+  const int dtype = static_cast<int>(s.dtype);
+  int status = linear(b.normed, tokens, s.hidden, normed_lda, at<void>(w[ROUTER]), s.experts,
+                      nullptr, b.logits, s.experts, dtype, 0, nullptr, 0, nullptr, 0, 0);
+  if (dtype == 1)
+    for (int64_t i = 0; i < tokens * s.experts; ++i)
+      b.logits[i] = tokenmill::round_to(b.logits[i], static_cast<const uint16_t*>(nullptr));
+  status |= tm_route(b.logits, tokens, s.experts, s.top_k, static_cast<int>(s.renormalize),
+                     b.ids, b.weights);
+  if (status != 0) return status;
+  if (b.routed != nullptr)
+    std::memcpy(b.routed + w[MOE_INDEX] * tokens * s.top_k, b.ids,
+                tokens * s.top_k * sizeof(int64_t));
+  const auto* panels = static_cast<const void* const*>(at<void>(w[EXPERTS]));
+  const int64_t elem = dtype == 0 ? 4 : 2, qkv_n = (s.heads + 2 * s.kv_heads) * s.head_dim;
+  for (int64_t first = 0; first < tokens; first += s.pass_tokens) {
+    const int64_t count = std::min(s.pass_tokens, tokens - first);
+    const bool last = first + count == tokens;
+    status |= tm_moe_experts(
+        static_cast<const char*>(b.normed) + first * b.normed_stride * elem, count, s.hidden,
+        row_stride(count, b.normed_stride, s.hidden), b.ids + first * s.top_k,
+        b.weights + first * s.top_k, s.top_k, panels, panels + s.experts, s.experts,
+        s.moe_inter, dtype, static_cast<int>(s.activation), static_cast<int>(s.linear_amx),
+        b.moe_out + first * s.hidden, last ? at<void>(next_qkv) : nullptr, qkv_n, s.hidden);
+  }
+  const int64_t elements = tokens * s.hidden;
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < elements; ++i) x[i] = x[i] + b.moe_out[i];
+  return status;
+}
+
 // `next_qkv`: the next layer's q/k/v weights, or 0 after the last layer of the call.
 int run_layer(const int64_t* w, const Shape& s, const Plan& p, const Scratch& b, float* x,
               int64_t tokens, const Rope& rope, const int64_t* slots, float eps, float scale,
@@ -149,9 +201,12 @@ int run_layer(const int64_t* w, const Shape& s, const Plan& p, const Scratch& b,
     attended = b.attended_rows;
     attended_lda = row_stride(tokens, b.attended_stride, q_width);
   }
+  const bool moe = w[ROUTER] != 0;
   status |= residual_product(linear, attended, tokens, q_width, attended_lda, w[O], w[ATTN_OUT_NORM],
-                             s, b, x, eps, w[GATE_UP], 2 * s.inter, s.hidden);
+                             s, b, x, eps, moe ? w[ROUTER] : w[GATE_UP],
+                             moe ? s.experts : 2 * s.inter, s.hidden);
   status |= norm_or_cast(x, w[POST_NORM], b, tokens, s.hidden, eps, dtype);
+  if (moe) return status | run_experts(w, s, b, x, tokens, normed_lda, linear, next_qkv);
   status |= linear(b.normed, tokens, s.hidden, normed_lda, at<void>(w[GATE_UP]), 2 * s.inter,
                    nullptr, b.activated, b.activated_stride, dtype, dtype, nullptr,
                    static_cast<int>(s.activation),
@@ -180,12 +235,18 @@ int tm_layer_stack(const int64_t* weights, int64_t num_layers, const int64_t* sh
                    const int64_t* slots, const int32_t* table, int64_t table_stride,
                    const int64_t* rows, const int64_t* token_starts, const int64_t* num_tokens,
                    const int64_t* first_pos, int64_t num_rows, const int64_t* scratch) {
-  const Shape s{shape[0], shape[1], shape[2], shape[3], shape[4],  shape[5],
-                shape[6], shape[7], shape[8], shape[9], shape[10], shape[11], shape[12]};
+  const Shape s{shape[0],  shape[1],  shape[2],  shape[3],  shape[4],  shape[5],
+                shape[6],  shape[7],  shape[8],  shape[9],  shape[10], shape[11],
+                shape[12], shape[13], shape[14], shape[15], shape[16], shape[17]};
   const Plan p{table, table_stride, rows, token_starts, num_tokens, first_pos, num_rows};
   const Scratch b{mutable_at(scratch[0]), scratch[1], mutable_at(scratch[2]),
                   mutable_at(scratch[3]), mutable_at(scratch[4]), mutable_at(scratch[5]),
-                  scratch[6], mutable_at(scratch[7]), scratch[8]};
+                  scratch[6], mutable_at(scratch[7]), scratch[8],
+                  static_cast<float*>(mutable_at(scratch[9])),
+                  static_cast<int64_t*>(mutable_at(scratch[10])),
+                  static_cast<float*>(mutable_at(scratch[11])),
+                  static_cast<float*>(mutable_at(scratch[12])),
+                  static_cast<int64_t*>(mutable_at(scratch[13]))};
   const Rope rope{cos, sin, local_cos ? local_cos : cos, local_sin ? local_sin : sin};
   for (int64_t layer = 0; layer < num_layers; ++layer) {
     const int64_t next_qkv = layer + 1 < num_layers ? weights[(layer + 1) * FIELDS + QKV] : 0;

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "exp.h"
+#include "kernels.h"
 
 namespace {
 
