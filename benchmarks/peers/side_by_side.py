@@ -198,8 +198,15 @@ def ratio_cell(results: Results, name: str, variant: str) -> str:
     if name == "tokenmill" or ours is None:
         return ""
     theirs = results.runs[(name, variant)]
-    ratios = [a.out_tok_s / b.out_tok_s for a, b in zip(ours, theirs, strict=True)]
-    rounds = ", ".join(f"{x:.2f}" for x in ratios)
+    # NOTE: a round the peer served nothing in (its server died: see its log) has no ratio
+    pairs = [(a, b) for a, b in zip(ours, theirs, strict=True) if b.out_tok_s > 0]
+    ratios = [a.out_tok_s / b.out_tok_s for a, b in pairs]
+    dead = len(theirs) - len(pairs)
+    rounds = ", ".join(f"{x:.2f}" for x in ratios) + (
+        f" ({dead} round(s) served 0)" if dead else ""
+    )
+    if not ratios:
+        return rounds.strip()
     return f"{rounds} -> **{statistics.median(ratios):.2f}**"
 
 
