@@ -10,8 +10,10 @@ output does not depend on which other rows share the expert. A token's k expert 
 experts ran; a shared expert (Qwen2-MoE) is added last, scaled by the sigmoid of its gate
 (csrc/activation.cpp's). So a token's bits are its own in any batch, chunk or schedule.
 
-Tensor parallelism shards every expert's intermediate dimension: each rank's partial sums of
-a token's k outputs, all-reduced once.
+On the CPU kernels a layer's experts run in one call (csrc/moe.cpp, the loop below with its
+bits), and without a shared expert the whole layer runs inside the layer stack's call
+(cpu/layer_stack.py). Tensor parallelism shards every expert's intermediate dimension: each
+rank's partial sums of a token's k outputs, all-reduced once.
 """
 
 from __future__ import annotations
