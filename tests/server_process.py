@@ -71,3 +71,15 @@ def start_server(
     dtype = [] if "--dtype" in args else ["--dtype", "float32"]
     proc, base_url = launch(model, [*dtype, *args], log_path, env=env, timeout=timeout)
     return ServerProcess(proc, int(base_url.rsplit(":", 1)[1]), log_path, str(model))
+
+
+def generate_once(model: Path | str, log_path: Path, body: dict, *args: str) -> dict:
+    """One /generate answer from a server started for it with `args`, which must then exit
+    0 on SIGTERM."""
+    server = start_server(model, log_path, *args)
+    try:
+        status, answer = server.post("/generate", body)
+        assert status == 200, answer
+    finally:
+        assert server.stop() == 0
+    return answer

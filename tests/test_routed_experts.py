@@ -17,7 +17,7 @@ import pytest
 import torch
 import transformers
 from helpers import make_engine
-from server_process import ServerProcess, start_server
+from server_process import ServerProcess, generate_once, start_server
 
 from tokenmill.cli.make_model import build_checkpoint
 from tokenmill.offline.engine import OfflineRequest
@@ -268,21 +268,14 @@ def test_at_tensor_parallel_2(tiny_checkpoint, tmp_path) -> None:
     """Two ranks, each expert's width halved: the same experts as one rank (the router reads
     the whole hidden state on every rank; rank 0's result carries them)."""
     model = tiny_checkpoint("qwen3_moe")
-    server = start_server(
-        model, tmp_path / "log", "--tensor-parallel-size", "2", "--max-model-len", "1024",
-        "--enable-return-routed-experts",
-    )  # fmt: skip
     prompt = _prompt(10, 50)
     body = {
         "input_ids": prompt,
         "return_routed_experts": True,
         "sampling_params": {"max_new_tokens": 10, "temperature": 0},
     }
-    try:
-        status, answer = server.post("/generate", body)
-        assert status == 200, answer
-    finally:
-        assert server.stop() == 0
+    flags = ("--tensor-parallel-size", "2", "--max-model-len", "1024")
+    answer = generate_once(model, tmp_path / "log", body, *flags, "--enable-return-routed-experts")
     engine = make_engine(model, routed_experts=True)
     ref = engine.generate([OfflineRequest(prompt, max_tokens=10, routed_experts_start=0)])[0]
     assert answer["output_ids"] == ref.output_ids

@@ -634,12 +634,9 @@ def test_tensor_parallel_2_matches_transformers(arch: str, tiny_checkpoint, tmp_
     weighted experts all-reduced once; Qwen2-MoE: its shared expert's too; prompt and greedy
     logprobs as transformers computes them (float32)."""
     from helpers import oracle
-    from server_process import start_server
+    from server_process import generate_once
 
     model = tiny_checkpoint(arch)
-    tp2 = start_server(
-        model, tmp_path / "log", "--tensor-parallel-size", "2", "--max-model-len", "1024"
-    )
     prompt = list(range(90, 140))
     body = {
         "input_ids": prompt,
@@ -647,11 +644,8 @@ def test_tensor_parallel_2_matches_transformers(arch: str, tiny_checkpoint, tmp_
         "logprob_start_len": 0,
         "sampling_params": {"max_new_tokens": 12, "temperature": 0},
     }
-    try:
-        status, answer = tp2.post("/generate", body)
-        assert status == 200, answer
-    finally:
-        assert tp2.stop() == 0
+    flags = ("--tensor-parallel-size", "2", "--max-model-len", "1024")
+    answer = generate_once(model, tmp_path / "log", body, *flags)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     ids = prompt + answer["output_ids"]
     ref = oracle(hf, ids)
