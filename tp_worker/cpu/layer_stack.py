@@ -98,10 +98,11 @@ class LayerStack:
         # NOTE: the experts' panels' addresses, gate/up then down, one array per MoE layer
         self._panels = [_expert_panels(moe) for moe in self.moe]
         self.table = torch.zeros(len(layers), len(FIELDS), dtype=torch.int64)
+        moe_indices = {id(moe): index for index, moe in enumerate(self.moe)}
         for row, layer in zip(self.table, layers, strict=True):
             bias = _kernel(layer.qkv_proj).bias
             moe = layer.moe
-            index = -1 if moe is None else next(i for i, m in enumerate(self.moe) if m is moe)
+            index = -1 if moe is None else moe_indices[id(moe)]
             addresses = {
                 "input_norm": _address(layer.input_layernorm),
                 "qkv": _kernel(layer.qkv_proj).packed.data_ptr(),
@@ -205,9 +206,9 @@ class LayerStack:
 
     def _log_routing(self, routed: torch.Tensor, count: int) -> None:
         """The routing of the MoE layers among the first `count` into their log."""
-        ran = {id(layer.moe) for layer in self.layers[:count] if layer.moe is not None}
-        for index, moe in enumerate(self.moe):
-            if id(moe) in ran and moe.log is not None:
+        ran = sum(layer.moe is not None for layer in self.layers[:count])
+        for index, moe in enumerate(self.moe[:ran]):
+            if moe.log is not None:
                 moe.log.add(moe.log_index, routed[index].clone())
 
     def _shape_for(self, k_cache: torch.Tensor) -> ctypes.Array[ctypes.c_int64]:
