@@ -31,9 +31,11 @@ def _reference(
     window: int,
     scale: float,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token [Hq, D] attending to the keys in `slots`, in float64 (softcap: each
-    score s becomes softcap * tanh(s / softcap), as Gemma 2's)."""
+    score s becomes softcap * tanh(s / softcap), as Gemma 2's; sinks [Hq]: one more key per
+    head of that score and no value, as gpt-oss's)."""
     if window:
         slots = slots[-window:]
     keys = k_cache[:, slots].transpose(0, 1).double()  # [L, Hkv, D]
@@ -43,6 +45,9 @@ def _reference(
     scores = torch.einsum("hd,lhd->hl", q.double(), keys) * scale
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
+    if sinks is not None:
+        weights = torch.cat((scores, sinks.double()[:, None]), -1).softmax(-1)[:, :-1]
+        return torch.einsum("hl,lhd->hd", weights, values)
     return torch.einsum("hl,lhd->hd", scores.softmax(-1), values)
 
 
@@ -56,6 +61,7 @@ def _run(
     split: bool = False,
     dim: int = DIM,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attend without writing new keys: every token's own key is already in the cache.
     Consecutive tokens of a row form one batch row (a prompt chunk), or each token its own
@@ -76,7 +82,12 @@ def _run(
         first_pos=columns[3].clone(),
         out_slots=torch.zeros(0, dtype=torch.int64),
     )
-    return attention.attend(q, caches[0], caches[1], LayerAttention(dim**-0.5, window, softcap))
+    settings = LayerAttention(dim**-0.5, window, softcap, sinks)
+    return attention.attend(q, caches[0], caches[1], settings)
+
+
+# NOTE: gpt-oss's sinks, spread over the scores' range so that some heads' sink dominates
+SINKS = torch.linspace(-3.0, 4.0, HEADS)
 
 
 def _table(lens: list[int], width: int = 300) -> torch.Tensor:
@@ -95,13 +106,15 @@ def _in_runs(
     return (moved[0], moved[1]), runs
 
 
+@pytest.mark.parametrize("sinks", [None, SINKS], ids=["no_sinks", "sinks"])
 @pytest.mark.parametrize("softcap", [0.0, 1.5])
 @pytest.mark.parametrize("window", [0, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matches_float64_reference(
-    dtype: torch.dtype, window: int, softcap: float, cpu_kernel: str
+    dtype: torch.dtype, window: int, softcap: float, sinks: torch.Tensor | None, cpu_kernel: str
 ) -> None:
-    """softcap: Gemma 2's soft-capped scores, low enough to bite (scores of a few units)."""
+    """softcap: Gemma 2's soft-capped scores, low enough to bite (scores of a few units);
+    sinks: gpt-oss's."""
     if cpu_kernel == "amx" and dtype == torch.float32:
         pytest.skip("the AMX kernels take bfloat16")
     lens = [1, 7, 40, 260]
@@ -110,46 +123,52 @@ def test_matches_float64_reference(
     rows = [r for r, n in enumerate(lens) for _ in range(min(n, 9))]
     positions = [p for n in lens for p in range(n - min(n, 9), n)]
     q = torch.randn(len(rows), HEADS, DIM, generator=torch.Generator().manual_seed(3)).to(dtype)
-    out = _run(q, caches, table, rows, positions, window, softcap=softcap)
+    out = _run(q, caches, table, rows, positions, window, softcap=softcap, sinks=sinks)
     out = out.view(len(rows), HEADS, DIM)
     # NOTE: in bfloat16 the output's own rounding is up to 2^-9 of it (0.0156 at 4 and more,
     # which an output of a window of 5 keys can reach): a relative part on top of the kernel's.
     atol, rtol = (2e-6, 0.0) if dtype == torch.float32 else (1e-2, 2**-8)
     for i, (row, pos) in enumerate(zip(rows, positions, strict=True)):
         slots = table[row, : pos + 1].tolist()
-        expected = _reference(q[i].float(), caches[0], caches[1], slots, window, DIM**-0.5, softcap)
+        expected = _reference(
+            q[i].float(), caches[0], caches[1], slots, window, DIM**-0.5, softcap, sinks
+        )
         torch.testing.assert_close(out[i].double(), expected, atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize(("cap", "sinks"), [(2.0, None), (0.0, SINKS)], ids=["softcap", "sinks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_soft_capped_scores_have_their_bits_on_every_path(
-    dtype: torch.dtype, cpu_kernel: str
+def test_soft_capped_scores_and_sinks_have_their_bits_on_every_path(
+    dtype: torch.dtype, cap: float, sinks: torch.Tensor | None, cpu_kernel: str
 ) -> None:
-    """Gemma 2's soft-cap (here 2, low enough to bite) on heads of 128: prompt chunks and
-    decode rows, slots scattered or in runs, and a decode row past 3,072 keys (its heads
-    shared among the threads), the same bits; close to float64."""
+    """Gemma 2's soft-cap (here 2, low enough to bite), or gpt-oss's sinks, on heads of 128:
+    prompt chunks and decode rows, slots scattered or in runs, and a decode row past 3,072
+    keys (its heads shared among the threads), the same bits; close to float64."""
     if cpu_kernel == "amx" and dtype == torch.float32:
         pytest.skip("the AMX kernels take bfloat16")
-    dim, lens, cap = 128, [1, 40, 3100], 2.0
+    dim, lens = 128, [1, 40, 3100]
     table = _table(lens, width=3100)
     caches = _cache(table.numel(), dtype, dim=dim)
     rows = [r for r, n in enumerate(lens) for _ in range(min(n, 40))]
     positions = [p for n in lens for p in range(n - min(n, 40), n)]
     gen = torch.Generator().manual_seed(6)
-    q = (3 * torch.randn(len(rows), HEADS, dim, generator=gen)).to(dtype)
-    together = _run(q, caches, table, rows, positions, dim=dim, softcap=cap)
-    split = _run(q, caches, table, rows, positions, split=True, dim=dim, softcap=cap)
+    # NOTE: scores large enough for the cap to bite; without it, of the scale where float32
+    # keeps 2e-6 of float64 over 3,100 keys
+    q = ((3 if cap else 1) * torch.randn(len(rows), HEADS, dim, generator=gen)).to(dtype)
+    kinds = {"dim": dim, "softcap": cap, "sinks": sinks}
+    together = _run(q, caches, table, rows, positions, **kinds)
+    split = _run(q, caches, table, rows, positions, split=True, **kinds)
     assert torch.equal(split, together)
     in_runs, runs = _in_runs(table, caches)
-    assert torch.equal(_run(q, in_runs, runs, rows, positions, dim=dim, softcap=cap), together)
+    assert torch.equal(_run(q, in_runs, runs, rows, positions, **kinds), together)
     last = len(rows) - 1
-    alone = _run(q[last:], caches, table, rows[last:], positions[last:], dim=dim, softcap=cap)
+    alone = _run(q[last:], caches, table, rows[last:], positions[last:], **kinds)
     assert torch.equal(alone[0], together[last])
     out = together.view(len(rows), HEADS, dim)
     atol, rtol = (2e-6, 0.0) if dtype == torch.float32 else (1e-2, 2**-8)
     for i in (0, 1, 40, last):
         slots = table[rows[i], : positions[i] + 1].tolist()
-        expected = _reference(q[i].float(), caches[0], caches[1], slots, 0, dim**-0.5, cap)
+        expected = _reference(q[i].float(), caches[0], caches[1], slots, 0, dim**-0.5, cap, sinks)
         torch.testing.assert_close(out[i].double(), expected, atol=atol, rtol=rtol)
 
 

@@ -288,7 +288,7 @@ def test_experts_in_passes_give_the_same_bits(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "gpt_oss"])
 def test_the_native_experts_give_the_python_loops_bits(
     tiny_checkpoint, arch: str, dtype: str
 ) -> None:

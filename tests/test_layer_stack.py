@@ -59,7 +59,7 @@ def _same(native: OfflineEngine, python: OfflineEngine) -> None:
     "arch",
     [
         *("llama", "qwen2", "qwen3", "phi3", "granite", "olmo2", "gemma2", "gemma3"),
-        *("qwen3_moe", "olmoe", "mixtral"),
+        *("qwen3_moe", "olmoe", "mixtral", "gpt_oss"),
     ],
 )
 def test_native_layers_give_the_python_loops_bits(

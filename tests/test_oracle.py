@@ -23,12 +23,13 @@ TEXTS = [
     "so that this prompt is clearly longer than the others in the batch.",
 ]
 ATOL = 1e-4
+TORCH_PATH_ARCHS = ("llama", "qwen3", "phi3", "olmo2", "gemma2", "gemma3", "gpt_oss")
 
 
 @pytest.mark.parametrize(
     ("arch", "kind", "cpu_kernels"),
     [(arch, "auto", True) for arch in ARCHS]
-    + [(arch, "auto", False) for arch in ("llama", "qwen3", "phi3", "olmo2", "gemma2", "gemma3")]
+    + [(arch, "auto", False) for arch in TORCH_PATH_ARCHS]
     + [("mistral", "sentencepiece", True), ("qwen2", "byte-level", True)],
 )
 def test_matches_transformers(arch: str, kind: str, cpu_kernels: bool, tiny_checkpoint) -> None:
@@ -130,7 +131,7 @@ def test_small_preset_matches_transformers(arch: str, checkpoint_root) -> None:
         assert_top_close(out.top_ids[i], out.top_logprobs[i], ref.logprobs[pos], atol, tie=atol)
 
 
-MOE_ARCHS = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe")
+MOE_ARCHS = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "gpt_oss")
 
 
 @pytest.mark.parametrize("arch", [a for a in ARCHS if a not in MOE_ARCHS])

@@ -24,7 +24,7 @@ from tokenmill.offline.engine import OfflineRequest
 from tokenmill.tp_worker.config import RunnerConfig
 from tokenmill.tp_worker.model_runner import ModelRunner
 
-MOE_ARCHS = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe")
+MOE_ARCHS = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe", "gpt_oss")
 KEY = "routed-experts-key"
 
 

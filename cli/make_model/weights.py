@@ -33,6 +33,7 @@ ARCHS = (
     "olmoe",
     "mixtral",
     "qwen2_moe",
+    "gpt_oss",
 )
 PRESETS = ("tiny", "small", "medium")
 
@@ -100,10 +101,14 @@ _ARCH_CLASSES = {
     "olmoe": "OlmoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 # NOTE: the mixtures of experts: 4 experts, 2 a token, each half the dense MLP's width;
 # router rows of this std, so that a token's experts follow the token
 MOE_EXPERTS, MOE_TOP_K, ROUTER_GAIN = 4, 2, 2.0
+# NOTE: gpt-oss's gate/up rows this much wider than 1/sqrt(hidden): a few gates and ups past
+# its SwiGLU's clamp at 7, so that the clamp is exercised; its sinks of std 1, near the scores
+SWIGLU_GAIN, SINK_STD = 3.0, 1.0
 # NOTE: config.json's model_type where it is not the arch's name
 _MODEL_TYPES = {"gemma3": "gemma3_text"}
 # NOTE: a sliding window short enough that the tests' prompts reach past it, on every other
@@ -266,6 +271,28 @@ _MOE_FIELDS["qwen2_moe"] = {
     "decoder_sparse_step": 1,
     "mlp_only_layers": [],
 }
+# NOTE: gpt-oss's way: q/k/v/o biases, a sink per head, every other layer in a window, yarn,
+# biased router and experts (one tensor each), the softmax over the chosen k
+_MOE_FIELDS["gpt_oss"] = {
+    "rms_norm_eps": 1e-5,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        # NOTE: gpt-oss's 131,072 / 4,096 = factor, at the test checkpoints' length
+        "original_max_position_embeddings": MAX_POSITION_EMBEDDINGS // 32,
+    },
+    "attention_bias": True,
+    "sliding_window": GEMMA_WINDOW,
+    "tie_word_embeddings": False,
+    "num_local_experts": MOE_EXPERTS,
+    "num_experts_per_tok": MOE_TOP_K,
+    "swiglu_alpha": 1.702,
+    "swiglu_limit": 7.0,
+}
 _ARCH_FIELDS.update(_MOE_FIELDS)
 
 
@@ -317,9 +344,10 @@ def make_config(arch: str, shape: ModelShape, token_ids: dict[str, int]) -> dict
         config["moe_intermediate_size" if qwen else "intermediate_size"] = width
         if arch == "qwen2_moe":
             config["shared_expert_intermediate_size"] = shape.intermediate_size
-    if arch in ("gemma2", "gemma3"):
-        del config["hidden_act"]
-        config["query_pre_attn_scalar"] = shape.head_dim // 2
+    if arch in ("gemma2", "gemma3", "gpt_oss"):
+        if arch != "gpt_oss":
+            del config["hidden_act"]
+            config["query_pre_attn_scalar"] = shape.head_dim // 2
         config["layer_types"] = [
             "sliding_attention" if i % 2 == 0 else "full_attention"
             for i in range(shape.num_hidden_layers)
@@ -352,9 +380,12 @@ def _layer_specs(config: dict[str, Any], i: int) -> list[TensorSpec]:
         (p + "mlp.up_proj.weight", (inter, hidden), std),
         (p + "mlp.down_proj.weight", (hidden, inter), OUT_GAIN / math.sqrt(inter)),
     ]
-    if config["model_type"] in ("qwen2", "qwen2_moe"):
+    if config["model_type"] in ("qwen2", "qwen2_moe", "gpt_oss"):
         for name, dim in (("q", q_dim), ("k", kv_dim), ("v", kv_dim)):
             specs.append((p + f"self_attn.{name}_proj.bias", (dim,), BIAS_STD))
+    if config["model_type"] == "gpt_oss":
+        specs.append((p + "self_attn.o_proj.bias", (hidden,), BIAS_STD))
+        specs.append((p + "self_attn.sinks", (config["num_attention_heads"],), SINK_STD))
     if config["model_type"] in ("qwen3", "qwen3_moe"):
         specs += [(p + f"self_attn.{name}_norm.weight", (head_dim,), NORM_STD) for name in "qk"]
     if config["model_type"] == "olmoe":  # NOTE: its q/k norms over the whole projection
@@ -397,6 +428,15 @@ def _expert_specs(config: dict[str, Any], p: str) -> list[TensorSpec]:
     inter = config.get("moe_intermediate_size") or config["intermediate_size"]
     experts = config.get("num_experts") or config["num_local_experts"]
     std = 1.0 / math.sqrt(hidden)
+    if config["model_type"] == "gpt_oss":  # NOTE: every expert's tensors stacked in one
+        return [
+            (p + "mlp.router.weight", (experts, hidden), ROUTER_GAIN * std),
+            (p + "mlp.router.bias", (experts,), BIAS_STD),
+            (p + "mlp.experts.gate_up_proj", (experts, hidden, 2 * inter), SWIGLU_GAIN * std),
+            (p + "mlp.experts.gate_up_proj_bias", (experts, 2 * inter), BIAS_STD),
+            (p + "mlp.experts.down_proj", (experts, inter, hidden), OUT_GAIN / math.sqrt(inter)),
+            (p + "mlp.experts.down_proj_bias", (experts, hidden), BIAS_STD),
+        ]
     mixtral = config["model_type"] == "mixtral"
     scope = p + ("block_sparse_moe" if mixtral else "mlp")
     names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")

@@ -83,6 +83,7 @@ class PagedAttention:
             settings.window,
             settings.scale,
             settings.softcap,
+            None if settings.sinks is None else settings.sinks.data_ptr(),
             DTYPE_CODES[q.dtype],
         )
         assert status == 0, f"tm_paged_attention failed ({status})"

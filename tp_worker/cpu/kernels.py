@@ -131,7 +131,7 @@ def load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     # NOTE: the soft-cap, a float, rides in a vector register: builds of older sources,
     # which lack it, read the same integer arguments and ignore it.
-    lib.tm_paged_attention.argtypes = [*[_P] * 9, *[_I] * 8, _F, _F, ctypes.c_int]
+    lib.tm_paged_attention.argtypes = [*[_P] * 9, *[_I] * 8, _F, _F, _P, ctypes.c_int]
     lib.tm_paged_attention.restype = ctypes.c_int
     lib.tm_paged_attention_amx.argtypes = lib.tm_paged_attention.argtypes
     lib.tm_paged_attention_amx.restype = ctypes.c_int
@@ -200,7 +200,7 @@ def load(path: Path) -> ctypes.CDLL:
         lib.tm_route.argtypes = [_P, _I, _I, _I, _C, _P, _P]
         lib.tm_route.restype = ctypes.c_int
     if hasattr(lib, "tm_moe_experts"):
-        lib.tm_moe_experts.argtypes = [_P, _I, _I, _I, _P, _P, _I, _P, _P, _I, _I, _C]
+        lib.tm_moe_experts.argtypes = [_P, _I, _I, _I, _P, _P, _I, _P, _P, _P, _P, _I, _I, _C]
         lib.tm_moe_experts.argtypes += [_C, _C, _P, _P, _I, _I]
         lib.tm_moe_experts.restype = ctypes.c_int
     lib.tm_linear_isa.argtypes = []

@@ -60,6 +60,10 @@ FIELDS = (
     "router",
     "experts",
     "moe_index",
+    "sinks",
+    "o_bias",
+    "router_bias",
+    "expert_biases",
 )
 K_COLUMN, V_COLUMN = FIELDS.index("k"), FIELDS.index("v")
 # NOTE: csrc/layer_stack.cpp's Shape.qk_norm
@@ -97,6 +101,7 @@ class LayerStack:
         self.attention_amx = uses_amx(dtype, self.head_dim)  # NOTE: as PagedAttention.attend
         # NOTE: the experts' panels' addresses, gate/up then down, one array per MoE layer
         self._panels = [_expert_panels(moe) for moe in self.moe]
+        self._biases = [_expert_biases(moe) for moe in self.moe]
         self.table = torch.zeros(len(layers), len(FIELDS), dtype=torch.int64)
         moe_indices = {id(moe): index for index, moe in enumerate(self.moe)}
         for row, layer in zip(self.table, layers, strict=True):
@@ -114,6 +119,10 @@ class LayerStack:
                 "router": 0 if moe is None else _router(moe).packed.data_ptr(),
                 "experts": 0 if moe is None else ctypes.addressof(self._panels[index]),
                 "moe_index": max(index, 0),
+                "sinks": _tensor_address(layer.attention_settings.sinks),
+                "o_bias": _tensor_address(_kernel(layer.o_proj).bias),
+                "router_bias": 0 if moe is None else _tensor_address(_router(moe).bias),
+                "expert_biases": _biases_address(self._biases[index] if moe else None),
                 "q_norm": _address(layer.q_norm),
                 "k_norm": _address(layer.k_norm),
                 "attn_out_norm": _address(layer.attn_out_norm),
@@ -145,7 +154,7 @@ class LayerStack:
                 return None
             if moe is None and not _kernel(layer.gate_up_proj).glu:
                 return None
-            if layer.o_proj.bias is not None or (moe is None and layer.down_proj.bias is not None):
+            if moe is None and layer.down_proj.bias is not None:
                 return None
         return LayerStack(layers, dtype)
 
@@ -242,7 +251,7 @@ class LayerStack:
         assert moe.kernels is not None
         width = moe.kernels[0][1].in_features
         passes = moe_module.TOKENS_PER_PASS
-        return len(moe.kernels), moe.top_k, width, int(moe.renormalize), passes
+        return len(moe.kernels), moe.top_k, width, moe.routing, passes
 
     def _point_at(self, kv_cache: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """The table's K and V columns at this cache (written again only for a new cache)."""
@@ -319,6 +328,23 @@ def _address(norm: torch.nn.Module | None) -> int:
     weight = norm.weight
     assert isinstance(weight, torch.Tensor)
     return int(weight.data_ptr())
+
+
+def _tensor_address(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else int(tensor.data_ptr())
+
+
+def _biases_address(biases: ctypes.Array[ctypes.c_void_p] | None) -> int:
+    return 0 if biases is None else ctypes.addressof(biases)
+
+
+def _expert_biases(moe: SparseMoe) -> ctypes.Array[ctypes.c_void_p] | None:
+    """gate/up bias addresses of every expert, then down ones (csrc/layer_stack.cpp's
+    EXPERT_BIASES), or None where the experts have none."""
+    if moe.bias_panels is None:
+        return None
+    gate_up, down = moe.bias_panels
+    return (ctypes.c_void_p * (2 * len(gate_up)))(*gate_up, *down)
 
 
 def _router(moe: SparseMoe) -> PackedLinear:

@@ -26,7 +26,7 @@ AMX_TILE_K = 32  # TILE_K in csrc/linear_amx.cpp: bfloat16 k per tile product
 # NOTE: the dtypes every kernel in csrc/ takes, with the codes they take them by.
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # NOTE: the MLP's gate activations, by csrc/silu.h's codes (config.py's ModelConfig.activation)
-ACTIVATION_CODES = {"silu": 1, "gelu_tanh": 2}
+ACTIVATION_CODES = {"silu": 1, "gelu_tanh": 2, "swiglu_oai": 3}
 
 
 # NOTE: a product reads x a block of 12 rows at a time, one word of each row per step (csrc/

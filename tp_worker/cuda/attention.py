@@ -94,6 +94,8 @@ class TritonAttention(TorchProjection):
         partial_max = q.new_empty(most, num_heads, plan.splits, dtype=torch.float32)
         partial_sum = torch.empty_like(partial_max)
         partial_out = q.new_empty(most, num_heads, plan.splits, dim, dtype=torch.float32)
+        # NOTE: gpt-oss's sinks join the merge (a pointer to anything where there are none)
+        sinks = partial_max if settings.sinks is None else settings.sinks.to(q.device)
         for t0, t1, a, b in plan.launches:
             _tile_kernel[(b - a, num_kv_heads, plan.splits)](
                 q, k_cache, v_cache, self.table, plan.tiles[0, a:b], plan.tiles[1, a:b],
@@ -105,9 +107,9 @@ class TritonAttention(TorchProjection):
                 PV_IEEE=q.dtype == torch.float32 or not self.pv_hi_lo,
             )  # fmt: skip
             _merge_kernel[(t1 - t0, num_heads)](
-                partial_max, partial_sum, partial_out, out, self.token_pos, t0,
+                partial_max, partial_sum, partial_out, out, self.token_pos, sinks, t0,
                 plan.splits, out.stride(0), out.stride(1), SPLIT=SPLIT, DIM=dim,
-                OUT_FP32=out.dtype == torch.float32,
+                OUT_FP32=out.dtype == torch.float32, HAS_SINKS=settings.sinks is not None,
             )  # fmt: skip
         return out.view(num_tokens, -1)
 
@@ -297,8 +299,8 @@ if triton is not None:
 
     @triton.jit
     def _merge_kernel(
-        MAX, SUM, PARTIAL, OUT, POS, first, num_splits, stride_ot, stride_oh,
-        SPLIT: tl.constexpr, DIM: tl.constexpr, OUT_FP32: tl.constexpr,
+        MAX, SUM, PARTIAL, OUT, POS, SINKS, first, num_splits, stride_ot, stride_oh,
+        SPLIT: tl.constexpr, DIM: tl.constexpr, OUT_FP32: tl.constexpr, HAS_SINKS: tl.constexpr,
     ):  # fmt: skip
         local = tl.program_id(0)
         token = first + local
@@ -310,12 +312,17 @@ if triton is not None:
         best = tl.full([], float("-inf"), tl.float32)
         for split in range(0, mine):
             best = tl.maximum(best, tl.load(MAX + base + split))
+        if HAS_SINKS:  # NOTE: a key of the sink's score and no value, after every split
+            sink = tl.load(SINKS + head)
+            best = tl.maximum(best, sink)
         total = tl.full([], 0.0, tl.float32)
         acc = tl.zeros([DIM], dtype=tl.float32)
         for split in range(0, mine):  # NOTE: in split order, every time
             weight = tl.exp(tl.load(MAX + base + split) - best)
             total += tl.load(SUM + base + split) * weight
             acc += tl.load(PARTIAL + (base + split) * DIM + dims) * weight
+        if HAS_SINKS:
+            total += tl.exp(sink - best)
         result = acc / total
         out = OUT + token * stride_ot + head * stride_oh + dims
         if OUT_FP32:

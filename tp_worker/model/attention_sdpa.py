@@ -105,8 +105,8 @@ class SdpaAttention(TorchProjection):
             values = v_cache[:, group.key_slots].transpose(0, 1)
             queries = q[group.query_index].transpose(1, 2)  # [G, Hq, Q, D]
             mask = group.mask_for(settings.window)
-            if settings.softcap > 0:
-                result = _soft_capped(queries, keys, values, mask, settings)
+            if settings.softcap > 0 or settings.sinks is not None:
+                result = _eager(queries, keys, values, mask, settings)
             else:
                 result = F.scaled_dot_product_attention(
                     queries,
@@ -120,22 +120,28 @@ class SdpaAttention(TorchProjection):
         return out
 
 
-def _soft_capped(
+def _eager(
     queries: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
     mask: torch.Tensor,
     settings: LayerAttention,
 ) -> torch.Tensor:
-    """Attention with Gemma 2's soft-capped scores (SDPA takes no soft-cap), in float32 as
-    transformers' eager attention computes it: [G, Hq, Q, D]."""
+    """Attention with Gemma 2's soft-capped scores or gpt-oss's sinks (SDPA takes neither),
+    in float32 as transformers' eager attention computes it: [G, Hq, Q, D]."""
     repeat = queries.shape[1] // keys.shape[1]
     keys = keys.repeat_interleave(repeat, dim=1).float()
     values = values.repeat_interleave(repeat, dim=1).float()
     scores = queries.float() @ keys.transpose(-1, -2) * settings.scale
-    scores = torch.tanh(scores / settings.softcap) * settings.softcap
+    if settings.softcap > 0:
+        scores = torch.tanh(scores / settings.softcap) * settings.softcap
     scores = scores.masked_fill(~mask, -math.inf)
-    return (scores.softmax(-1) @ values).to(queries.dtype)
+    if settings.sinks is None:
+        return (scores.softmax(-1) @ values).to(queries.dtype)
+    # NOTE: the sink as one more key of that score and no value, dropped after the softmax
+    sink = settings.sinks.to(scores.device).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    weights = torch.cat((scores, sink), dim=-1).softmax(-1)[..., :-1]
+    return (weights @ values).to(queries.dtype)
 
 
 def plan_sdpa(

@@ -33,10 +33,12 @@ class ModelConfig:
     sliding_window: int | None
     rope_theta: float
     qk_norm: str = ""  # NOTE: families.py's Family.qk_norm
+    o_bias: bool = False  # NOTE: the output projection has a bias
+    attention_sinks: bool = False  # NOTE: families.py's Family.attention_sinks
     norms: str = "pre"  # NOTE: families.py's Family.norms
     fused_checkpoint: bool = False
     norm_offset: float = 0.0  # NOTE: families.py's Family.norm_offset
-    activation: str = "silu"  # NOTE: the MLP's gate activation: silu, gelu_tanh
+    activation: str = "silu"  # NOTE: the MLP's gate activation: silu, gelu_tanh, swiglu_oai
     # NOTE: the layers that attend without the sliding window where one is set (Gemma's
     # global layers); the others attend in it
     full_attention_layers: tuple[int, ...] = ()
@@ -53,7 +55,10 @@ class ModelConfig:
     num_experts: int = 0
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
-    moe_renormalize: bool = False
+    # NOTE: model/moe.py's ROUTING_MODES: softmax, renormalized, chosen_softmax (gpt-oss)
+    moe_routing: str = "softmax"
+    moe_stacked: bool = False  # NOTE: families.py's Family.moe_stacked
+    moe_bias: bool = False  # NOTE: biases on the router and the experts (gpt-oss)
     moe_layers: tuple[int, ...] = ()
     shared_expert_size: int = 0  # NOTE: Qwen2-MoE's shared expert's width (0: none)
     # NOTE: how many of each head's head_dim elements RoPE rotates (partial_rotary_factor)
@@ -107,13 +112,15 @@ def parse_model_config(raw: dict[str, Any], max_model_len: int | None = None) ->
         max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=family.qkv_bias or bool(raw.get("attention_bias", False)),
+        o_bias=bool(raw.get("attention_bias", False)) if family.o_bias is None else family.o_bias,
+        attention_sinks=family.attention_sinks,
         sliding_window=window,
         rope_theta=rope_theta,
         qk_norm=family.qk_norm,
         norms=family.norms,
         fused_checkpoint=family.fused_checkpoint,
         norm_offset=family.norm_offset,
-        activation=_activation(raw),
+        activation=_activation(raw, family),
         full_attention_layers=full_layers,
         local_rope_theta=local_rope[0],
         local_rope_scaling=local_rope[1],
@@ -143,7 +150,19 @@ def parse_model_config(raw: dict[str, Any], max_model_len: int | None = None) ->
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
-def _activation(raw: dict[str, Any]) -> str:
+# NOTE: gpt-oss's clamped SwiGLU constants, csrc/silu.h's (its checkpoints all have them)
+SWIGLU = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}
+
+
+def _activation(raw: dict[str, Any], family: Family) -> str:
+    if family.activation == "swiglu_oai":
+        for key, value in SWIGLU.items():
+            if float(raw.get(key, value)) != value:
+                raise ValueError(
+                    f"{key}={raw[key]}: tokenmill's clamped SwiGLU kernels take "
+                    f"{', '.join(f'{k}={v}' for k, v in SWIGLU.items())} (gpt-oss's)"
+                )
+        return family.activation
     name = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
     if name not in ACTIVATIONS:
         raise ValueError(
@@ -263,15 +282,20 @@ def _experts(raw: dict[str, Any], family: Family) -> dict[str, Any]:
     layers, step = int(raw["num_hidden_layers"]), int(raw.get("decoder_sparse_step") or 1)
     dense = set(raw.get("mlp_only_layers") or [])
     renormalize = family.moe_renormalize
+    if renormalize is None:
+        renormalize = bool(raw.get("norm_topk_prob", False))
+    routing = "renormalized" if renormalize else "softmax"
+    if family.moe_stacked:
+        routing = "chosen_softmax"
     return {
         "shared_expert_size": int(raw.get("shared_expert_intermediate_size") or 0),
         "moe": family.moe,
         "num_experts": experts,
         "experts_per_token": int(raw["num_experts_per_tok"]),
         "moe_intermediate_size": int(raw.get("moe_intermediate_size") or raw["intermediate_size"]),
-        "moe_renormalize": bool(raw.get("norm_topk_prob", False))
-        if renormalize is None
-        else renormalize,
+        "moe_routing": routing,
+        "moe_stacked": family.moe_stacked,
+        "moe_bias": family.moe_stacked,
         "moe_layers": tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0),
     }
 

@@ -1,9 +1,10 @@
 """The decoder shared by the Llama-shaped families (tp_worker): Llama, Mistral, Qwen2, Qwen3,
-Phi-3, Granite, OLMo 2, Gemma 2 and 3.
+Phi-3, Granite, OLMo 2, Gemma 2 and 3, and the mixtures of experts (model/moe.py) Qwen3-MoE,
+Qwen2-MoE, OLMoE, Mixtral and gpt-oss.
 
 The families differ only in fields of ModelConfig (q/k/v bias, q/k norms, where the norms sit,
-tied embeddings, sliding windows, RoPE tables and scaling, multipliers, soft-caps, the MLP's
-activation), so one module runs them all.
+tied embeddings, sliding windows, RoPE tables and scaling, multipliers, soft-caps, attention
+sinks, the MLP's activation), so one module runs them all.
 Layers are tensor-parallel (parallel.py); q/k/v and gate/up projections are fused into one
 matmul each.
 """
@@ -91,8 +92,17 @@ class DecoderLayer(nn.Module):
         self.head_dim = head_dim
         self.rotary_dim = config.rotary_dim or head_dim
         window = layer_window(config, index)
+        # NOTE: gpt-oss's sink logits, this rank's heads' (float32, as norms' weights are)
+        self.sinks = (
+            nn.Parameter(
+                torch.zeros(self.num_heads, dtype=torch.float32, device=device),
+                requires_grad=False,
+            )
+            if config.attention_sinks
+            else None
+        )
         self.attention_settings = LayerAttention(
-            config.attention_scale or head_dim**-0.5, window, config.attention_softcap
+            config.attention_scale or head_dim**-0.5, window, config.attention_softcap, self.sinks
         )
         # NOTE: the sliding layers rotate by the local RoPE table where the model has one
         self.local_rope = bool(window) and config.local_rope_theta > 0
@@ -107,7 +117,7 @@ class DecoderLayer(nn.Module):
             hidden, qkv_out, config.attention_bias, False, group, dtype, device
         )
         self.o_proj = ShardedLinear(
-            self.num_heads * head_dim, hidden, False, True, group, dtype, device
+            self.num_heads * head_dim, hidden, config.o_bias, True, group, dtype, device
         )
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, device) if pre else None
         self.attn_out_norm = RMSNorm(hidden, eps, dtype, device) if post else None

@@ -17,6 +17,14 @@ class Family:
     name: str
     # NOTE: None: as config.json's `attention_bias` says (Llama); True: always (Qwen2)
     qkv_bias: bool | None = None
+    # NOTE: the output projection's bias: None as `attention_bias` says (Llama, Qwen3, Gemma,
+    # gpt-oss, ...), False never (Qwen2, Phi-3, Mistral: transformers gives them none)
+    o_bias: bool | None = None
+    # NOTE: a learned sink logit per query head in every softmax (gpt-oss)
+    attention_sinks: bool = False
+    # NOTE: the MLP's activation where the family fixes it (gpt-oss's clamped SwiGLU,
+    # "swiglu_oai"), not config.json's hidden_act
+    activation: str = ""
     # NOTE: a config.json key that must be true for `sliding_window` to apply (Qwen2 writes
     # a window it does not use unless `use_sliding_window`); None: the window applies
     sliding_window_switch: str | None = None
@@ -46,6 +54,10 @@ class Family:
     # NOTE: the top-k weights renormalized to sum to 1: always (True: Mixtral), or as
     # config.json's `norm_topk_prob` says (None)
     moe_renormalize: bool | None = None
+    # NOTE: gpt-oss's experts: all of a layer's in one tensor each (mlp.experts.gate_up_proj
+    # [E, hidden, 2 inter], gate and up interleaved, and down_proj), biases on the router
+    # (mlp.router) and the experts, the softmax over the chosen k's logits
+    moe_stacked: bool = False
 
 
 GEMMA: dict[str, Any] = {
@@ -57,21 +69,37 @@ GEMMA: dict[str, Any] = {
 
 FAMILIES: dict[str, Family] = {  # the Hugging Face architecture name -> its switches
     "LlamaForCausalLM": Family("llama"),
-    "MistralForCausalLM": Family("mistral"),
-    "Qwen2ForCausalLM": Family("qwen2", qkv_bias=True, sliding_window_switch="use_sliding_window"),
+    "MistralForCausalLM": Family("mistral", o_bias=False),
+    "Qwen2ForCausalLM": Family(
+        "qwen2", qkv_bias=True, o_bias=False, sliding_window_switch="use_sliding_window"
+    ),
     "Qwen3ForCausalLM": Family("qwen3", sliding_window_switch="use_sliding_window", qk_norm="head"),
-    "Phi3ForCausalLM": Family("phi3", fused_checkpoint=True),
+    "Phi3ForCausalLM": Family("phi3", o_bias=False, fused_checkpoint=True),
     # NOTE: its multipliers are config.json fields (ModelConfig's, default 1 for the rest)
     "GraniteForCausalLM": Family("granite"),
     "Olmo2ForCausalLM": Family("olmo2", qk_norm="projection", norms="post"),
     "Qwen2MoeForCausalLM": Family(
-        "qwen2_moe", qkv_bias=True, sliding_window_switch="use_sliding_window", moe="mlp"
+        "qwen2_moe",
+        qkv_bias=True,
+        o_bias=False,
+        sliding_window_switch="use_sliding_window",
+        moe="mlp",
     ),
     "Qwen3MoeForCausalLM": Family(
         "qwen3_moe", sliding_window_switch="use_sliding_window", qk_norm="head", moe="mlp"
     ),
     "OlmoeForCausalLM": Family("olmoe", qk_norm="projection", moe="mlp"),
-    "MixtralForCausalLM": Family("mixtral", moe="block_sparse_moe", moe_renormalize=True),
+    "MixtralForCausalLM": Family(
+        "mixtral", o_bias=False, moe="block_sparse_moe", moe_renormalize=True
+    ),
+    "GptOssForCausalLM": Family(
+        "gpt_oss",
+        attention_sinks=True,
+        activation="swiglu_oai",
+        window_pattern=2,
+        moe="mlp",
+        moe_stacked=True,
+    ),
     # NOTE: their soft-caps and two RoPE tables are config.json fields (ModelConfig's)
     "Gemma2ForCausalLM": Family("gemma2", **GEMMA, window_pattern=2),
     "Gemma3ForCausalLM": Family("gemma3", **GEMMA, qk_norm="head", window_pattern=6),

@@ -1,5 +1,6 @@
-"""A mixture of experts in place of a layer's MLP (tp_worker): Qwen3-MoE, OLMoE, Mixtral, and
-Qwen2-MoE with its shared expert.
+"""A mixture of experts in place of a layer's MLP (tp_worker): Qwen3-MoE, OLMoE, Mixtral,
+Qwen2-MoE with its shared expert, and gpt-oss (biases on the router and the experts, the
+softmax over the chosen k, the clamped SwiGLU).
 
 The router's logits are the model's dtype, as transformers computes them; each token's top-k
 experts and weights come from csrc/route.cpp (softmax in float32, a fixed tie rule). Each
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +45,8 @@ from tokenmill.tp_worker.model.routing_log import RoutingLog
 # holds its tokens' k float32 outputs, [TOKENS_PER_PASS, k, hidden], so the memory is bounded
 # (Qwen3-30B-A3B's 8 x 2,048 take 64 MiB a pass); a token's bits do not depend on its pass.
 TOKENS_PER_PASS = 1024
+# NOTE: gpt-oss's clamped SwiGLU's constants (csrc/silu.h's; config.py refuses others)
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
 
 
 @dataclass(frozen=True)
@@ -51,15 +55,20 @@ class Routing:
     weights: torch.Tensor  # [T, k] float32 their weights
 
 
-def route(logits: torch.Tensor, k: int, renormalize: bool) -> Routing:
+# NOTE: csrc/route.cpp's modes: the softmax over all E then the top-k, as they are or
+# renormalized; or gpt-oss's top-k of the logits weighed by the softmax of those k
+ROUTING_MODES = {"softmax": 0, "renormalized": 1, "chosen_softmax": 2}
+
+
+def route(logits: torch.Tensor, k: int, mode: int) -> Routing:
     """Each row of logits [T, E] (float32, on the CPU) -> its top-k experts and weights
-    (csrc/route.cpp)."""
+    (csrc/route.cpp; mode: ROUTING_MODES)."""
     logits = logits.float().contiguous().cpu()
     tokens, experts = logits.shape
     ids = torch.empty(tokens, k, dtype=torch.int64)
     weights = torch.empty(tokens, k, dtype=torch.float32)
     status = library().tm_route(
-        logits.data_ptr(), tokens, experts, k, int(renormalize), ids.data_ptr(), weights.data_ptr()
+        logits.data_ptr(), tokens, experts, k, mode, ids.data_ptr(), weights.data_ptr()
     )
     assert status == 0, f"tm_route: k={k} of {experts} experts"
     return Routing(ids, weights)
@@ -67,7 +76,9 @@ def route(logits: torch.Tensor, k: int, renormalize: bool) -> Routing:
 
 class SparseMoe(nn.Module):
     """The experts of one layer: router [E, hidden], gate_up [E, 2 inter, hidden] (gate rows
-    then up rows, this rank's share of each), down [E, hidden, inter]."""
+    then up rows, this rank's share of each), down [E, hidden, inter]; with config.moe_bias
+    (gpt-oss), their biases: the router's, gate_up's [E, 2 inter] (this rank's share) and
+    down's [E, hidden] (added by rank 0 alone, before the all-reduce)."""
 
     def __init__(
         self, config: ModelConfig, group: TpGroup, dtype: torch.dtype, device: torch.device
@@ -77,7 +88,7 @@ class SparseMoe(nn.Module):
         inter = config.moe_intermediate_size // group.size
         self.group = group
         self.top_k = config.experts_per_token
-        self.renormalize = config.moe_renormalize
+        self.routing = ROUTING_MODES[config.moe_routing]
         self.activation = config.activation
         self.router = nn.Parameter(
             torch.empty(experts, hidden, dtype=dtype, device=device), requires_grad=False
@@ -89,6 +100,12 @@ class SparseMoe(nn.Module):
         self.down = nn.Parameter(
             torch.empty(experts, hidden, inter, dtype=dtype, device=device), requires_grad=False
         )
+        biases = ((experts,), (experts, 2 * inter), (experts, hidden)) if config.moe_bias else ()
+        self.biases = nn.ParameterList(
+            nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+            for shape in biases
+        )
+        self.adds_down_bias = group.rank == 0
         # NOTE: Qwen2-MoE's shared expert (every token's), this rank's share, and its gate
         shared = config.shared_expert_size // group.size
         self.shared = (
@@ -109,22 +126,33 @@ class SparseMoe(nn.Module):
         # NOTE: every expert's packed gate/up and down panels' addresses, for csrc/moe.cpp
         # (use_cpu_kernel, where every gate/up takes its activation in the epilogue)
         self.panels: tuple[ctypes.Array[ctypes.c_void_p], ...] | None = None
+        # NOTE: the experts' packed biases' addresses (gate/up, down) where they have biases
+        self.bias_panels: tuple[ctypes.Array[ctypes.c_void_p], ...] | None = None
         self.shared_kernels: tuple[PackedLinear, PackedLinear, PackedLinear] | None = None
 
     def use_cpu_kernel(self) -> None:
         """Every expert's products through csrc/ from now on (after the weights are loaded);
         the unpacked weights are freed, as ShardedLinear frees its own."""
         glu = self.gate_up.shape[1] % 32 == 0
+        router_bias, gate_up_bias, down_bias = self._bias_parts()
         self.kernels = [
-            (PackedLinear(g, None, glu=glu, activation=self.activation), PackedLinear(d, None))
-            for g, d in zip(self.gate_up.data, self.down.data, strict=True)
+            (
+                PackedLinear(g, gate_up_bias[e], glu=glu, activation=self.activation),
+                PackedLinear(d, down_bias[e]),
+            )
+            for e, (g, d) in enumerate(zip(self.gate_up.data, self.down.data, strict=True))
         ]
-        self.router_kernel = PackedLinear(self.router.data, None)
+        self.router_kernel = PackedLinear(self.router.data, router_bias)
         if glu:
             self.panels = tuple(
                 (ctypes.c_void_p * len(self.kernels))(
                     *(k[i].packed.data_ptr() for k in self.kernels)
                 )
+                for i in (0, 1)
+            )
+        if glu and self.biases:
+            self.bias_panels = tuple(
+                (ctypes.c_void_p * len(self.kernels))(*(_bias_address(k[i]) for k in self.kernels))
                 for i in (0, 1)
             )
         if self.shared is not None:
@@ -135,8 +163,21 @@ class SparseMoe(nn.Module):
                 PackedLinear(down, None),
                 PackedLinear(gate, None),
             )
-        for param in self.parameters():
+        for param in (self.router, self.gate_up, self.down):
             param.data = param.data.new_empty(0)
+
+    def _bias_parts(self) -> tuple[torch.Tensor | None, list[Any], list[Any]]:
+        """The router's bias, and each expert's gate/up and down biases (Nones where the
+        experts have none; down's on rank 0 alone)."""
+        if not self.biases:
+            return None, [None] * self.num_experts, [None] * self.num_experts
+        router, gate_up, down = (p.data for p in self.biases)
+        downs = list(down) if self.adds_down_bias else [None] * self.num_experts
+        return router, list(gate_up), downs
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.router.shape[0]) if self.kernels is None else len(self.kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] (the MLP's normed input, the model's dtype) -> [T, hidden] float32."""
@@ -147,7 +188,7 @@ class SparseMoe(nn.Module):
 
     def _routed(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sums for the tokens x [T, hidden] -> [T, hidden] float32."""
-        routing = route(self._router_logits(x), self.top_k, self.renormalize)
+        routing = route(self._router_logits(x), self.top_k, self.routing)
         if self.log is not None:
             self.log.add(self.log_index, routing.ids)
         out = self._native_experts(x, routing) if self.panels else self._experts(x, routing)
@@ -171,6 +212,7 @@ class SparseMoe(nn.Module):
             routing.weights.data_ptr(),
             self.top_k,
             *self.panels,
+            *(self.bias_panels or (None, None)),
             len(self.kernels),
             down.in_features,
             DTYPE_CODES[x.dtype],
@@ -213,14 +255,19 @@ class SparseMoe(nn.Module):
         """[T, E] as transformers computes them: in the model's dtype (then float32)."""
         if self.router_kernel is not None:
             return self.router_kernel(x, torch.float32).to(x.dtype).float()
-        return invariant_linear(x, self.router).float()
+        bias = self.biases[0] if self.biases else None
+        return invariant_linear(x, self.router, bias).float()
 
     def _expert(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
         """One expert's MLP over the rows routed to it -> [R, hidden] float32 (this rank's
         partial sums)."""
         if self.kernels is not None:
             return self._packed_mlp(self.kernels[expert], rows)
-        return self._torch_mlp(self.gate_up[expert], self.down[expert], rows)
+        biases = (None, None)
+        if self.biases:
+            down = self.biases[2][expert] if self.adds_down_bias else None
+            biases = (self.biases[1][expert], down)
+        return self._torch_mlp(self.gate_up[expert], self.down[expert], rows, biases)
 
     def _packed_mlp(
         self, kernels: tuple[PackedLinear, PackedLinear], rows: torch.Tensor
@@ -235,9 +282,28 @@ class SparseMoe(nn.Module):
         return down(activated, torch.float32)
 
     def _torch_mlp(
-        self, gate_up: torch.Tensor, down: torch.Tensor, rows: torch.Tensor
+        self,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        rows: torch.Tensor,
+        biases: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     ) -> torch.Tensor:
         """The same with torch's products (act(gate) * up in float32, rounded once)."""
-        gate, up = invariant_linear(rows, gate_up).float().chunk(2, dim=-1)
-        act = F.gelu(gate, approximate="tanh") if self.activation == "gelu_tanh" else F.silu(gate)
-        return invariant_linear((act * up).to(rows.dtype), down).float()
+        gate, up = invariant_linear(rows, gate_up, biases[0]).float().chunk(2, dim=-1)
+        activated = torch_glu(self.activation, gate, up).to(rows.dtype)
+        return invariant_linear(activated, down, biases[1]).float()
+
+
+def torch_glu(activation: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """act(gate) * up in torch (float32 in, float32 out): csrc/silu.h's activations."""
+    if activation == "swiglu_oai":  # NOTE: gpt-oss's, as transformers' GptOssExperts has it
+        gate = gate.clamp(max=SWIGLU_LIMIT)
+        up = up.clamp(min=-SWIGLU_LIMIT, max=SWIGLU_LIMIT)
+        return (up + 1) * (gate * torch.sigmoid(gate * SWIGLU_ALPHA))
+    if activation == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
+    return F.silu(gate) * up
+
+
+def _bias_address(kernel: PackedLinear) -> int | None:
+    return None if kernel.bias is None else int(kernel.bias.data_ptr())

@@ -60,7 +60,8 @@ class TpGroup:
 
 class ShardedLinear(nn.Module):
     """y = x W^T (+ b) with W holding this rank's rows (column-parallel) or columns
-    (row-parallel). Row-parallel layers all-reduce, and add the bias once, after the sum.
+    (row-parallel). Row-parallel layers all-reduce, and add the bias once, after the sum (at
+    one rank, the CPU kernel adds it in its epilogue: the same float32 adds).
     `glu` (an MLP's column-parallel gate_up, gate rows then up rows: its activation's name,
     config.py's ModelConfig.activation): y = act(gate) * up, in the CPU kernel's epilogue
     where it can; "": a plain product."""
@@ -95,7 +96,7 @@ class ShardedLinear(nn.Module):
     def use_cpu_kernel(self) -> None:
         """Multiply through csrc/linear.cpp from now on; the unpacked weight is freed."""
         fused = bool(self.glu) and fuses_gate_up(self.weight.shape[0])
-        bias = None if self.row_parallel else self.bias
+        bias = None if self.row_parallel and self.group.size > 1 else self.bias
         self.kernel = PackedLinear(self.weight.data, bias, glu=fused, activation=self.glu or "silu")
         self.weight.data = self.weight.data.new_empty(0)
 
@@ -107,14 +108,15 @@ class ShardedLinear(nn.Module):
             assert residual is None, "a glu layer takes no residual"
             return self._gated(x)
         out_dtype = None if residual is None else residual.dtype
-        whole = not self.row_parallel or (self.group.size == 1 and self.bias is None)
+        whole = not self.row_parallel or self.group.size == 1
         if self.kernel is not None and residual is not None and whole:
             return self.kernel(x, out_dtype, residual=residual)
         if self.triton and linear_triton.FUSED_EPILOGUES and residual is not None and whole:
-            bias = None if self.row_parallel else self.bias
-            return triton_linear(x, self.weight, bias, residual=residual)
+            return triton_linear(x, self.weight, self.bias, residual=residual)
         if not self.row_parallel:
             out = self._matmul(x, self.bias, out_dtype)
+        elif self.kernel is not None and self.group.size == 1:
+            out = self._matmul(x, None, out_dtype)  # NOTE: the kernel holds the bias
         else:
             out = self.group.all_reduce(self._matmul(x, None, out_dtype))
             out = out if self.bias is None else out + self.bias

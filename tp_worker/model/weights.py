@@ -11,12 +11,15 @@ import logging
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
+from tokenmill.tp_worker.model import mxfp4
 from tokenmill.tp_worker.model.config import ModelConfig
 from tokenmill.tp_worker.model.decoder import CausalLM, DecoderLayer, local_kv_heads
+from tokenmill.tp_worker.model.moe import SparseMoe
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +63,13 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
     for number, path in enumerate(files, 1):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                if _NOT_TEXT.fullmatch(name):
-                    continue  # NOTE: not read at all (a vision tower's hundreds of MB)
-                if load_tensor(model, name, f.get_tensor(name)):
+                if _NOT_TEXT.fullmatch(name) or name.endswith(_SCALES):
+                    continue  # NOTE: not read (a vision tower's hundreds of MB), or read below
+                if name.endswith(_BLOCKS):
+                    name, tensor = _dequantized(files, f, name)
+                else:
+                    tensor = f.get_tensor(name)
+                if load_tensor(model, name, tensor):
                     expected.discard(text_model_name(name))
         if len(files) > 1:
             logger.info(
@@ -76,6 +83,31 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
         raise ValueError(
             f"checkpoint {model_dir} lacks {len(expected)} tensors, e.g. {sorted(expected)[:3]}"
         )
+
+
+# NOTE: an MXFP4 tensor's two parts (gpt-oss's experts: model/mxfp4.py)
+_BLOCKS, _SCALES = "_blocks", "_scales"
+
+
+def _dequantized(files: list[Path], f: Any, name: str) -> tuple[str, torch.Tensor]:
+    """An MXFP4 tensor's blocks (in the open file f) and its scales (in any of the files) ->
+    its name and weights as transformers lays them out ([E, in, out]), in float32."""
+    base = name.removesuffix(_BLOCKS)
+    scales_name = base + _SCALES
+    if scales_name in f.keys():  # noqa: SIM118
+        scales = f.get_tensor(scales_name)
+    else:
+        holder = next((p for p in files if scales_name in _names_in(p)), None)
+        if holder is None:
+            raise ValueError(f"checkpoint has {name} but not {scales_name}")
+        with safe_open(str(holder), framework="pt") as g:
+            scales = g.get_tensor(scales_name)
+    return base, mxfp4.dequantize(f.get_tensor(name), scales).transpose(-1, -2)
+
+
+def _names_in(path: Path) -> set[str]:
+    with safe_open(str(path), framework="pt") as f:
+        return set(f.keys())
 
 
 def dummy_weights(model: CausalLM, seed: int = 0) -> None:
@@ -111,6 +143,10 @@ def _expected_names(model: CausalLM) -> set[str]:
         per_layer += ["self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"]
     if model.config.attention_bias:
         per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
+    if model.config.o_bias:
+        per_layer.append("self_attn.o_proj.bias")
+    if model.config.attention_sinks:
+        per_layer.append("self_attn.sinks")
     if model.config.qk_norm:
         per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
     config = model.config
@@ -118,9 +154,12 @@ def _expected_names(model: CausalLM) -> set[str]:
     experts = [
         name for e in range(config.num_experts) for name in _expert_names(config.moe, e).values()
     ]
+    if config.moe_stacked:
+        experts = [f"mlp.experts.{n}" for n in STACKED] + ["mlp.router.bias"]
     shared = [f"mlp.shared_expert.{n}_proj.weight" for n in ("gate", "up", "down")]
     shared += ["mlp.shared_expert_gate.weight"] if config.shared_expert_size else []
-    moe = [*dense, *experts, f"{config.moe}.gate.weight"] if config.moe else []
+    router = "mlp.router.weight" if config.moe_stacked else f"{config.moe}.gate.weight"
+    moe = [*dense, *experts, router] if config.moe else []
     moe += shared if config.shared_expert_size else []
     for i in range(config.num_layers):
         names.update(
@@ -140,6 +179,35 @@ def _expert_names(scope: str, expert: int) -> dict[str, str]:
 
 
 _EXPERT = re.compile(r"(mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+# NOTE: gpt-oss's stacked experts' tensors (mlp.experts.*), transformers' layout: gate_up
+# [E, hidden, 2 inter] with gate and up interleaved (columns 2i, 2i + 1), down [E, inter,
+# hidden], x times them (not their transposes)
+STACKED = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+
+
+def _load_stacked(model: CausalLM, moe: SparseMoe, part: str, tensor: torch.Tensor) -> bool:
+    """gpt-oss's router and stacked experts into this rank's share: gate and up apart
+    (gate rows, then up rows, as SparseMoe holds them), every expert's intermediate dimension
+    sharded; the biases beside them (moe.biases: router, gate_up, down)."""
+    if part == "mlp.router.weight":
+        return _copy(moe.router, tensor)
+    if part == "mlp.router.bias":
+        return _copy(moe.biases[0], tensor)
+    name = part.removeprefix("mlp.experts.")
+    if name not in STACKED:
+        return False
+    if name.startswith("down_proj"):
+        if name == "down_proj_bias":
+            return _copy(moe.biases[2], tensor)
+        start, end = model.group.shard(tensor.shape[1], "intermediate_size")
+        return _copy(moe.down, _residual_scaled(model.config, tensor[:, start:end].transpose(1, 2)))
+    rows = tensor if name == "gate_up_proj_bias" else tensor.transpose(1, 2)  # [E, 2 inter, ...]
+    start, end = model.group.shard(rows.shape[1] // 2, "intermediate_size")
+    target = moe.biases[1] if name == "gate_up_proj_bias" else moe.gate_up
+    width = end - start
+    return _copy(target[:, :width], rows[:, 0::2][:, start:end]) and _copy(
+        target[:, width:], rows[:, 1::2][:, start:end]
+    )
 
 
 def _load_shared(
@@ -162,6 +230,8 @@ def _load_expert(model: CausalLM, layer: DecoderLayer, part: str, tensor: torch.
     share (every expert's intermediate dimension sharded)."""
     moe, config = layer.moe, model.config
     assert moe is not None
+    if config.moe_stacked:
+        return _load_stacked(model, moe, part, tensor)
     if part == f"{config.moe}.gate.weight":
         return _copy(moe.router, tensor)
     if moe.shared is not None and part.startswith("mlp.shared_expert"):
@@ -247,6 +317,11 @@ def _load_layer(model: CausalLM, layer: DecoderLayer, part: str, tensor: torch.T
             tensor = tensor[_head_rows(heads, config.head_dim, which, model)]
         # NOTE: per head (Qwen3, Gemma 3): every rank's
         return norm is not None and _copy(norm.weight, _norm_weight(config, tensor))
+    if part == "self_attn.o_proj.bias" and layer.o_proj.bias is not None:
+        return _copy(layer.o_proj.bias, _residual_scaled(config, tensor))
+    if part == "self_attn.sinks" and layer.sinks is not None:
+        start, end = group.shard(tensor.shape[0], "num_attention_heads")
+        return _copy(layer.sinks, tensor[start:end])
     if part == "self_attn.o_proj.weight":
         start, end = group.shard(tensor.shape[1], "num_attention_heads * head_dim")
         return _copy(layer.o_proj.weight, _residual_scaled(config, tensor[:, start:end]))

@@ -16,6 +16,8 @@
 //     bit (they start at +0.0 and are never -0.0), so unseen keys change nothing.
 // With a soft-cap c (Gemma 2), the factor is scale / c instead and each score then becomes
 // tanh(score) * (c * log2(e)) (exp.h's tanh_own, one pass over the scores before the max).
+// With sinks (gpt-oss), a lane's sink (in base 2) joins its max, and the denominator is the
+// keys' sum plus 2^(sink - max) (attention_common.h's with_sink), in both vectorisations.
 // So a token's output is bitwise the same alone (decode), in a prompt chunk, or after a
 // prefix-cache hit, whichever of the two vectorisations below computes it (queries in the
 // vector lanes for prompt chunks, keys in the vector lanes for one token). Built with
@@ -96,8 +98,10 @@ inline void to_float(const uint16_t* src, float* dst, int64_t n) {
 }
 
 // For each key, the lanes that see it: e_j = exp(score - max) in those, +0.0 in the others;
-// max and the denominator over the visible lanes only.
-void softmax_numerators(float* scores, const uint16_t* masks, int64_t num_keys, float* den) {
+// max and the denominator over the visible lanes only, and the first `lanes` lanes' sinks
+// (null: none).
+void softmax_numerators(float* scores, const uint16_t* masks, int64_t num_keys, float* den,
+                        const float* sinks, int64_t lanes) {
 #if defined(__AVX512F__)
   // NOTE: four running maxima, not one: a max is exact in any order, and one chain waited
   // on the latency of each max in turn (a third of this function's time).
@@ -111,7 +115,10 @@ void softmax_numerators(float* scores, const uint16_t* masks, int64_t num_keys, 
     }
   for (; j < num_keys; ++j)
     m[0] = _mm512_mask_max_ps(m[0], masks[j], m[0], _mm512_loadu_ps(scores + j * LANES));
-  const __m512 max = _mm512_max_ps(_mm512_max_ps(m[0], m[1]), _mm512_max_ps(m[2], m[3]));
+  __m512 max = _mm512_max_ps(_mm512_max_ps(m[0], m[1]), _mm512_max_ps(m[2], m[3]));
+  if (sinks != nullptr)
+    max = _mm512_mask_max_ps(max, static_cast<__mmask16>((1u << lanes) - 1u), max,
+                             _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << lanes) - 1u), sinks));
   __m512 sum = _mm512_setzero_ps();
   for (j = 0; j < num_keys; ++j) {
     const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(scores + j * LANES), max);
@@ -120,6 +127,11 @@ void softmax_numerators(float* scores, const uint16_t* masks, int64_t num_keys, 
     sum = _mm512_add_ps(sum, e);
   }
   _mm512_storeu_ps(den, sum);
+  if (sinks != nullptr) {
+    float maxes[LANES];
+    _mm512_storeu_ps(maxes, max);
+    for (int64_t l = 0; l < lanes; ++l) den[l] = tokenmill::with_sink(den[l], sinks[l], maxes[l]);
+  }
 #else
   float max[LANES];
   for (int l = 0; l < LANES; ++l) {
@@ -129,12 +141,16 @@ void softmax_numerators(float* scores, const uint16_t* masks, int64_t num_keys, 
   for (int64_t j = 0; j < num_keys; ++j)
     for (int l = 0; l < LANES; ++l)
       if ((masks[j] >> l) & 1) max[l] = std::max(max[l], scores[j * LANES + l]);
+  if (sinks != nullptr)
+    for (int64_t l = 0; l < lanes; ++l) max[l] = std::max(max[l], sinks[l]);
   for (int64_t j = 0; j < num_keys; ++j)
     for (int l = 0; l < LANES; ++l) {
       float* sc = scores + j * LANES + l;
       *sc = ((masks[j] >> l) & 1) ? exp2_nonpositive(*sc - max[l]) : 0.0f;
       den[l] = den[l] + *sc;
     }
+  if (sinks != nullptr)
+    for (int64_t l = 0; l < lanes; ++l) den[l] = tokenmill::with_sink(den[l], sinks[l], max[l]);
 #endif
 }
 
@@ -572,9 +588,10 @@ void score_one_token_block(const T* keys, const T* values, const int32_t* slots,
 }
 
 // Lanes [l0, l1) of rows `stride` apart: scores into numerators e_j = 2^(s_j - max), and
-// den[l] their sum over ascending keys.
+// den[l] their sum over ascending keys (with lane l's sink, sinks[l], where not null).
 inline void one_token_weights(float* scores, int64_t stride, int64_t l0, int64_t l1,
-                              int64_t num_keys, float softcap, float* den) {
+                              int64_t num_keys, float softcap, float* den, const float* sinks) {
+  float maxes[8];
   for (int64_t l = l0; l < l1; ++l) {
     float* sc = scores + l * stride;
     cap_scores(sc, num_keys, softcap);
@@ -584,7 +601,10 @@ inline void one_token_weights(float* scores, int64_t stride, int64_t l0, int64_t
       const __mmask16 valid = static_cast<__mmask16>((1u << nk) - 1u);
       m = _mm512_mask_max_ps(m, valid, m, _mm512_loadu_ps(sc + j0));
     }
-    const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+    float top = _mm512_reduce_max_ps(m);
+    if (sinks != nullptr) top = std::max(top, sinks[l]);
+    maxes[l - l0] = top;
+    const __m512 max = _mm512_set1_ps(top);
     for (int64_t j0 = 0; j0 < num_keys; j0 += 16)
       _mm512_storeu_ps(sc + j0, exp2_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(sc + j0), max)));
   }
@@ -593,7 +613,9 @@ inline void one_token_weights(float* scores, int64_t stride, int64_t l0, int64_t
   float sums[8] = {};
   for (int64_t j = 0; j < num_keys; ++j)
     for (int64_t l = l0; l < l1; ++l) sums[l - l0] = sums[l - l0] + scores[l * stride + j];
-  for (int64_t l = l0; l < l1; ++l) den[l] = sums[l - l0];
+  for (int64_t l = l0; l < l1; ++l)
+    den[l] = sinks == nullptr ? sums[l - l0]
+                              : tokenmill::with_sink(sums[l - l0], sinks[l], maxes[l - l0]);
 }
 
 // One query token sees every key from lo to its position, so no lane masks: scores, then
@@ -602,13 +624,14 @@ inline void one_token_weights(float* scores, int64_t stride, int64_t l0, int64_t
 template <typename T>
 bool one_token_numerators(const T* keys, const T* values, const int32_t* slots,
                           int64_t num_keys, int64_t stride, int64_t dim, float scale,
-                          int64_t lanes, Scratch& w, int64_t padded, float softcap, float* den) {
+                          int64_t lanes, Scratch& w, int64_t padded, float softcap, float* den,
+                          const float* sinks) {
   if (lanes > 8 || !sixteen_fits(keys, dim)) return false;
   w.scores.resize(std::max<size_t>(w.scores.size(), lanes * padded));
   for (int64_t j0 = 0; j0 < num_keys; j0 += 16)
     score_one_token_block(keys, values, slots, num_keys, j0, stride, dim, scale, lanes, w,
                           w.scores.data(), padded);
-  one_token_weights(w.scores.data(), padded, 0, lanes, num_keys, softcap, den);
+  one_token_weights(w.scores.data(), padded, 0, lanes, num_keys, softcap, den, sinks);
   return true;
 }
 #endif
@@ -648,7 +671,8 @@ void attend_item(const T* q, const T* k_cache, const T* v_cache, const int32_t* 
   w.acc.resize(LANES * dim);
   transpose_queries(q, s, it, w);
   const int64_t lanes = it.num_tokens * hs;
-  float den[LANES];
+  float den[LANES], lane_sinks[LANES];
+  const float* sinks = tokenmill::item_sinks(s, it, lane_sinks);
   const T* keys = k_cache + it.kv_head * s.head_stride;
   const int64_t stride = s.slot_stride;
   const float scale2 = score_factor(s);  // scores in base 2: e_j = 2^(s_j - max)
@@ -656,7 +680,7 @@ void attend_item(const T* q, const T* k_cache, const T* v_cache, const int32_t* 
   const int64_t padded = (num_keys + 15) / 16 * 16;
   if (it.num_tokens == 1 &&
       one_token_numerators(keys, v_cache + it.kv_head * s.head_stride, slots, num_keys, stride,
-                           dim, scale2, lanes, w, padded, s.softcap, den)) {
+                           dim, scale2, lanes, w, padded, s.softcap, den, sinks)) {
     finish_item(Weights{w.scores.data(), 1, padded}, v_cache, out, s, it, num_keys, slots, den,
                 w);
     return;
@@ -673,7 +697,7 @@ void attend_item(const T* q, const T* k_cache, const T* v_cache, const int32_t* 
   }
   score_all(keys, slots, num_keys, stride, dim, scale2, lanes, w);
   cap_scores(w.scores.data(), num_keys * LANES, s.softcap);
-  softmax_numerators(w.scores.data(), w.masks.data(), num_keys, den);
+  softmax_numerators(w.scores.data(), w.masks.data(), num_keys, den, sinks, lanes);
   finish_item(Weights{w.scores.data(), LANES, 1}, v_cache, out, s, it, num_keys, slots, den, w);
 }
 
@@ -723,8 +747,10 @@ void attend_shared(const T* q, const T* k_cache, const T* v_cache, const int32_t
     }
     for (int64_t i = 0; i < rest; ++i) {
       const int64_t h = its[i].num_heads;
+      float lane_sinks[LANES];
       one_token_weights(scores.data() + i * lanes * most, most, h * t / threads,
-                        h * (t + 1) / threads, num_keys[i], s.softcap, den.data() + i * lanes);
+                        h * (t + 1) / threads, num_keys[i], s.softcap, den.data() + i * lanes,
+                        tokenmill::item_sinks(s, its[i], lane_sinks));
     }
 #pragma omp barrier
     w.acc.resize(lanes * dim);
@@ -781,16 +807,17 @@ extern "C" {
 // table [table rows, table_stride] int32 slot of each position. Batch row b holds
 // num_tokens[b] query tokens from index token_starts[b], at positions first_pos[b]...,
 // of table row rows[b]. dtype 0 = float32, 1 = bfloat16 (all four tensors alike).
-// window <= 0: no sliding window; softcap <= 0: none. Returns 0, or -1 for an unknown dtype.
+// window <= 0: no sliding window; softcap <= 0: none; sinks: null, or each query head's sink
+// logit (float32 [num_heads]). Returns 0, or -1 for an unknown dtype.
 int tm_paged_attention(const void* q, const void* k_cache, const void* v_cache,
                        const int32_t* table, const int64_t* rows, const int64_t* token_starts,
                        const int64_t* num_tokens, const int64_t* first_pos, void* out,
                        int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
                        int64_t head_dim, int64_t head_stride, int64_t slot_stride,
                        int64_t table_stride, int64_t window, float scale, float softcap,
-                       int dtype) {
+                       const float* sinks, int dtype) {
   const Shape s{num_heads, num_kv_heads, head_dim, table_stride, window,
-                head_stride, slot_stride, scale, softcap};
+                head_stride, slot_stride, scale, softcap, sinks};
   const std::vector<Item> items = plan(rows, token_starts, num_tokens, first_pos, num_rows, s);
   if (dtype == 0) {
     attend_all<float>(q, k_cache, v_cache, table, out, s, items);

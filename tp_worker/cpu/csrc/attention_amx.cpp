@@ -12,7 +12,9 @@
 //     exp2_16_fused), +0.0 for keys the lane does not see (with a soft-cap c, Gemma 2's:
 //     score_j first becomes tanh(score_j * (scale / c)) * (c * log2(e)), exp.h's tanh_own,
 //     and x_j = that - max); the denominator sums e_j in
-//     float32 in 16 lanes (j mod 16, keys ascending) combined by tree_sum16;
+//     float32 in 16 lanes (j mod 16, keys ascending) combined by tree_sum16; with sinks
+//     (gpt-oss) the lane's sink in base 2 joins max, and 2^(sink - max) is added after
+//     (attention_common.h's with_sink);
 //   - out[d] = (sum over j of e_j v_j[d]) * (1 / denominator), the keys 32 at a time in
 //     ascending order from a position that is a multiple of 32, e_j as two bfloat16 parts
 //     (hi = bf16(e_j), lo = bf16(e_j - hi)), two TDPBF16PS per block (16 lanes x 16 of d).
@@ -157,7 +159,7 @@ __mmask16 seen(int64_t j0, Visible v) {
 // flushes a subnormal lo to zero, as the tile products would flush it anyway (AMX takes no
 // subnormal inputs).
 float lane_weights(float* scores, uint16_t* hi, uint16_t* lo, Visible v, int64_t padded,
-                   float scale, float softcap) {
+                   float scale, float softcap, const float* sink) {
   __m512 sc = _mm512_set1_ps(scale * tokenmill::LOG2E);  // scores to base 2
   if (softcap > 0.0f) {  // NOTE: capped in place, in base 2; then scaled by 1 (exact)
     const __m512 in = _mm512_set1_ps(scale / softcap), out = _mm512_set1_ps(softcap * tokenmill::LOG2E);
@@ -170,7 +172,9 @@ float lane_weights(float* scores, uint16_t* hi, uint16_t* lo, Visible v, int64_t
   __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t j0 = 0; j0 < padded; j0 += 16)
     m = _mm512_mask_max_ps(m, seen(j0, v), m, _mm512_mul_ps(_mm512_loadu_ps(scores + j0), sc));
-  const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+  float top = _mm512_reduce_max_ps(m);
+  if (sink != nullptr) top = std::max(top, *sink);
+  const __m512 max = _mm512_set1_ps(top);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t j0 = 0; j0 < padded; j0 += 16) {
     const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(scores + j0), sc, max);
@@ -185,7 +189,8 @@ float lane_weights(float* scores, uint16_t* hi, uint16_t* lo, Visible v, int64_t
   }
   alignas(64) float lane[16];
   _mm512_store_ps(lane, sum);
-  return tokenmill::tree_sum16(lane);
+  const float den = tokenmill::tree_sum16(lane);
+  return sink == nullptr ? den : tokenmill::with_sink(den, *sink, top);
 }
 
 // Values of keys j0..j0+31, columns d0..d0+63, as B tiles: vt[p][2 d + i] = v_{j0+2p+i}[d0+d]
@@ -341,14 +346,17 @@ void attend_group(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_
   load_queries(q, s, its, tiles, sp.padded, w);
   score_keys(keys, values, sp, its, tiles, s.slot_stride, dim, w);
   float den[MAX_TILES * LANES];
-  for (int64_t t = 0; t < tiles; ++t)
+  for (int64_t t = 0; t < tiles; ++t) {
+    float lane_sinks[LANES];
+    const float* sinks = tokenmill::item_sinks(s, its[t], lane_sinks);
     for (int64_t l = 0; l < its[t].num_tokens * its[t].num_heads; ++l) {
       const int64_t at = (t * LANES + l) * sp.padded;
       den[t * LANES + l] =
           lane_weights(w.scores.data() + at, w.e_hi.data() + at, w.e_lo.data() + at,
                        visible(s, its[t], sp.first_key, l), tile_padded(its[t], sp), s.scale,
-                       s.softcap);
+                       s.softcap, sinks == nullptr ? nullptr : sinks + l);
     }
+  }
   for (int64_t d0 = 0; d0 < dim; d0 += PASS_D) {
     weighted_values(values, sp, its, tiles, s.slot_stride, d0, w);
     for (int64_t t = 0; t < tiles; ++t)
@@ -433,10 +441,12 @@ void attend_shared(const uint16_t* q, const uint16_t* k_cache, const uint16_t* v
 #pragma omp for schedule(static)
     for (int64_t gl = 0; gl < rest * live; ++gl) {
       const int64_t g = gl / live, l = gl % live, at = gl * most;
+      float lane_sinks[LANES];
+      const float* sinks = tokenmill::item_sinks(s, its[g], lane_sinks);
       if (l < its[g].num_heads)
         den[gl] = lane_weights(scores.data() + at, e_hi.data() + at, e_lo.data() + at,
                                visible(s, its[g], spans[g].first_key, l), spans[g].padded,
-                               s.scale, s.softcap);
+                               s.scale, s.softcap, sinks == nullptr ? nullptr : sinks + l);
     }
 #pragma omp for schedule(static)
     for (int64_t gh = 0; gh < rest * halves; ++gh) {
@@ -477,11 +487,12 @@ int tm_paged_attention_amx(const void* q, const void* k_cache, const void* v_cac
                            const int64_t* first_pos, void* out, int64_t num_rows,
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                            int64_t head_stride, int64_t slot_stride, int64_t table_stride,
-                           int64_t window, float scale, float softcap, int dtype) {
+                           int64_t window, float scale, float softcap, const float* sinks,
+                           int dtype) {
 #if defined(TOKENMILL_AMX)
   if (dtype != 1 || head_dim % PASS_D != 0 || !tm_amx_ready()) return -1;
   const Shape s{num_heads, num_kv_heads, head_dim, table_stride, window,
-                head_stride, slot_stride, scale, softcap};
+                head_stride, slot_stride, scale, softcap, sinks};
   const std::vector<Item> items =
       tokenmill::plan(rows, token_starts, num_tokens, first_pos, num_rows, s);
   const int threads = omp_get_max_threads();
@@ -509,7 +520,7 @@ int tm_paged_attention_amx(const void* q, const void* k_cache, const void* v_cac
   (void)q, (void)k_cache, (void)v_cache, (void)table, (void)rows, (void)token_starts;
   (void)num_tokens, (void)first_pos, (void)out, (void)num_rows, (void)num_heads;
   (void)num_kv_heads, (void)head_dim, (void)head_stride, (void)slot_stride, (void)table_stride;
-  (void)window, (void)scale, (void)softcap, (void)dtype;
+  (void)window, (void)scale, (void)softcap, (void)sinks, (void)dtype;
   return -1;
 #endif
 }

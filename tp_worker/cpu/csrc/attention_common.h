@@ -14,6 +14,8 @@
 #include <immintrin.h>
 #endif
 
+#include "exp.h"
+
 namespace tokenmill {
 
 // (query token, query head) pairs per work item: one vector lane, or one tile row, each.
@@ -50,6 +52,11 @@ struct Shape {
   int64_t head_stride, slot_stride;  // elements between KV heads, between slots of a head
   float scale;
   float softcap;  // > 0: each score s becomes softcap * tanh(s / softcap) (Gemma 2)
+  // NOTE: null, or each query head's sink logit (gpt-oss): a key that every token sees, of
+  // that score and no value. In the kernels' base 2 it joins the lane's max, and its term
+  // 2^(sink - max) is added to the denominator after the keys' sum (exp.h's
+  // exp2_nonpositive in every path, so the paths agree).
+  const float* sinks;
 };
 
 // A block of consecutive query tokens of one row (positions first_pos...), one KV head, and
@@ -61,6 +68,21 @@ struct Item {
 // The first position a token at `pos` sees: 0, or the start of its sliding window.
 inline int64_t first_seen(const Shape& s, int64_t pos) {
   return s.window > 0 ? std::max<int64_t>(0, pos - s.window + 1) : 0;
+}
+
+// The item's lanes' sinks in base 2 (lane i * num_heads + h: query head head0 + h) into
+// lanes, or null where the model has none.
+inline const float* item_sinks(const Shape& s, const Item& it, float* lanes) {
+  if (s.sinks == nullptr) return nullptr;
+  for (int64_t i = 0; i < it.num_tokens; ++i)
+    for (int64_t h = 0; h < it.num_heads; ++h)
+      lanes[i * it.num_heads + h] = s.sinks[it.head0 + h] * LOG2E;
+  return lanes;
+}
+
+// A denominator with the sink's term, lane max `max` (which the sink joined).
+inline float with_sink(float den, float sink, float max) {
+  return den + exp2_nonpositive(sink - max);
 }
 
 // Keys each item of a decode step must reach before the threads share the items left over

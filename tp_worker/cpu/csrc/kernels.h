@@ -36,9 +36,10 @@ int tm_route(const float* logits, int64_t tokens, int64_t experts, int64_t k, in
 // then_packed, then_n, then_k: the product after the last expert's (as tm_linear_then's).
 int tm_moe_experts(const void* x, int64_t tokens, int64_t hidden, int64_t ldx,
                    const int64_t* ids, const float* weights, int64_t k,
-                   const void* const* gate_up, const void* const* down, int64_t num_experts,
-                   int64_t inter, int dtype, int activation, int amx, float* out,
-                   const void* then_packed, int64_t then_n, int64_t then_k);
+                   const void* const* gate_up, const void* const* down,
+                   const float* const* gate_up_bias, const float* const* down_bias,
+                   int64_t num_experts, int64_t inter, int dtype, int activation, int amx,
+                   float* out, const void* then_packed, int64_t then_n, int64_t then_k);
 int tm_rope_store(const void* qkv, const void* cos, const void* sin, const int64_t* slots,
                   void* q_out, void* k_cache, void* v_cache, int64_t tokens, int64_t heads,
                   int64_t kv_heads, int64_t dim, int64_t head_stride, int64_t slot_stride,
@@ -54,12 +55,13 @@ int tm_paged_attention(const void* q, const void* k_cache, const void* v_cache,
                        int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
                        int64_t head_dim, int64_t head_stride, int64_t slot_stride,
                        int64_t table_stride, int64_t window, float scale, float softcap,
-                       int dtype);
+                       const float* sinks, int dtype);
 int tm_paged_attention_amx(const void* q, const void* k_cache, const void* v_cache,
                            const int32_t* table, const int64_t* rows,
                            const int64_t* token_starts, const int64_t* num_tokens,
                            const int64_t* first_pos, void* out, int64_t num_rows,
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                            int64_t head_stride, int64_t slot_stride, int64_t table_stride,
-                           int64_t window, float scale, float softcap, int dtype);
+                           int64_t window, float scale, float softcap, const float* sinks,
+                           int dtype);
 }

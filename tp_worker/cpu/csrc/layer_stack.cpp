@@ -35,9 +35,13 @@ namespace {
 // GATE_UP and DOWN run instead), EXPERTS the address of its experts' panels (num_experts
 // gate/up addresses, then num_experts down ones), MOE_INDEX its place among the MoE layers
 // (where Scratch.routed keeps each one's routing).
+// gpt-oss's parts, 0 where a model has none: SINKS each query head's sink logit (float32),
+// O_BIAS the output product's bias, ROUTER_BIAS the router's, EXPERT_BIASES the address of
+// num_experts gate/up bias addresses, then num_experts down ones (float32, as packed).
 enum Field {
   INPUT_NORM, QKV, QKV_BIAS, O, POST_NORM, GATE_UP, DOWN, K_CACHE, V_CACHE, Q_NORM, K_NORM,
-  ATTN_OUT_NORM, MLP_OUT_NORM, WINDOW, LOCAL_ROPE, ROUTER, EXPERTS, MOE_INDEX, FIELDS
+  ATTN_OUT_NORM, MLP_OUT_NORM, WINDOW, LOCAL_ROPE, ROUTER, EXPERTS, MOE_INDEX, SINKS, O_BIAS,
+  ROUTER_BIAS, EXPERT_BIASES, FIELDS
 };
 
 // The model's shape, cpu/layer_stack.py's order.
@@ -110,17 +114,19 @@ using Linear = int (*)(const void*, int64_t, int64_t, int64_t, const void*, int6
                        void*, int64_t, int, int, const void*, int, const void*, int64_t,
                        int64_t);
 
-// x += the product of `in` and `weight` [hidden x k]: in its epilogue, or (out_norm nonzero)
-// through the scratch rows and tm_norm_add.
+// x += the product of `in` and `weight` [hidden x k] (+ bias, 0 for none): in its epilogue,
+// or (out_norm nonzero) through the scratch rows and tm_norm_add.
 int residual_product(Linear linear, const void* in, int64_t tokens, int64_t k, int64_t lda,
-                     int64_t weight, int64_t out_norm, const Shape& s, const Scratch& b, float* x,
-                     float eps, int64_t then, int64_t then_n, int64_t then_k) {
+                     int64_t weight, int64_t bias, int64_t out_norm, const Shape& s,
+                     const Scratch& b, float* x, float eps, int64_t then, int64_t then_n,
+                     int64_t then_k) {
   const int dtype = static_cast<int>(s.dtype);
+  const auto* added = static_cast<const float*>(at<float>(bias));
   if (out_norm == 0)
-    return linear(in, tokens, k, lda, at<void>(weight), s.hidden, nullptr, x, s.hidden, dtype, 0,
+    return linear(in, tokens, k, lda, at<void>(weight), s.hidden, added, x, s.hidden, dtype, 0,
                   x, 0, at<void>(then), then_n, then_k);
   const int64_t ldc = row_stride(tokens, b.normed_stride, s.hidden);
-  int status = linear(in, tokens, k, lda, at<void>(weight), s.hidden, nullptr, b.normed, ldc,
+  int status = linear(in, tokens, k, lda, at<void>(weight), s.hidden, added, b.normed, ldc,
                       dtype, dtype, nullptr, 0, at<void>(then), then_n, then_k);
   return status | tm_norm_add(b.normed, at<void>(out_norm), x, tokens, s.hidden, ldc, eps, dtype);
 }
@@ -133,7 +139,8 @@ int run_experts(const int64_t* w, const Shape& s, const Scratch& b, float* x, in
                 int64_t normed_lda, Linear linear, int64_t next_qkv) {
   const int dtype = static_cast<int>(s.dtype);
   int status = linear(b.normed, tokens, s.hidden, normed_lda, at<void>(w[ROUTER]), s.experts,
-                      nullptr, b.logits, s.experts, dtype, 0, nullptr, 0, nullptr, 0, 0);
+                      static_cast<const float*>(at<float>(w[ROUTER_BIAS])), b.logits, s.experts,
+                      dtype, 0, nullptr, 0, nullptr, 0, 0);
   if (dtype == 1)
     for (int64_t i = 0; i < tokens * s.experts; ++i)
       b.logits[i] = tokenmill::round_to(b.logits[i], static_cast<const uint16_t*>(nullptr));
@@ -144,6 +151,7 @@ int run_experts(const int64_t* w, const Shape& s, const Scratch& b, float* x, in
     std::memcpy(b.routed + w[MOE_INDEX] * tokens * s.top_k, b.ids,
                 tokens * s.top_k * sizeof(int64_t));
   const auto* panels = static_cast<const void* const*>(at<void>(w[EXPERTS]));
+  const auto* biases = static_cast<const float* const*>(at<void>(w[EXPERT_BIASES]));
   const int64_t elem = dtype == 0 ? 4 : 2, qkv_n = (s.heads + 2 * s.kv_heads) * s.head_dim;
   for (int64_t first = 0; first < tokens; first += s.pass_tokens) {
     const int64_t count = std::min(s.pass_tokens, tokens - first);
@@ -151,8 +159,8 @@ int run_experts(const int64_t* w, const Shape& s, const Scratch& b, float* x, in
     status |= tm_moe_experts(
         static_cast<const char*>(b.normed) + first * b.normed_stride * elem, count, s.hidden,
         row_stride(count, b.normed_stride, s.hidden), b.ids + first * s.top_k,
-        b.weights + first * s.top_k, s.top_k, panels, panels + s.experts, s.experts,
-        s.moe_inter, dtype, static_cast<int>(s.activation), static_cast<int>(s.linear_amx),
+        b.weights + first * s.top_k, s.top_k, panels, panels + s.experts, biases,
+        biases ? biases + s.experts : nullptr, s.experts, s.moe_inter, dtype, static_cast<int>(s.activation), static_cast<int>(s.linear_amx),
         b.moe_out + first * s.hidden, last ? at<void>(next_qkv) : nullptr, qkv_n, s.hidden);
   }
   const int64_t elements = tokens * s.hidden;
@@ -190,7 +198,8 @@ int run_layer(const int64_t* w, const Shape& s, const Plan& p, const Scratch& b,
   status |= attention(b.q, at<void>(w[K_CACHE]), at<void>(w[V_CACHE]), p.table, p.rows,
                       p.token_starts, p.num_tokens, p.first_pos, b.attended, p.num_rows, s.heads,
                       s.kv_heads, s.head_dim, s.head_stride, s.slot_stride, p.table_stride,
-                      w[WINDOW], scale, softcap, dtype);
+                      w[WINDOW], scale, softcap, static_cast<const float*>(at<float>(w[SINKS])),
+                      dtype);
   const void* attended = b.attended;
   int64_t attended_lda = q_width;
   if (b.attended_rows != nullptr) {
@@ -202,8 +211,8 @@ int run_layer(const int64_t* w, const Shape& s, const Plan& p, const Scratch& b,
     attended_lda = row_stride(tokens, b.attended_stride, q_width);
   }
   const bool moe = w[ROUTER] != 0;
-  status |= residual_product(linear, attended, tokens, q_width, attended_lda, w[O], w[ATTN_OUT_NORM],
-                             s, b, x, eps, moe ? w[ROUTER] : w[GATE_UP],
+  status |= residual_product(linear, attended, tokens, q_width, attended_lda, w[O], w[O_BIAS],
+                             w[ATTN_OUT_NORM], s, b, x, eps, moe ? w[ROUTER] : w[GATE_UP],
                              moe ? s.experts : 2 * s.inter, s.hidden);
   status |= norm_or_cast(x, w[POST_NORM], b, tokens, s.hidden, eps, dtype);
   if (moe) return status | run_experts(w, s, b, x, tokens, normed_lda, linear, next_qkv);
@@ -212,7 +221,7 @@ int run_layer(const int64_t* w, const Shape& s, const Plan& p, const Scratch& b,
                    static_cast<int>(s.activation),
                    at<void>(w[DOWN]), s.hidden, s.inter);
   status |= residual_product(linear, b.activated, tokens, s.inter,
-                             row_stride(tokens, b.activated_stride, s.inter), w[DOWN],
+                             row_stride(tokens, b.activated_stride, s.inter), w[DOWN], 0,
                              w[MLP_OUT_NORM], s, b, x, eps, next_qkv,
                              (s.heads + 2 * s.kv_heads) * s.head_dim, s.hidden);
   return status;

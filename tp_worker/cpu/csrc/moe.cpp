@@ -64,14 +64,17 @@ extern "C" {
 // x [tokens, hidden] (row stride ldx; dtype 0 float32, 1 bfloat16), ids [tokens, k] int64 and
 // weights [tokens, k] float32 (route.cpp's), gate_up[e] / down[e]: expert e's packed panels
 // (gate/up as glu panels, 2 * inter outputs; down, hidden outputs of inter inputs), out
-// [tokens, hidden] float32. activation: silu.h's code; amx: the AMX kernels (bfloat16);
-// then_*: the product that runs after the last expert's (null for none).
+// [tokens, hidden] float32. gate_up_bias[e] / down_bias[e]: expert e's biases (float32, the
+// gate/up one in its panels' order), or both arrays null (no biases; gpt-oss has them).
+// activation: silu.h's code; amx: the AMX kernels (bfloat16); then_*: the product that runs
+// after the last expert's (null for none).
 // Returns 0, or -1 for an expert id out of range or an unsupported product.
 int tm_moe_experts(const void* x, int64_t tokens, int64_t hidden, int64_t ldx,
                    const int64_t* ids, const float* weights, int64_t k,
-                   const void* const* gate_up, const void* const* down, int64_t num_experts,
-                   int64_t inter, int dtype, int activation, int amx, float* out,
-                   const void* then_packed, int64_t then_n, int64_t then_k) {
+                   const void* const* gate_up, const void* const* down,
+                   const float* const* gate_up_bias, const float* const* down_bias,
+                   int64_t num_experts, int64_t inter, int dtype, int activation, int amx,
+                   float* out, const void* then_packed, int64_t then_n, int64_t then_k) {
   const int64_t itemsize = dtype == 1 ? 2 : 4;
   const int64_t entries = tokens * k;
   std::vector<int64_t> starts(num_experts + 1, 0);
@@ -107,12 +110,13 @@ int tm_moe_experts(const void* x, int64_t tokens, int64_t hidden, int64_t ldx,
     // NOTE: each product names the one after it, whose weights the threads then stream in
     // (panel_queue.h): the down product, then the next expert's gate/up.
     if (linear(rows, count, hidden, in_stride, gate_up[e], 2 * inter,
-               nullptr, act, act_stride, dtype, dtype, nullptr, activation, down[e], hidden,
+               gate_up_bias ? gate_up_bias[e] : nullptr, act, act_stride, dtype, dtype, nullptr, activation, down[e], hidden,
                inter) != 0)
       return -1;
     const bool last = u + 1 == used.size();
     const void* then = last ? then_packed : gate_up[used[u + 1]];
-    if (linear(act, count, inter, act_stride, down[e], hidden, nullptr, down_rows, hidden,
+    if (linear(act, count, inter, act_stride, down[e], hidden,
+               down_bias ? down_bias[e] : nullptr, down_rows, hidden,
                dtype, 0, nullptr, 0, then, last ? then_n : 2 * inter, last ? then_k : hidden) != 0)
       return -1;
     for (int64_t r = 0; r < count; ++r)
