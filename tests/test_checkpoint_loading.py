@@ -97,3 +97,58 @@ def test_both_config_spellings_parse_alike() -> None:
         parse_model_config({**old, "hidden_act": "relu"})
     with pytest.raises(ValueError, match="unsupported architectures"):
         parse_model_config({**old, "architectures": ["GPT2LMHeadModel"]})
+
+
+def test_gpt_oss_mxfp4_experts_are_the_dequantized_model(tiny_checkpoint, tmp_path: Path) -> None:
+    """gpt-oss's checkpoints hold their experts in MXFP4 (`*_blocks`, `*_scales`): served
+    dequantized, they are the model transformers' own dequantization gives, bit for bit in
+    float32 (the dequantized checkpoint is the one test_oracle checks against transformers)."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from tokenmill.tp_worker.model import mxfp4
+
+    original = tiny_checkpoint("gpt_oss")
+    tensors = load_file(str(original / "model.safetensors"))
+    quantized, dequantized = dict(tensors), dict(tensors)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        # NOTE: the checkpoints' layout: [E, out, in] blocks of what transformers multiplies by
+        blocks, scales = mxfp4.quantize(tensors[name].transpose(1, 2))
+        del quantized[name]
+        quantized[name + "_blocks"], quantized[name + "_scales"] = blocks, scales
+        dequantized[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        assert torch.equal(dequantized[name], mxfp4.dequantize(blocks, scales).transpose(1, 2))
+    dirs = {}
+    for kind, weights in (("mxfp4", quantized), ("dequantized", dequantized)):
+        dirs[kind] = tmp_path / kind
+        dirs[kind].mkdir()
+        for path in original.iterdir():
+            if path.name != "model.safetensors":
+                (dirs[kind] / path.name).write_bytes(path.read_bytes())
+        save_file(weights, str(dirs[kind] / "model.safetensors"), metadata={"format": "pt"})
+    request = OfflineRequest(list(range(3, 40)), max_tokens=6, num_top=3, prompt_logprob_start=0)
+    a = make_engine(dirs["mxfp4"]).generate([request])[0]
+    b = make_engine(dirs["dequantized"]).generate([request])[0]
+    assert a.output_ids == b.output_ids
+    np.testing.assert_array_equal(a.logprobs, b.logprobs)
+    np.testing.assert_array_equal(a.prompt_logprobs, b.prompt_logprobs)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(dirs["dequantized"], dtype=torch.float32)
+    with torch.no_grad():
+        logits = hf.eval()(torch.tensor([request.prompt_ids])).logits[0].double()
+    expected = torch.log_softmax(logits, -1)[torch.arange(36), torch.tensor(request.prompt_ids[1:])]
+    np.testing.assert_allclose(a.prompt_logprobs, expected.numpy(), atol=1e-4, rtol=0)
+
+
+def test_mxfp4_blocks_without_their_scales_fail_naming_them(tmp_path: Path) -> None:
+    """A checkpoint that holds an MXFP4 tensor's blocks but not its scales fails at load,
+    naming the missing tensor."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from tokenmill.tp_worker.model import weights
+
+    path = tmp_path / "model.safetensors"
+    blocks = torch.zeros(2, 4, 1, 16, dtype=torch.uint8)
+    save_file({"model.layers.0.mlp.experts.down_proj_blocks": blocks}, str(path))
+    with safe_open(str(path), framework="pt") as f, pytest.raises(ValueError, match="_scales"):
+        weights._dequantized([path], f, "model.layers.0.mlp.experts.down_proj_blocks")

@@ -10,8 +10,10 @@ conversion, torch's allocations and views) added ~0.08 ms more, 30 layers deep (
 Used where the whole layer runs in csrc/: one rank (a row-parallel product's all-reduce is
 torch.distributed's, between kernels), our paged attention, the MLP's gate/up product with
 its fused activation epilogue, or a mixture of experts without a shared expert (its router,
-top-k and experts: csrc/moe.cpp). TOKENMILL_CPU_LAYER_STACK=0 turns it off (the Python loop, for an
-A/B or a test: the two give the same bits).
+top-k and experts: csrc/moe.cpp); biases where a family has them (q/k/v, the output
+product's, gpt-oss's router and experts) and gpt-oss's attention sinks.
+TOKENMILL_CPU_LAYER_STACK=0 turns it off (the Python loop, for an A/B or a test: the two give
+the same bits).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@
 // The tokens routed to each expert (ids [T, k], route.cpp's) are gathered, expert by expert
 // in ascending id and each expert's in token order, into rows that its gate/up product takes
 // at once (its weights stream once for all of them), act(gate) * up in that product's
-// epilogue, then its down product in float32; each row's sums are its own (linear.cpp's
+// epilogue, then its down product in float32 (each with the expert's bias where it has one:
+// gpt-oss); each row's sums are its own (linear.cpp's
 // rule), so which rows share an expert changes nothing. A token's k outputs are then added,
 // weighted, in the order of its top-k: out = o_0 w_0, then out = out + o_j w_j, each product
 // and sum rounded to float32 (-ffp-contract=off), as model/moe.py adds them with torch.
