@@ -33,7 +33,7 @@ import torch
 # (transformers' config tells them apart by `general.name`), Qwen2 as qwen2, Qwen3 as qwen3.
 ARCHITECTURES = (
     "llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "granite", "olmo2",
-    "qwen2moe", "qwen3moe", "olmoe",
+    "qwen2moe", "qwen3moe", "olmoe", "gpt-oss",
 )  # fmt: skip
 # NOTE: the architectures transformers 5.25 builds no config for from a file: the config is
 # ours, from the metadata llama.cpp writes (own_config), the tokenizer still transformers'.
@@ -42,6 +42,7 @@ OWN_CONFIGS = {
     "granite": "GraniteForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
 }
 MIXTRAL = "MixtralForCausalLM"
 # NOTE: each mixture of experts' top-k renormalisation as llama.cpp computes it (its
@@ -57,6 +58,16 @@ _SHARED_PARTS = {
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 _EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+# NOTE: gpt-oss: llama.cpp's names where they are not Llama's (its pre-MLP norm, the sinks,
+# the router), and its experts (with biases) back into transformers' stacked tensors, gate
+# and up interleaved (GptOssExperts' layout)
+GPT_OSS = "gpt-oss"
+_GPT_OSS_PARTS = {
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_sinks": "self_attn.sinks",
+    "ffn_gate_inp": "mlp.router",
+}
+_GPT_OSS_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.(weight|bias)")
 MODEL_CLASSES = {  # NOTE: by the model_type of the config transformers builds from the file
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -137,6 +148,9 @@ def hf_name(name: str, architecture: str = "llama", scope: str = "mlp") -> str:
     if name in _GLOBAL:
         return _GLOBAL[name]
     match = _LAYER.fullmatch(name)
+    if match is not None and architecture == GPT_OSS and match[2] in _GPT_OSS_PARTS:
+        suffix = "" if match[2] == "attn_sinks" else f".{match[3]}"
+        return f"model.layers.{match[1]}.{_GPT_OSS_PARTS[match[2]]}{suffix}"
     if match is not None and match[2] == "ffn_gate_inp":
         return f"model.layers.{match[1]}.{scope}.gate.{match[3]}"
     if match is not None and match[2] in _SHARED_PARTS:
@@ -292,9 +306,13 @@ def hf_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, tensor) for each tensor of the file, one at a time (a layer's
     experts, stacked in the file, one expert's at a time)."""
+    stacked: dict[tuple[int, str], torch.Tensor] = {}  # NOTE: gpt-oss's, until gate meets up
     for tensor in reader.tensors:
         if tensor.name in (_ROPE_FACTORS, *_LONGROPE):
             continue  # NOTE: in config.json's rope scaling (rope_scaling)
+        if architecture == GPT_OSS and _GPT_OSS_EXPERTS.fullmatch(tensor.name):
+            yield from _gpt_oss_experts(tensor.name, dequantized(tensor), stacked)
+            continue
         experts = _EXPERTS.fullmatch(tensor.name)
         if experts is not None:
             yield from _expert_tensors(dequantized(tensor), int(experts[1]), experts[2], scope)
@@ -310,6 +328,37 @@ def hf_tensors(
         elif architecture in GEMMA and name.endswith("norm.weight"):
             values = values.float() - 1.0
         yield name, values.contiguous()
+
+
+def _gpt_oss_experts(
+    name: str, values: torch.Tensor, pending: dict[tuple[int, str], torch.Tensor]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A gpt-oss file's stacked expert tensor (weights [E, out, in], biases [E, out]) as
+    transformers' GptOssExperts holds them: down_proj [E, inter, hidden] and its bias; gate
+    and up, once both are read, as one gate_up_proj [E, hidden, 2 inter] with gate and up
+    interleaved (columns 2i and 2i + 1), and its bias likewise."""
+    match = _GPT_OSS_EXPERTS.fullmatch(name)
+    assert match is not None
+    layer, kind, what = int(match[1]), match[2], match[3]
+    prefix = f"model.layers.{layer}.mlp.experts"
+    weight = what == "weight"
+    if kind == "down":
+        yield (
+            (f"{prefix}.down_proj" if weight else f"{prefix}.down_proj_bias"),
+            (values.transpose(1, 2).contiguous() if weight else values.contiguous()),
+        )
+        return
+    pending[layer, f"{kind}.{what}"] = values
+    other = pending.pop((layer, f"{'up' if kind == 'gate' else 'gate'}.{what}"), None)
+    if other is None:
+        return
+    del pending[layer, f"{kind}.{what}"]
+    gate, up = (values, other) if kind == "gate" else (other, values)
+    both = torch.stack((gate, up), dim=2).flatten(1, 2)  # NOTE: [E, 2 inter, ...], interleaved
+    if weight:
+        yield f"{prefix}.gate_up_proj", both.transpose(1, 2).contiguous()
+    else:
+        yield f"{prefix}.gate_up_proj_bias", both.contiguous()
 
 
 def _expert_tensors(
@@ -404,7 +453,9 @@ def own_config(reader, architecture: str, class_name: str) -> dict[str, Any]:
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     raw: dict[str, Any] = {
         "architectures": [class_name],
-        "model_type": "mixtral" if class_name == MIXTRAL else architecture,
+        "model_type": {MIXTRAL: "mixtral", "GptOssForCausalLM": "gpt_oss"}.get(
+            class_name, architecture
+        ),
         "hidden_size": hidden,
         "intermediate_size": int(value("feed_forward_length")),
         "num_hidden_layers": int(value("block_count")),
@@ -417,7 +468,7 @@ def own_config(reader, architecture: str, class_name: str) -> dict[str, Any]:
         "vocab_size": int(value("vocab_size", 0) or len(tokens.data if tokens else [])),
         "tie_word_embeddings": all(t.name != "output.weight" for t in reader.tensors),
         "hidden_act": "silu",
-        "attention_bias": False,
+        "attention_bias": architecture == GPT_OSS,
     }
     for name, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding")):
         found = reader.fields.get(f"tokenizer.ggml.{key}_token_id")
@@ -456,10 +507,17 @@ def completed(raw: dict[str, Any], reader, architecture: str) -> dict[str, Any]:
         head_dim = int(rotated)  # NOTE: the frequencies are over the rotated part
     if architecture in GEMMA:
         return _gemma_completed(raw, reader, architecture, head_dim)
+    if architecture == GPT_OSS:
+        # NOTE: llama.cpp's gpt-oss: every other layer slides, from the first; its YaRN as
+        # gpt-oss defines it (transformers' truncate: false)
+        slides = [i % 2 == 0 for i in range(raw["num_hidden_layers"])]
+        raw["layer_types"] = ["sliding_attention" if s else "full_attention" for s in slides]
     if _num_experts(reader, architecture):
         _experts_completed(raw, reader, architecture)
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     scaling = rope_scaling(reader, architecture, head_dim, theta)
+    if architecture == GPT_OSS and scaling.get("rope_type") == "yarn":
+        scaling["truncate"] = False
     if scaling or "rope_parameters" in raw:
         raw["rope_parameters"] = {**params, "rope_theta": theta, **scaling}
         raw.pop("rope_scaling", None)
@@ -476,6 +534,9 @@ def _experts_completed(raw: dict[str, Any], reader, architecture: str) -> None:
     width = shapes[f"blk.{routed[0]}.ffn_gate_exps.weight"][1]  # NOTE: [hidden, width, E]
     raw["num_experts_per_tok"] = int(metadata(reader, architecture, "expert_used_count"))
     count = _num_experts(reader, architecture)
+    if architecture == GPT_OSS:
+        raw.update(num_local_experts=count, intermediate_size=width)
+        return
     if raw["architectures"] == [MIXTRAL] or architecture == "olmoe":
         raw["num_local_experts" if architecture == "llama" else "num_experts"] = count
         raw["intermediate_size"] = width

@@ -78,6 +78,12 @@ _ARCHITECTURES = {
     "qwen3_moe": "qwen3moe",
     "qwen2_moe": "qwen2moe",
     "olmoe": "olmoe",
+    "gpt_oss": "gpt-oss",
+}
+# NOTE: gpt-oss's names where llama.cpp's are not Llama's
+_GPT_OSS_NAMES = {
+    "post_attention_layernorm": "post_attention_norm",
+    "mlp.router": "ffn_gate_inp",
 }
 GEMMA = ("gemma2", "gemma3")
 # NOTE: the architectures whose norms go by Gemma's names (OLMo 2: its two after each sublayer)
@@ -97,8 +103,12 @@ def gguf_name(hf_name: str, architecture: str = "llama") -> str:
     if hf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
+    if rest == "self_attn.sinks":
+        return f"blk.{layer}.attn_sinks.weight"
     module, kind = rest.rsplit(".", 1)
     names = {**_LAYER_NAMES, **_GEMMA_NAMES} if architecture in POST_NORMS else _LAYER_NAMES
+    if architecture == "gpt-oss":
+        names = {**_LAYER_NAMES, **_GPT_OSS_NAMES}
     return f"blk.{layer}.{names[module]}.{kind}"
 
 
@@ -152,6 +162,48 @@ def _rope_metadata(writer: gguf.GGUFWriter, config: dict[str, Any]) -> None:
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(scaling["factor"])
         writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+        for beta in ("beta_fast", "beta_slow"):  # NOTE: as llama.cpp's converter writes them
+            if beta in scaling:
+                getattr(writer, f"add_rope_scaling_yarn_{beta}")(float(scaling[beta]))
+
+
+def gpt_oss_experts(hf_name: str, values: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """One of gpt-oss's stacked expert tensors as llama.cpp's converter writes it: gate and
+    up apart (de-interleaved), every weight [E, out, in], the biases [E, out]."""
+    layer = hf_name.split(".")[2]
+    kind = hf_name.rsplit(".", 1)[1]
+    if kind == "down_proj":
+        return [(f"blk.{layer}.ffn_down_exps.weight", values.transpose(0, 2, 1).copy())]
+    if kind == "down_proj_bias":
+        return [(f"blk.{layer}.ffn_down_exps.bias", values)]
+    if kind == "gate_up_proj":
+        rows = values.transpose(0, 2, 1)  # NOTE: [E, 2 inter, hidden]
+        return [
+            (f"blk.{layer}.ffn_{part}_exps.weight", rows[:, i::2].copy())
+            for i, part in enumerate(("gate", "up"))
+        ]
+    assert kind == "gate_up_proj_bias", hf_name
+    return [
+        (f"blk.{layer}.ffn_{p}_exps.bias", values[:, i::2].copy())
+        for i, p in enumerate(("gate", "up"))
+    ]
+
+
+def _global_rope(config: dict[str, Any]) -> dict[str, Any]:
+    """The global layers' rope_parameters: Gemma 3's full_attention set, or the one set
+    (gpt-oss), or {} (the older rope_theta / rope_scaling keys)."""
+    params = config.get("rope_parameters") or {}
+    return params if "rope_type" in params else params.get("full_attention") or {}
+
+
+def _add_gpt_oss_experts(
+    writer: gguf.GGUFWriter, hf_name: str, values: np.ndarray, kind: Q, rng: np.random.Generator
+) -> None:
+    """gpt_oss_experts' tensors into the file: weights in `kind`, biases in F32 (as llama.cpp
+    keeps them)."""
+    for name, part in gpt_oss_experts(hf_name, values):
+        data, used = encode(part, Q.F32 if name.endswith(".bias") else kind, rng)
+        writer.add_tensor(name, data, raw_dtype=used)
 
 
 def _family_metadata(writer: gguf.GGUFWriter, arch: str, config: dict[str, Any]) -> None:
@@ -165,6 +217,8 @@ def _family_metadata(writer: gguf.GGUFWriter, arch: str, config: dict[str, Any])
         writer.add_expert_feed_forward_length(width)
         if config.get("shared_expert_intermediate_size"):
             writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+    if arch == "gpt-oss":
+        writer.add_sliding_window(config["sliding_window"])
     if arch in GEMMA:
         for key in ("attn_logit_softcapping", "final_logit_softcapping"):
             if config.get(key):
@@ -262,12 +316,14 @@ def hf_to_gguf(
     seed: int = 0,
     norm_noise: float = 0.0,
     rope_freqs: bool = False,
+    expert_kind: Q | None = None,
 ) -> Path:
     """A Hugging Face checkpoint (Llama / Qwen2 / Qwen3 / Mistral / Phi-3 / Gemma 2 and 3) as
     one GGUF file of `kind` (Gemma's norms as 1 + w, its soft-caps and window as metadata);
     with `norm_noise`, every norm's weight times 1 + that much noise (make-model's norms are
     all ones, so a test could not tell one norm's name from another's); with `rope_freqs`, a
-    Llama 3 rope_scaling as llama.cpp writes it (which transformers' GGUF loader ignores)."""
+    Llama 3 rope_scaling as llama.cpp writes it (which transformers' GGUF loader ignores);
+    with `expert_kind`, gpt-oss's experts in that type (MXFP4, as its files hold them)."""
     config: dict[str, Any] = json.loads((model_dir / "config.json").read_text())
     arch = architecture or _ARCHITECTURES.get(config["model_type"], "llama")
     tensors: dict[str, torch.Tensor] = {}
@@ -282,7 +338,7 @@ def hf_to_gguf(
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(num_heads)
     writer.add_head_count_kv(num_kv_heads)
-    rope = (config.get("rope_parameters") or {}).get("full_attention") or {}
+    rope = _global_rope(config)
     writer.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
     _family_metadata(writer, arch, config)
     writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
@@ -297,6 +353,9 @@ def hf_to_gguf(
     experts: dict[tuple[int, str], dict[int, np.ndarray]] = {}
     for hf_name, tensor in tensors.items():
         values = tensor.float().numpy()
+        if arch == "gpt-oss" and ".mlp.experts." in hf_name:
+            _add_gpt_oss_experts(writer, hf_name, values, expert_kind or kind, rng)
+            continue
         expert = _EXPERT.fullmatch(hf_name)
         if expert is not None:
             key = (int(expert[1]), _EXPERT_KINDS[expert[3]])

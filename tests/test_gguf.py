@@ -265,6 +265,36 @@ def test_a_mixture_of_experts_file(arch: str, tiny_checkpoint, tmp_path: Path) -
     _assert_served_as(quantized, quantized)
 
 
+def test_a_gpt_oss_file(tiny_checkpoint, tmp_path: Path) -> None:
+    """gpt-oss as llama.cpp's converter writes it: its sinks (attn_sinks), the router
+    (ffn_gate_inp, with its bias), the experts' gate and up de-interleaved into stacked
+    ffn_{gate,up,down}_exps with their biases, its pre-MLP norm as post_attention_norm, the
+    window and YaRN as metadata. In F32 the checkpoint's own tensors come back (gate and up
+    interleaved again) with its config, and serve its numbers; with the experts in MXFP4 (as
+    gpt-oss's files hold them), the blocks dequantized as the gguf package does, served as
+    transformers computes on them."""
+    source = tiny_checkpoint("gpt_oss")
+    exact = hf_to_gguf(source, tmp_path / "exact.gguf", Q.F32)
+    out = _converted(exact, tmp_path)
+    ours = load_file(str(out / "model.safetensors"))
+    theirs = load_file(str(next(source.glob("*.safetensors"))))
+    assert set(ours) == set(theirs)
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name], tensor.float()), name
+    keys = (
+        "architectures", "num_local_experts", "num_experts_per_tok", "intermediate_size",
+        "sliding_window", "layer_types", "attention_bias", "head_dim",
+    )  # fmt: skip
+    config, original = (json.loads((d / "config.json").read_text()) for d in (out, source))
+    assert {k: config.get(k) for k in keys} == {k: original[k] for k in keys}
+    wanted = original["rope_parameters"]
+    assert {k: config["rope_parameters"][k] for k in wanted} == wanted
+    _assert_served_as(gguf_checkpoint.gguf_checkpoint(exact), source)
+    file = hf_to_gguf(source, tmp_path / "mxfp4.gguf", Q.BF16, expert_kind=Q.MXFP4)
+    quantized = gguf_checkpoint.gguf_checkpoint(file)
+    _assert_served_as(quantized, quantized)
+
+
 def test_a_llama_31_file_rotates_by_its_rope_freqs(tiny_checkpoint, tmp_path: Path) -> None:
     """Llama 3.1 / 3.2 files carry their rope_scaling as per-frequency factors
     (rope_freqs.weight): the settings that give those factors are found again, and the file
