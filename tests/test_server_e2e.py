@@ -625,14 +625,17 @@ def test_tensor_parallel_2_matches_1(server, tiny_checkpoint, tmp_path) -> None:
         assert tp2.stop() == 0
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3", "olmo2", "qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize(
+    "arch", ["qwen3", "gemma2", "gemma3", "olmo2", "qwen3_moe", "qwen2_moe", "gpt_oss"]
+)
 def test_tensor_parallel_2_matches_transformers(arch: str, tiny_checkpoint, tmp_path) -> None:
     """Qwen3 and Gemma 3 at TP 2: each rank norms its own q and k heads (the norms' weights
     are every rank's); Gemma 2: the soft-capped scores of each rank's heads, the logits
     soft-capped after the gather; OLMo 2: its q and k norms over the whole projection, the
     ranks' sums of squares all-reduced; Qwen3-MoE: every expert's width halved, a token's
-    weighted experts all-reduced once; Qwen2-MoE: its shared expert's too; prompt and greedy
-    logprobs as transformers computes them (float32)."""
+    weighted experts all-reduced once; Qwen2-MoE: its shared expert's too; gpt-oss: each
+    rank's heads' sinks, the output bias and the experts' down biases added once; prompt and
+    greedy logprobs as transformers computes them (float32)."""
     from helpers import oracle
     from server_process import generate_once
 
