@@ -58,21 +58,25 @@ def reference(q, k, v, table, rows, settings):
                 scores = kh @ q[t, h].double() * scale
                 if cap:
                     scores = torch.tanh(scores / cap) * cap
-                p = torch.softmax(scores, 0)
+                if settings.sinks is not None:  # NOTE: a key of the sink's score, no value
+                    scores = torch.cat((scores, settings.sinks[h : h + 1].double()))
+                p = torch.softmax(scores, 0)[: len(slots)]
                 heads.append(p @ vh)
             out.append(torch.cat(heads))
             t += 1
     return torch.stack(out)
 
 
-def run(dtype: torch.dtype, window: int, softcap: float = 0.0) -> None:
+def run(dtype: torch.dtype, window: int, softcap: float = 0.0, sinks: bool = False) -> None:
     rows = [(0, 7), (SPLIT + 40, 1), (3, 1), (2 * SPLIT - 5, 9), (0, 1), (SPLIT - 1, 2)]
     width = 3 * SPLIT
     k, v = make_cache(dtype, 1)
     table, token_rows, positions, out_slots = make_batch(rows, width, 2)
     g = torch.Generator().manual_seed(3)
     q = torch.randn(len(out_slots), HQ, DIM, generator=g).to(dtype)
-    scale = LayerAttention(DIM**-0.5, window, softcap)
+    # NOTE: gpt-oss's sinks, spread so that some heads' sink outweighs their keys
+    sink_logits = torch.linspace(-2.0, 3.0, HQ) if sinks else None
+    scale = LayerAttention(DIM**-0.5, window, softcap, sink_logits)
     plan = plan_triton(table, token_rows, positions, out_slots)
     got = plan.attend(q, k, v, scale)
     want = reference(q, k, v, table, rows, scale)
@@ -116,7 +120,8 @@ def run(dtype: torch.dtype, window: int, softcap: float = 0.0) -> None:
         assert torch.equal(tall, got[index]), (dtype, window, height)
     heads = f"heads {HQ}/{HKV}"
     print(
-        f"{dtype} window={window} softcap={softcap} {heads}: max |error| {error:.2e}, "
+        f"{dtype} window={window} softcap={softcap} sinks={sinks} {heads}: "
+        f"max |error| {error:.2e}, "
         "rows alone = in the batch"
     )
 
@@ -160,6 +165,8 @@ if __name__ == "__main__":
     for dtype in (torch.float32, torch.bfloat16):
         for window in (0, 100):
             run(dtype, window)
+    run(torch.float32, 100, sinks=True)  # NOTE: gpt-oss's sinks, in the splits' merge
+    run(torch.bfloat16, 0, sinks=True)
     HQ, HKV = 9, 3  # NOTE: a group padded to a power of two (SmolLM2's heads)
     run(torch.float32, 0)
     run(torch.bfloat16, 100)
