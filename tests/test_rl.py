@@ -466,17 +466,19 @@ def test_new_weights_at_tp_2(tiny_checkpoint, new_weights, tmp_path) -> None:
         assert server.stop() == 0
 
 
+@pytest.mark.parametrize("arch", ["qwen2_moe", "gpt_oss"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_new_weights_for_a_mixture_of_experts(
-    tiny_checkpoint, checkpoint_root: Path, dtype: str
+    tiny_checkpoint, checkpoint_root: Path, dtype: str, arch: str
 ) -> None:
-    """Qwen2-MoE's router, experts and shared expert (packed for the CPU kernels, their
-    unpacked copies freed) take a checkpoint's new weights in place: afterwards the bits of
-    an engine started on that checkpoint."""
+    """Qwen2-MoE's router, experts and shared expert, or gpt-oss's stacked experts, their
+    biases and its sinks (packed for the CPU kernels, their unpacked copies freed) take a
+    checkpoint's new weights in place: afterwards the bits of an engine started on that
+    checkpoint."""
     from tokenmill.tp_worker.weight_update import WeightUpdater
 
-    old = tiny_checkpoint("qwen2_moe")
-    new = build_checkpoint(checkpoint_root / "tiny-qwen2_moe-seed1", "qwen2_moe", "tiny", seed=1)
+    old = tiny_checkpoint(arch)
+    new = build_checkpoint(checkpoint_root / f"tiny-{arch}-seed1", arch, "tiny", seed=1)
     request = OfflineRequest(list(range(20, 60)), max_tokens=8, num_top=3, prompt_logprob_start=0)
     engine = make_engine(old, prefix_cache=False, dtype=dtype)
     before = engine.generate([request])[0]

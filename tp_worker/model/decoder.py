@@ -347,6 +347,7 @@ class CausalLM(nn.Module):
                 module.kv_kernel = None
             elif isinstance(module, SparseMoe):
                 module.kernels = module.router_kernel = module.panels = None
+                module.bias_panels = None
         self.lm_head_kernel = None
         self.layer_stack = None
 
