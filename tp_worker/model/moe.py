@@ -163,8 +163,11 @@ class SparseMoe(nn.Module):
                 PackedLinear(down, None),
                 PackedLinear(gate, None),
             )
-        for param in (self.router, self.gate_up, self.down):
-            param.data = param.data.new_empty(0)
+        # NOTE: the biases stay: a packed kernel may hold a float32 bias itself, not a copy
+        kept = {id(p) for p in self.biases}
+        for param in self.parameters():
+            if id(param) not in kept:
+                param.data = param.data.new_empty(0)
 
     def _bias_parts(self) -> tuple[torch.Tensor | None, list[Any], list[Any]]:
         """The router's bias, and each expert's gate/up and down biases (Nones where the
