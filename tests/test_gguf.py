@@ -233,6 +233,20 @@ def test_a_file_transformers_builds_no_config_for(arch: str, tiny_checkpoint, tm
     _assert_served_as(model_dir, source)
 
 
+def _exact_round_trip(source: Path, tmp_path: Path) -> tuple[Path, dict, dict]:
+    """The checkpoint as an F32 file, converted back: every tensor the checkpoint's own
+    (asserted); the file, the converted config.json and the checkpoint's."""
+    exact = hf_to_gguf(source, tmp_path / "exact.gguf", Q.F32)
+    out = _converted(exact, tmp_path)
+    ours = load_file(str(out / "model.safetensors"))
+    theirs = load_file(str(next(source.glob("*.safetensors"))))
+    assert set(ours) == set(theirs)
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name], tensor.float()), name
+    config, original = (json.loads((d / "config.json").read_text()) for d in (out, source))
+    return exact, config, original
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral"])
 def test_a_mixture_of_experts_file(arch: str, tiny_checkpoint, tmp_path: Path) -> None:
     """llama.cpp's layout of experts: each layer's stacked ffn_{gate,up,down}_exps, the
@@ -244,19 +258,12 @@ def test_a_mixture_of_experts_file(arch: str, tiny_checkpoint, tmp_path: Path) -
     computes on them. NOTE: transformers 5.25 loads no MoE file's experts (a shape mismatch
     on Qwen2-MoE's shared expert), so it is no reference for the file itself."""
     source = tiny_checkpoint(arch)
-    exact = hf_to_gguf(source, tmp_path / "exact.gguf", Q.F32)
-    out = _converted(exact, tmp_path)
-    ours = load_file(str(out / "model.safetensors"))
-    theirs = load_file(str(next(source.glob("*.safetensors"))))
-    assert set(ours) == set(theirs)
-    for name, tensor in theirs.items():
-        assert torch.equal(ours[name], tensor.float()), name
+    exact, config, original = _exact_round_trip(source, tmp_path)
     keys = (
         "architectures", "num_experts", "num_local_experts", "num_experts_per_tok",
         "moe_intermediate_size", "intermediate_size", "shared_expert_intermediate_size",
         "mlp_only_layers", "norm_topk_prob",
     )  # fmt: skip
-    config, original = (json.loads((d / "config.json").read_text()) for d in (out, source))
     assert {k: config.get(k) for k in keys if k in original} == {
         k: original[k] for k in keys if k in original
     }
@@ -274,18 +281,11 @@ def test_a_gpt_oss_file(tiny_checkpoint, tmp_path: Path) -> None:
     gpt-oss's files hold them), the blocks dequantized as the gguf package does, served as
     transformers computes on them."""
     source = tiny_checkpoint("gpt_oss")
-    exact = hf_to_gguf(source, tmp_path / "exact.gguf", Q.F32)
-    out = _converted(exact, tmp_path)
-    ours = load_file(str(out / "model.safetensors"))
-    theirs = load_file(str(next(source.glob("*.safetensors"))))
-    assert set(ours) == set(theirs)
-    for name, tensor in theirs.items():
-        assert torch.equal(ours[name], tensor.float()), name
+    exact, config, original = _exact_round_trip(source, tmp_path)
     keys = (
         "architectures", "num_local_experts", "num_experts_per_tok", "intermediate_size",
         "sliding_window", "layer_types", "attention_bias", "head_dim",
     )  # fmt: skip
-    config, original = (json.loads((d / "config.json").read_text()) for d in (out, source))
     assert {k: config.get(k) for k in keys} == {k: original[k] for k in keys}
     wanted = original["rope_parameters"]
     assert {k: config["rope_parameters"][k] for k in wanted} == wanted
