@@ -113,7 +113,7 @@ def test_gpt_oss_mxfp4_experts_are_the_dequantized_model(tiny_checkpoint, tmp_pa
     quantized, dequantized = dict(tensors), dict(tensors)
     for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
         # NOTE: the checkpoints' layout: [E, out, in] blocks of what transformers multiplies by
-        blocks, scales = mxfp4.quantize(tensors[name].transpose(1, 2))
+        blocks, scales = _mxfp4_quantized(tensors[name].transpose(1, 2))
         del quantized[name]
         quantized[name + "_blocks"], quantized[name + "_scales"] = blocks, scales
         dequantized[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
@@ -152,3 +152,19 @@ def test_mxfp4_blocks_without_their_scales_fail_naming_them(tmp_path: Path) -> N
     save_file({"model.layers.0.mlp.experts.down_proj_blocks": blocks}, str(path))
     with safe_open(str(path), framework="pt") as f, pytest.raises(ValueError, match="_scales"):
         weights._dequantized([path], f, "model.layers.0.mlp.experts.down_proj_blocks")
+
+
+def _mxfp4_quantized(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [..., rows, cols] (float) -> (blocks, scales) that dequantize to the nearest E2M1
+    values of W / 2^e per block, e the smallest with max |W| / 2^e <= 6."""
+    from tokenmill.tp_worker.model import mxfp4
+
+    *lead, rows, cols = weight.shape
+    grouped = weight.float().reshape(*lead, rows, cols // mxfp4.BLOCK, mxfp4.BLOCK)
+    top = grouped.abs().amax(-1).clamp(min=2.0**-126)
+    exponents = torch.ceil(torch.log2(top / 6.0)).clamp(-127, 127)
+    scaled = grouped / torch.ldexp(torch.ones_like(exponents), exponents.int()).unsqueeze(-1)
+    table = torch.tensor(mxfp4.E2M1, dtype=torch.float32)
+    codes = (scaled.unsqueeze(-1) - table).abs().argmin(-1).to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks, (exponents.int() + 127).to(torch.uint8)

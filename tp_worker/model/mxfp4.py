@@ -32,18 +32,3 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     values = values.flatten(-2)  # NOTE: [..., G, 32], the low nibble of each byte first
     exponents = scales.to(torch.int32) - 127
     return torch.ldexp(values, exponents.unsqueeze(-1)).flatten(-2)
-
-
-def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """W [..., rows, cols] (float) -> (blocks, scales) that dequantize to the nearest E2M1
-    values of W / 2^e per block, e the smallest with max |W| / 2^e <= 6 (for tests and test
-    checkpoints: a checkpoint's own blocks are what the server reads)."""
-    *lead, rows, cols = weight.shape
-    grouped = weight.float().reshape(*lead, rows, cols // BLOCK, BLOCK)
-    top = grouped.abs().amax(-1).clamp(min=2.0**-126)
-    exponents = torch.ceil(torch.log2(top / 6.0)).clamp(-127, 127)
-    scaled = grouped / torch.ldexp(torch.ones_like(exponents), exponents.int()).unsqueeze(-1)
-    table = torch.tensor(E2M1, dtype=torch.float32)
-    codes = (scaled.unsqueeze(-1) - table).abs().argmin(-1).to(torch.uint8)
-    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return blocks, (exponents.int() + 127).to(torch.uint8)
