@@ -330,7 +330,8 @@ class Controller:
         idle = not self.has_work() and now - self.last_busy >= self.config.integrity_idle_s
         if idle and self.num_steps != self.checked_at_step:
             self.checked_at_step = self.num_steps
-            self.kv.check_integrity([])
+            # NOTE: idle includes a pause in place, whose running requests keep their slots
+            self.kv.check_integrity(self.scheduler.running)
             self.rows.check_integrity()
         self.sockets.send_report(
             EngineReport(

@@ -559,6 +559,27 @@ def test_the_leak_check_waits_for_a_pause(monkeypatch: pytest.MonkeyPatch) -> No
     assert checks == [1]  # once per pause
 
 
+def test_the_leak_check_counts_requests_paused_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pause in place leaves the engine idle with running requests that keep their slots:
+    the leak check counts them as owners (it failed the controller once)."""
+    controller, sockets = make_controller()
+    controller.config = dataclasses.replace(controller.config, integrity_idle_s=1.0)
+    clock = [100.0]
+    monkeypatch.setattr("tokenmill.controller.controller.time.monotonic", lambda: clock[0])
+    sockets.inbox.append(request("a", [3, 4, 5], max_tokens=40))
+    for _ in range(6):
+        controller.run_once()
+    assert controller.scheduler.running
+    controller.control.pause("in_place")
+    checked = controller.checked_at_step
+    clock[0] += 1.5
+    controller.run_once()
+    controller.run_once()
+    assert controller.checked_at_step != checked, "the check did not run while paused"
+    controller.control.paused = None
+    run_until_idle(controller)
+
+
 def _mixed_workload(seed: int) -> list[GenerateRequest]:
     """Prompts that run into EOS (after 40), stop ids, min_tokens, max_tokens 0, prompt and
     top logprobs, prompts that share a prefix."""
