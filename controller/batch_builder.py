@@ -48,6 +48,7 @@ class RowsPart:
     logprobs: LogprobAsks
     min_tokens: bool  # some row's request has min_tokens: a stop ban may apply
     constrained: bool  # some row's request has a grammar
+    lora_slots: Array | None  # [B] int32 each row's adapter slot; None: no row has one
 
 
 class BatchBuilder:
@@ -105,6 +106,7 @@ class BatchBuilder:
             num_drafts=_i32([len(row.drafts) for row in rows])
             if any(row.drafts for row in rows)
             else None,
+            lora_slots=part.lora_slots,
         )
 
     def _same_rows(self, rows: list[ScheduledRow]) -> RowsPart | None:
@@ -154,6 +156,9 @@ def _rows_part(rows: list[ScheduledRow], key: tuple[tuple[str, int], ...]) -> Ro
         ),
         min_tokens=any(p.min_tokens for p in params),
         constrained=any(row.request.grammar is not None for row in rows),
+        lora_slots=_i32([row.request.lora_slot for row in rows])
+        if any(row.request.lora_slot >= 0 for row in rows)
+        else None,
     )
 
 

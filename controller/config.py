@@ -46,3 +46,7 @@ class ControllerConfig:
     """Waiting requests at most: one more is turned away at once (finish_reason rejected)."""
     queue_timeout_s: float = 0.0
     """A request never started after this long is failed (finish_reason queue_timeout)."""
+    max_loras: int = 0
+    """--enable-lora: adapters held at once (the ranks' slots); 0: LoRA off."""
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    """(name, path) of the adapters the ranks loaded at start, into slots 0, 1, ..."""

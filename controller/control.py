@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from tokenmill.controller import lora_control
+from tokenmill.controller.refused import Refused
 from tokenmill.protocol.control import (
     MEMORY_TAGS,
     PAUSE_MODES,
@@ -23,11 +25,13 @@ from tokenmill.protocol.control import (
     GetWeightVersion,
     JoinWeightsGroup,
     LeaveWeightsGroup,
+    LoadLoraAdapter,
     LoadWeights,
     PauseGeneration,
     ReceiveWeights,
     ReleaseMemory,
     ResumeMemory,
+    UnloadLoraAdapter,
     WorkerAction,
     WorkerCommand,
     WorkerCommandDone,
@@ -41,14 +45,6 @@ logger = logging.getLogger(__name__)
 INITIAL_WEIGHT_VERSION = "default"  # SGLang's name for the weights a server started with
 PAUSED_DETAIL = "aborted by /pause_generation (mode abort)"
 UPDATE_ABORT_DETAIL = "aborted by a weight update (abort_all_requests)"
-
-
-class Refused(Exception):
-    """A command that cannot be carried out: its HTTP status and message."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 class ControlPlane:
@@ -99,6 +95,8 @@ class ControlPlane:
                 return self.update_weights(command)
             case ReleaseMemory() | ResumeMemory():
                 return self.memory(command)
+            case LoadLoraAdapter() | UnloadLoraAdapter():
+                return lora_control.carry_out(self, command)
             case JoinWeightsGroup() | LeaveWeightsGroup():
                 self.run_on_ranks(command)
                 return "ok"

@@ -22,6 +22,7 @@ from tokenmill.controller.config import ControllerConfig
 from tokenmill.controller.control import ControlPlane
 from tokenmill.controller.grammar import GrammarEngine
 from tokenmill.controller.kv_allocator import KvAllocator
+from tokenmill.controller.lora_registry import LoraRegistry
 from tokenmill.controller.output_processor import OutputProcessor
 from tokenmill.controller.request import Request
 from tokenmill.controller.routed_experts import RoutedExperts
@@ -32,7 +33,7 @@ from tokenmill.controller.step_timing import StepTiming
 from tokenmill.protocol.arrays import empty, pack, unpack
 from tokenmill.protocol.cluster import Authenticator, ClusterKey
 from tokenmill.protocol.control import ControlCommand, ControlReply
-from tokenmill.protocol.outputs import BatchOutput, RequestOutput
+from tokenmill.protocol.outputs import NO_ADAPTER, BatchOutput, RequestOutput
 from tokenmill.protocol.process import exit_with_parent, setup_process
 from tokenmill.protocol.requests import AbortRequest, FrontendMessage, GenerateRequest
 from tokenmill.protocol.stats import EngineReport
@@ -94,6 +95,9 @@ class Controller:
         self.checked_at_step = -1  # num_steps when the pool and tree were last checked
         self.last_busy = 0.0  # when the last step was sent
         self.next_expiry_check = 0.0
+        self.lora = (
+            LoraRegistry(config.max_loras, config.lora_modules) if config.max_loras else None
+        )
         self.control = ControlPlane(self, config.model_dir)
         self.handlers: dict[type, Callable] = {
             GenerateRequest: self.handle_generate,
@@ -248,6 +252,8 @@ class Controller:
             detail = f"{len(self.scheduler.waiting)} requests wait already (--max-queued-requests)"
             self.end(request, "rejected", detail)  # NOTE: never queued, nothing to free
             return
+        if message.lora_name and not self._bind_adapter(request):
+            return
         if message.constraint is not None and not self._start_grammar(request):
             return
         if self.speculator is not None and message.speculative:
@@ -255,6 +261,17 @@ class Controller:
         self.num_arrivals += 1
         self.requests[message.req_id] = request
         self.scheduler.waiting.append(request)
+
+    def _bind_adapter(self, request: Request) -> bool:
+        """The request's adapter slot and cache space; False (the request ended) where its
+        adapter is not loaded (unloaded since the frontend checked the name)."""
+        name = request.message.lora_name
+        adapter = None if self.lora is None else self.lora.get(name)
+        if adapter is None:
+            self.end(request, NO_ADAPTER, f"the LoRA adapter `{name}` is not loaded")
+            return False
+        request.lora_slot, request.cache_space = adapter.slot, adapter.space
+        return True
 
     def _start_grammar(self, request: Request) -> bool:
         """The request's matcher; False (the request ended with an error) where it cannot be
@@ -350,8 +367,21 @@ class Controller:
                 replica=self.config.replica,
                 weight_version=self.control.weight_version,
                 **self._spec_counts(),
+                **self._lora_counts(),
             )
         )
+
+    def _lora_counts(self) -> dict[str, object]:
+        """The adapters in use, for vLLM's lora_requests_info (a gateway routes by them)."""
+        if self.lora is None:
+            return {}
+        running = {r.message.lora_name for r in self.scheduler.running}
+        waiting = {r.message.lora_name for r in self.scheduler.waiting}
+        return {
+            "max_loras": self.lora.max_loras,
+            "lora_running": tuple(sorted(running - {""})),
+            "lora_waiting": tuple(sorted(waiting - {""})),
+        }
 
     def _spec_counts(self) -> dict[str, object]:
         if self.speculator is None:

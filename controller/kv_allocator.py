@@ -30,7 +30,7 @@ class KvAllocator:
         nothing may be reused), for admit."""
         if self.cache is None or request.max_cached_prefix <= 0:
             return None
-        return self.cache.match(request.tokens(0, request.max_cached_prefix))
+        return self.cache.match(request.tokens(0, request.max_cached_prefix), request.cache_space)
 
     def admit(self, request: Request, headroom: int, match: Match | None) -> bool:
         """Gives a waiting request its cached prefix (`match`, lookup's, the tree unchanged
@@ -66,7 +66,7 @@ class KvAllocator:
         if self.cache is None or request.num_computed_tokens == 0:
             return
         n = request.num_computed_tokens
-        match = self.cache.insert(request.tokens(0, n), request.slots[:n])
+        match = self.cache.insert(request.tokens(0, n), request.slots[:n], request.cache_space)
         self.cache.lock(match.node)
         if request.cache_node is not None:
             self.cache.unlock(request.cache_node)
@@ -80,7 +80,9 @@ class KvAllocator:
         freed."""
         n = request.num_computed_tokens if self.cache is not None else 0
         if n:
-            self.cache.insert(request.tokens(0, n), request.slots[:n])  # type: ignore[union-attr]
+            self.cache.insert(  # type: ignore[union-attr]
+                request.tokens(0, n), request.slots[:n], request.cache_space
+            )
         own_from = n if n else len(self._cached_slots(request))
         self.pool.free(request.slots[own_from:])
         if request.cache_node is not None:

@@ -4,6 +4,10 @@ Edges hold runs of token ids with the slot of each. A request that uses a cached
 locks its path (reference counts), so eviction, which frees least-recently-used unlocked
 leaves, never takes slots a running request reads. The tree owns the slots it holds; the
 slot pool sees them as used until they are evicted.
+
+Each cache space has its own root: the base model's is 0, each LoRA adapter load its own
+(controller/lora_registry.py), so that no prefix computed with one set of weights is read
+with another's.
 """
 
 from __future__ import annotations
@@ -37,11 +41,15 @@ class Match:
     node: Node  # deepest node of the match (lock it while the slots are in use)
 
 
+BASE_SPACE = 0  # the base model's cache space
+
+
 class RadixCache:
     def __init__(self, pool: IndexPool) -> None:
         self.pool = pool
         self.root = Node([], [])
-        self.root.lock_count = 1  # the root is never evicted
+        self.root.lock_count = 1  # NOTE: roots are never evicted
+        self.roots: dict[int, Node] = {BASE_SPACE: self.root}  # cache space -> its root
         self.num_cached = 0  # slots the tree holds
         self.num_locked = 0  # of those, slots on a locked path
 
@@ -49,9 +57,29 @@ class RadixCache:
     def num_evictable(self) -> int:
         return self.num_cached - self.num_locked
 
-    def match(self, tokens: list[int]) -> Match:
-        """The longest cached prefix of `tokens` (splitting an edge where the match ends)."""
-        node, slots, i = self.root, [], 0
+    def _root(self, space: int) -> Node:
+        root = self.roots.get(space)
+        if root is None:
+            root = self.roots[space] = Node([], [], lock_count=1)
+        return root
+
+    def drop_space(self, space: int) -> int:
+        """Frees every prefix cached in `space` (an adapter unloaded or replaced: none of its
+        requests may hold any); returns how many slots it freed."""
+        root = self.roots.pop(space, None)
+        if root is None:
+            return 0
+        nodes = [n for n in self._nodes_under(root) if n is not root]
+        assert all(n.lock_count == 0 for n in nodes), f"cache space {space} is in use"
+        freed = [s for n in nodes for s in n.slots]
+        self.pool.free(freed)
+        self.num_cached -= len(freed)
+        return len(freed)
+
+    def match(self, tokens: list[int], space: int = BASE_SPACE) -> Match:
+        """The longest cached prefix of `tokens` in `space` (splitting an edge where the match
+        ends)."""
+        node, slots, i = self._root(space), [], 0
         while i < len(tokens) and tokens[i] in node.children:
             child = node.children[tokens[i]]
             n = common_prefix_len(child.tokens, tokens, i)
@@ -62,11 +90,11 @@ class RadixCache:
             node.touch()
         return Match(slots, node)
 
-    def insert(self, tokens: list[int], slots: list[int]) -> Match:
-        """Caches `slots` for `tokens`. Where the tree already holds a slot for a position,
-        the tree's is kept and the caller's duplicate is freed: the returned match holds the
-        slots to use from now on."""
-        match = self.match(tokens)
+    def insert(self, tokens: list[int], slots: list[int], space: int = BASE_SPACE) -> Match:
+        """Caches `slots` for `tokens` in `space`. Where the tree already holds a slot for a
+        position, the tree's is kept and the caller's duplicate is freed: the returned match
+        holds the slots to use from now on."""
+        match = self.match(tokens, space)
         existing = len(match.slots)
         if existing < len(tokens):
             self.pool.free(
@@ -110,7 +138,7 @@ class RadixCache:
     def check_integrity(self) -> None:
         held = [s for n in self._nodes() for s in n.slots]
         assert len(held) == len(set(held)) == self.num_cached, "radix: slot held twice"
-        locked = sum(len(n.slots) for n in self._nodes() if n.lock_count > 0 and n is not self.root)
+        locked = sum(len(n.slots) for n in self._nodes() if n.lock_count > 0 and n.parent)
         assert locked == self.num_locked, f"radix: {locked} locked != {self.num_locked}"
         for node in self._nodes():
             assert node.lock_count >= 0, "radix: negative lock count"
@@ -135,7 +163,7 @@ class RadixCache:
         return upper
 
     def _add_locks(self, node: Node | None, delta: int) -> None:
-        while node is not None and node is not self.root:
+        while node is not None and node.parent is not None:
             if delta > 0 and node.lock_count == 0:
                 self.num_locked += len(node.slots)
             node.lock_count += delta
@@ -144,10 +172,14 @@ class RadixCache:
             node = node.parent
 
     def _evictable_leaf(self, node: Node) -> bool:
-        return node is not self.root and not node.children and node.lock_count == 0
+        return node.parent is not None and not node.children and node.lock_count == 0
 
     def _nodes(self) -> list[Node]:
-        out, stack = [], [self.root]
+        return [n for root in self.roots.values() for n in self._nodes_under(root)]
+
+    @staticmethod
+    def _nodes_under(root: Node) -> list[Node]:
+        out, stack = [], [root]
         while stack:
             node = stack.pop()
             out.append(node)

@@ -57,6 +57,10 @@ class Request:
     grammar: Any = None
     drafts: DraftState | None = None  # None: it never drafts (no speculation, or opted out)
     verifying: bool = False  # a step in flight verifies its drafts (its length is unknown)
+    # NOTE: its LoRA adapter (controller/lora_registry.py): the ranks' slot (-1: the base
+    # model alone) and the prefix-cache space of that adapter's load (radix_cache.py)
+    lora_slot: int = -1
+    cache_space: int = 0
 
     @staticmethod
     def from_message(message: GenerateRequest, arrival: int) -> Request:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokenmill.controller.kv_allocator import KvAllocator
@@ -258,7 +259,8 @@ class Scheduler:
         # prefix (as one slice, in C) only where that token agrees.
         last, head = tokens[need - 1], tokens[:need]
         return any(
-            len(o.prompt_ids) >= need
+            o.cache_space == request.cache_space
+            and len(o.prompt_ids) >= need
             and o.prompt_ids[need - 1] == last
             and o.prompt_ids[:need] == head
             for o in prefills
@@ -272,6 +274,13 @@ class Scheduler:
         """Every running request back to the queue, its KV released (computed tokens to the
         prefix cache), to be recomputed; how many. NOTE: no step may be in flight."""
         retracted = list(reversed(self.running))
+        for request in retracted:
+            self._preempt(request)
+        return len(retracted)
+
+    def retract_where(self, chosen: Callable[[Request], bool]) -> int:
+        """retract_all for the running requests `chosen` picks; how many."""
+        retracted = [r for r in reversed(self.running) if chosen(r)]
         for request in retracted:
             self._preempt(request)
         return len(retracted)

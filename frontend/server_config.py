@@ -11,6 +11,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import json
 import textwrap
 import typing
 from dataclasses import dataclass, field
@@ -194,12 +195,55 @@ class ScoringArgs:
 
 
 @dataclass(frozen=True)
+class LoraArgs:
+    enable_lora: bool = False
+    """Serve LoRA adapters (PEFT directories: adapter_config.json and
+    adapter_model.safetensors) on the base model: a request names one as its `model` (or
+    SGLang's `lora_path` on /generate), and batches mix adapters and the base, each row's
+    tokens and logprobs the bits it has alone. Adds POST /v1/load_lora_adapter and
+    /v1/unload_lora_adapter (docs/lora.md)."""
+    lora_modules: tuple[str, ...] = ()
+    """Adapters loaded at start, each NAME=PATH, or vLLM's JSON form '{"name": NAME,
+    "path": PATH}' (needs --enable-lora)."""
+    max_loras: int = 4
+    """Adapters the server holds at once, every one of them usable in the same batch."""
+    max_lora_rank: int = 16
+    """The largest rank an adapter may have; a larger one is refused (400)."""
+
+    def modules(self) -> tuple[tuple[str, str], ...]:
+        """--lora-modules as (name, path) pairs; ValueError naming a bad one."""
+        pairs = tuple(_lora_module(text) for text in self.lora_modules)
+        names = [name for name, _ in pairs]
+        for name in names:
+            if names.count(name) > 1:
+                raise ValueError(f"--lora-modules names the adapter {name!r} twice")
+        return pairs
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    if text.lstrip().startswith("{"):
+        try:
+            spec = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"--lora-modules {text!r}: {e}") from e
+        name, path = spec.get("name"), spec.get("path")
+    else:
+        name, _, path = text.partition("=")
+    if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+        raise ValueError(
+            f'--lora-modules {text!r}: use NAME=PATH or \'{{"name": ..., "path": ...}}\''
+        )
+    return name, path
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     model: ModelArgs = field(default_factory=ModelArgs)
     scheduler: SchedulerArgs = field(default_factory=SchedulerArgs)
     parallel: ParallelArgs = field(default_factory=ParallelArgs)
     http: HttpArgs = field(default_factory=HttpArgs)
     scoring: ScoringArgs = field(default_factory=ScoringArgs)
+    lora: LoraArgs = field(default_factory=LoraArgs)
 
     @property
     def served_model_name(self) -> str:
@@ -212,6 +256,7 @@ SECTIONS = {
     "parallel": ParallelArgs,
     "http": HttpArgs,
     "scoring": ScoringArgs,
+    "lora": LoraArgs,
 }
 
 
@@ -242,7 +287,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             default = f.default
             help_text = f"{docs.get(f.name, '')} (default: {default})"
             flag = "--" + f.name.replace("_", "-")
-            if kind is bool:
+            if typing.get_origin(hints[f.name]) is tuple:  # NOTE: a list of values
+                group.add_argument(
+                    flag, nargs="+", type=str, default=default, help=help_text, metavar="VALUE"
+                )
+            elif kind is bool:
                 group.add_argument(
                     flag, action=argparse.BooleanOptionalAction, default=default, help=help_text
                 )
@@ -255,7 +304,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def from_namespace(args: argparse.Namespace) -> ServerConfig:
     sections: dict[str, Any] = {}
     for section, cls in SECTIONS.items():
-        sections[section] = cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+        sections[section] = cls(
+            **{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+        )
     config = ServerConfig(**sections)
     validate(config)
     return config
@@ -351,7 +403,37 @@ def validate(config: ServerConfig) -> None:
         if not ok:
             raise ValueError(f"{flag}={value!r} is invalid: {fix}")
     SpeculativeConfig.parse(s.speculative_config)  # NOTE: its ValueError names the flag
+    validate_lora(config.lora, config.served_model_name)
     validate_parallel(config.parallel)
+
+
+def validate_lora(lora: LoraArgs, served_model_name: str) -> None:
+    modules = lora.modules()
+    checks: list[tuple[bool, str, object, str]] = [
+        (lora.max_loras >= 1, "--max-loras", lora.max_loras, "use 1 or more"),
+        (lora.max_lora_rank >= 1, "--max-lora-rank", lora.max_lora_rank, "use 1 or more"),
+        (
+            lora.enable_lora or not modules,
+            "--lora-modules",
+            " ".join(lora.lora_modules),
+            "add --enable-lora",
+        ),
+        (
+            len(modules) <= lora.max_loras,
+            "--lora-modules",
+            f"{len(modules)} adapters",
+            f"name at most --max-loras={lora.max_loras}, or raise it",
+        ),
+        (
+            all(name != served_model_name for name, _ in modules),
+            "--lora-modules",
+            served_model_name,
+            "give the adapter a name other than the base model's",
+        ),
+    ]
+    for ok, flag, value, fix in checks:
+        if not ok:
+            raise ValueError(f"{flag}={value!r} is invalid: {fix}")
 
 
 def validate_parallel(p: ParallelArgs) -> None:

@@ -18,6 +18,12 @@ from tokenmill.controller.config import ControllerConfig
 from tokenmill.controller.controller import Controller
 from tokenmill.controller.grammar import GrammarEngine
 from tokenmill.protocol.arrays import pack, unpack
+from tokenmill.protocol.control import (
+    ControlCommand,
+    ControlReply,
+    WorkerCommand,
+    WorkerCommandDone,
+)
 from tokenmill.protocol.outputs import BatchOutput, RequestOutput
 from tokenmill.protocol.requests import (
     Constraint,
@@ -30,6 +36,7 @@ from tokenmill.protocol.requests import (
 from tokenmill.protocol.stats import EngineReport
 from tokenmill.protocol.step import ForwardBatch, GrammarMask, StepResult, WorkerReady
 from tokenmill.tp_worker.model_runner import ModelRunner
+from tokenmill.tp_worker.worker_process import carry_out
 
 
 @dataclass(frozen=True)
@@ -61,6 +68,8 @@ class OfflineRequest:
     routed_experts_start: int = -1
     """Return the experts of positions from here (the runner's return_routed_experts);
     -1: not asked."""
+    lora_name: str = ""
+    """The LoRA adapter it runs with (the runner's max_loras; OfflineEngine's lora names)."""
 
     def message(self, req_id: str) -> GenerateRequest:
         sampling = SamplingParams(
@@ -92,6 +101,7 @@ class OfflineRequest:
             constraint=self.constraint,
             speculative=self.speculative,
             routed_experts_start=self.routed_experts_start,
+            lora_name=self.lora_name,
         )
 
 
@@ -131,8 +141,14 @@ class LocalSockets:
     """The controller's sockets, in one process: a step goes straight to `step` (a
     ModelRunner's, or a test's fake model)."""
 
-    def __init__(self, step: Callable[[ForwardBatch], StepResult]) -> None:
+    def __init__(
+        self,
+        step: Callable[[ForwardBatch], StepResult],
+        command: Callable[[WorkerCommand], WorkerCommandDone] | None = None,
+    ) -> None:
         self.step = step
+        self.command = command
+        self.replies: list[ControlReply] = []
         self.inbox: deque[FrontendMessage] = deque()
         self.outputs: list[RequestOutput] = []
         self._results: deque[StepResult] = deque()  # NOTE: computed at once, read in order
@@ -143,7 +159,11 @@ class LocalSockets:
         self.inbox.clear()
         return messages
 
-    def send_batch(self, batch: ForwardBatch) -> None:
+    def send_batch(self, batch: ForwardBatch | WorkerCommand) -> None:
+        if isinstance(batch, WorkerCommand):
+            assert self.command is not None, "this engine's ranks take no commands"
+            self._results.append(self.command(batch))  # type: ignore[arg-type]
+            return
         grammar = batch.sampling.grammar
         if grammar is not None and grammar.bitmask is None:
             self._waiting = batch  # NOTE: run once its masks come (send_mask)
@@ -165,8 +185,9 @@ class LocalSockets:
     def send_outputs(self, batch: BatchOutput) -> None:
         self.outputs += batch.outputs
 
-    def send_report(self, report: EngineReport) -> None:
-        pass
+    def send_report(self, report: EngineReport | ControlReply) -> None:
+        if isinstance(report, ControlReply):
+            self.replies.append(report)
 
 
 class OfflineEngine:
@@ -178,9 +199,13 @@ class OfflineEngine:
         enable_prefix_cache: bool = True,
         grammar: GrammarEngine | None = None,
         speculative_config: str = "",
+        lora_names: tuple[str, ...] = (),
     ) -> None:
+        """lora_names: the names of the runner's lora_modules (default: their paths)."""
         self.runner = runner
-        self.sockets = LocalSockets(runner.step)
+        self.sockets = LocalSockets(runner.step, lambda command: carry_out(runner, command))
+        modules = runner.config.lora_modules
+        names = lora_names or modules
         config = ControllerConfig(
             "",
             (),
@@ -193,6 +218,8 @@ class OfflineEngine:
             enable_prefix_cache=enable_prefix_cache,
             speculative_config=speculative_config,
             report_interval_s=3600.0,
+            max_loras=runner.config.max_loras,
+            lora_modules=tuple(zip(names, modules, strict=True)),
         )
         ready = WorkerReady(
             runner.kv_cache_tokens,
@@ -216,3 +243,11 @@ class OfflineEngine:
             self.sockets.outputs.clear()
         self.controller.kv.check_integrity([])
         return [outputs[i] for i in ids]
+
+    def control(self, make: Callable[[str], ControlCommand]) -> ControlReply:
+        """A control command (protocol/control.py) carried out between steps, as a server's
+        controller does: its reply."""
+        self.num_requests += 1
+        self.sockets.inbox.append(make(f"ctl-{self.num_requests}"))
+        self.controller.run_once()
+        return self.sockets.replies.pop()

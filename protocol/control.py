@@ -87,6 +87,24 @@ class ResumeMemory(msgspec.Struct, frozen=True, tag="resume_memory"):
     model_path: str = ""
 
 
+class LoadLoraAdapter(msgspec.Struct, frozen=True, tag="load_lora_adapter"):
+    """vLLM's /v1/load_lora_adapter: the PEFT adapter at lora_path served as lora_name. With
+    load_inplace, an adapter of that name already loaded is replaced (its requests are
+    recomputed with the new weights; its cached prefixes are dropped)."""
+
+    ctl_id: str
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False
+    slot: int = -1  # the ranks' slot to load it into (the controller fills it)
+
+
+class UnloadLoraAdapter(msgspec.Struct, frozen=True, tag="unload_lora_adapter"):
+    ctl_id: str
+    lora_name: str
+    slot: int = -1  # as LoadLoraAdapter's
+
+
 ControlCommand = (
     PauseGeneration
     | ContinueGeneration
@@ -98,6 +116,8 @@ ControlCommand = (
     | LeaveWeightsGroup
     | ReleaseMemory
     | ResumeMemory
+    | LoadLoraAdapter
+    | UnloadLoraAdapter
 )
 # NOTE: what the ranks carry out (the rest is the controller's own bookkeeping)
 WorkerAction = (
@@ -107,6 +127,8 @@ WorkerAction = (
     | LeaveWeightsGroup
     | ReleaseMemory
     | ResumeMemory
+    | LoadLoraAdapter
+    | UnloadLoraAdapter
 )
 
 

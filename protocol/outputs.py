@@ -24,6 +24,8 @@ from tokenmill.protocol.requests import DetokenizeParams
 
 # Why a request ended, in OpenAI's words ("abort" and "error" are ours).
 FINISH_REASONS = ("stop", "length", "abort", "error")
+# NOTE: a request whose LoRA adapter is not loaded when it arrives (a 404, as an unknown model)
+NO_ADAPTER = "no_adapter"
 
 
 class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True, gc=False):

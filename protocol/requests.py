@@ -81,6 +81,8 @@ class GenerateRequest(msgspec.Struct, frozen=True, tag="generate"):
     # --enable-return-routed-experts: the experts of positions [routed_experts_start,
     # prompt + output - 1) come back with the request's last output; -1: not asked
     routed_experts_start: int = -1
+    # --enable-lora: the adapter it runs with (its name, as `model` names it); "": the base
+    lora_name: str = ""
 
 
 class AbortRequest(msgspec.Struct, frozen=True, tag="abort"):

@@ -28,3 +28,7 @@ class EngineReport(msgspec.Struct, frozen=True, tag="engine_report"):
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
     weight_version: str = "default"  # the weights in force (protocol/control.py)
+    # --enable-lora: adapter slots, and the adapters of running and of waiting requests
+    max_loras: int = 0
+    lora_running: tuple[str, ...] = ()
+    lora_waiting: tuple[str, ...] = ()

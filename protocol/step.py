@@ -137,6 +137,9 @@ class ForwardBatch(msgspec.Struct, frozen=True, tag="forward"):
     # run a draft model (RunnerConfig.draft_model), the drafts in input_ids are placeholders
     # that it writes before the target's forward pass.
     num_drafts: Array | None = None  # [B] int32; None = no row has a draft
+    # --enable-lora: [B] int32 the adapter slot each row runs with (-1: the base model alone);
+    # None = no row has an adapter
+    lora_slots: Array | None = None
 
 
 class GrammarMask(msgspec.Struct, frozen=True, tag="grammar_mask"):

@@ -28,9 +28,13 @@ def make_engine(
     speculative_config: str = "",
     grammar: bool = False,
     routed_experts: bool = False,
+    loras: dict[str, Path] | None = None,
+    max_loras: int = 4,
+    max_lora_rank: int = 16,
 ) -> OfflineEngine:
     """grammar: with the grammar engine, for constrained requests; routed_experts: each
-    MoE token's experts kept (--enable-return-routed-experts)."""
+    MoE token's experts kept (--enable-return-routed-experts); loras: LoRA on (max_loras
+    slots), with these adapters (name -> PEFT directory) loaded."""
     config = RunnerConfig(
         model=str(model),
         kv_cache_tokens=rows * 512,
@@ -43,6 +47,9 @@ def make_engine(
         logprobs_mode=logprobs_mode,
         return_routed_experts=routed_experts,
         draft_model=spec.model if (spec := SpeculativeConfig.parse(speculative_config)) else "",
+        max_loras=max_loras if loras is not None else 0,
+        max_lora_rank=max_lora_rank,
+        lora_modules=tuple(str(path) for path in (loras or {}).values()),
     )
     runner = ModelRunner(config)
     return OfflineEngine(
@@ -54,6 +61,7 @@ def make_engine(
         grammar=GrammarEngine.for_checkpoint(str(model), runner.model_config.eos_token_ids)
         if grammar
         else None,
+        lora_names=tuple(loras or ()),
     )
 
 

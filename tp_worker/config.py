@@ -52,6 +52,12 @@ class RunnerConfig:
     return_routed_experts: bool = False
     """Each step's result carries the experts every token it computed was routed to
     (--enable-return-routed-experts; a mixture-of-experts model only)."""
+    max_loras: int = 0
+    """--enable-lora: adapter slots, LoRA adapters held at once (--max-loras); 0: LoRA off."""
+    max_lora_rank: int = 16
+    """The largest rank an adapter may have (--max-lora-rank)."""
+    lora_modules: tuple[str, ...] = ()
+    """The adapters loaded at start (PEFT directories), into slots 0, 1, ... in order."""
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from tokenmill.protocol.arrays import unpack
-from tokenmill.protocol.control import WorkerAction
+from tokenmill.protocol.control import LoadLoraAdapter, UnloadLoraAdapter, WorkerAction
 from tokenmill.protocol.step import ForwardBatch, RoutingShape, StepResult
 from tokenmill.tp_worker.config import RunnerConfig
 from tokenmill.tp_worker.cpu import ops as cpu_ops
@@ -33,6 +33,9 @@ from tokenmill.tp_worker.model.attention import plan_attention, plan_last_layer
 from tokenmill.tp_worker.model.config import ModelConfig, load_model_config
 from tokenmill.tp_worker.model.decoder import CausalLM, local_kv_heads
 from tokenmill.tp_worker.model.draft import DraftModel
+from tokenmill.tp_worker.model.lora_checkpoint import BadAdapter
+from tokenmill.tp_worker.model.lora_rows import LoraRows
+from tokenmill.tp_worker.model.lora_slots import LoraSlots
 from tokenmill.tp_worker.model.parallel import TpGroup
 from tokenmill.tp_worker.model.routing_log import RoutingLog
 from tokenmill.tp_worker.model.weights import dummy_weights, load_weights
@@ -40,9 +43,11 @@ from tokenmill.tp_worker.sample.logprobs import ScoredPositions, default_chunk_s
 from tokenmill.tp_worker.sample.penalties import LogitAdjuster
 from tokenmill.tp_worker.step_inputs import StepInputs, StepInputsBuilder
 from tokenmill.tp_worker.step_outputs import StepOutputs, score_sampled
-from tokenmill.tp_worker.weight_update import WeightUpdater
+from tokenmill.tp_worker.weight_update import BadWeights, WeightUpdater
 
 logger = logging.getLogger(__name__)
+# NOTE: the prompt positions' final hidden states [P, hidden] and their rows' adapters
+PromptStates = tuple[torch.Tensor, LoraRows | None]
 
 
 class ModelRunner:
@@ -68,6 +73,7 @@ class ModelRunner:
         )
         if self.cpu_kernels:
             self.model.use_cpu_kernels()
+        self.lora_slots = self._lora_slots()
         self.attention_backend = pick_attention_backend(config.attention_backend, self.cpu_kernels)
         if self.attention_backend == "triton":
             self.model.use_triton_kernels()  # NOTE: the Triton backend's dense layers too
@@ -114,6 +120,24 @@ class ModelRunner:
         self.max_model_len = min(config.max_model_len, self.kv_cache_tokens)
         self.allocate_kv()
         self._allocate_table(config.max_running_requests)
+
+    def _lora_slots(self) -> LoraSlots | None:
+        """--enable-lora: the adapter slots, with the adapters given at start in the first."""
+        config = self.config
+        if not config.max_loras:
+            return None
+        if len(config.lora_modules) > config.max_loras:
+            raise ValueError(
+                f"--lora-modules names {len(config.lora_modules)} adapters, more than "
+                f"--max-loras {config.max_loras}"
+            )
+        slots = LoraSlots(self.model, config.max_loras, config.max_lora_rank)
+        for slot, path in enumerate(config.lora_modules):
+            try:
+                slots.load(slot, path)
+            except BadAdapter as e:
+                raise ValueError(f"--lora-modules {path}: {e}") from e
+        return slots
 
     def _routing_log(self) -> RoutingLog | None:
         """--enable-return-routed-experts: the log the MoE layers fill each forward pass."""
@@ -211,10 +235,25 @@ class ModelRunner:
 
     def carry_out(self, action: WorkerAction) -> None:
         """A control command (protocol/control.py): new weights, memory released or taken
-        back. Raises BadWeights where the caller's weights do not fit."""
+        back, an adapter loaded or unloaded. Raises BadWeights where the caller's weights do
+        not fit."""
+        if isinstance(action, (LoadLoraAdapter, UnloadLoraAdapter)):
+            self._lora_action(action)
+            return
         if self.updater is None:
             self.updater = WeightUpdater(self)
         self.updater.carry_out(action)
+
+    def _lora_action(self, action: LoadLoraAdapter | UnloadLoraAdapter) -> None:
+        if self.lora_slots is None:
+            raise BadWeights("LoRA is off: start the server with --enable-lora")
+        try:
+            if isinstance(action, LoadLoraAdapter):
+                self.lora_slots.load(action.slot, action.lora_path)
+            else:
+                self.lora_slots.unload(action.slot)
+        except BadAdapter as e:
+            raise BadWeights(str(e)) from e
 
     def _kv_bytes_per_token(self) -> int:
         heads = local_kv_heads(self.model_config, self.group)
@@ -314,10 +353,10 @@ class ModelRunner:
             rows, positions = inputs.token_rows.numpy(), inputs.positions.numpy()
             self.host_table[rows, positions] = inputs.out_slots.numpy()
 
-    def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """The final hidden states [P, hidden] of the prompt positions scored (None where the
-        step scores none) and the float32 logits [B, V] of each row's last position (timed
-        under --step-timing: the model's share of a step)."""
+    def _forward(self, inputs: StepInputs) -> tuple[PromptStates | None, torch.Tensor]:
+        """The final hidden states [P, hidden] of the prompt positions scored, with their
+        adapters (None where the step scores none), and the float32 logits [B, V] of each
+        row's last position (timed under --step-timing: the model's share of a step)."""
         self._write_table(inputs)
         attention = plan_attention(
             self.table,
@@ -341,10 +380,18 @@ class ModelRunner:
             last = (last_plan, kept.index)
         else:
             kept = None
+        lora = LoraRows.of(inputs.lora_token_slots, self.device)
         started = time.perf_counter()
-        hidden = self.model(inputs.input_ids, inputs.positions, attention, self.kv_cache, last)
+        hidden = self.model(
+            inputs.input_ids, inputs.positions, attention, self.kv_cache, last, lora
+        )
+        if lora is not None and kept is not None:
+            lora = lora.take(kept.index)
         last_index = inputs.last_index if kept is None else kept.last_index
-        logits = self.model.logits(hidden if last_index is None else hidden[last_index])
+        logits = self.model.logits(
+            hidden if last_index is None else hidden[last_index],
+            None if lora is None else lora.take(last_index),
+        )
         if self.time_forward:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -352,14 +399,21 @@ class ModelRunner:
         if not inputs.prompt_rows.numel():
             return None, logits  # NOTE: most steps; an empty gather costs a cold torch call
         prompt_index = inputs.prompt_hidden_index if kept is None else kept.prompt_index
-        return hidden[prompt_index], logits
+        prompt_lora = None if lora is None else lora.take(prompt_index)
+        return (hidden[prompt_index], prompt_lora), logits
 
-    def _score_prompt(self, inputs: StepInputs, hidden: torch.Tensor) -> ScoredPositions:
-        """hidden [P, hidden]: the states of inputs.prompt_hidden_index."""
+    def _score_prompt(self, inputs: StepInputs, states: PromptStates) -> ScoredPositions:
+        """states: the hidden states [P, hidden] of inputs.prompt_hidden_index and their
+        adapters."""
+        hidden, lora = states
+
+        def logits(chunk: torch.Tensor, rows: slice) -> torch.Tensor:
+            return self.model.logits(chunk, None if lora is None else lora.take(rows))
+
         return score_prompt(
             hidden,
             inputs.prompt_targets,
-            self.model.logits,
+            logits,
             inputs.prompt_num_top,
             self.prompt_chunk,
             *self.row_kernels,

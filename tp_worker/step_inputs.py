@@ -224,6 +224,10 @@ class StepInputs:
     last_layer: LastLayerRows | None  # None: every token's final hidden state is kept
     verify: VerifyPlan | None = None  # None: no row has drafts
     host: HostRows | None = None  # None: the rows are on the device only
+    # NOTE: each row's and each new token's adapter slot (ForwardBatch.lora_slots); None:
+    # no row has one
+    lora_row_slots: np.ndarray | None = None  # [B] int32
+    lora_token_slots: np.ndarray | None = None  # [T] int32
 
     @staticmethod
     def from_batch(batch: ForwardBatch, up: Upload) -> StepInputs:
@@ -247,6 +251,7 @@ class StepInputs:
             ids = unpack(batch.input_ids).astype(np.int64)
             verify = VerifyPlan.plan(drafts, starts_np, prefix_np, extend_np, ids, up)
         logit_index = suffix_index(starts_np, extend_np, logit_lens)
+        lora = None if batch.lora_slots is None else unpack(batch.lora_slots).astype(np.int32)
         return StepInputs(
             input_ids=_tensor(batch.input_ids, up),
             positions=up(positions),
@@ -288,6 +293,8 @@ class StepInputs:
             ),
             verify=verify,
             host=host,
+            lora_row_slots=lora,
+            lora_token_slots=None if lora is None else np.repeat(lora, extend_np),
         )
 
     def next_tokens(self, batch: ForwardBatch, up: Upload) -> StepInputs:
@@ -336,6 +343,7 @@ class StepInputs:
             input_ids=sampled,
             last_layer=None,
             host=None if self.host is None else self.host.next_decode(),
+            lora_token_slots=self.lora_row_slots,
         )
 
 
@@ -392,6 +400,7 @@ def _same_rows(batch: ForwardBatch, last: ForwardBatch) -> bool:
         and batch.is_prefill == last.is_prefill
         and batch.sampling == last.sampling
         and batch.logprobs == last.logprobs
+        and batch.lora_slots == last.lora_slots
     )
 
 

@@ -20,6 +20,7 @@ import numpy as np
 from msgspec import Meta
 
 from tokenmill.frontend.api.chat_template import ChatTemplate
+from tokenmill.frontend.api.lora_names import LoraNames
 from tokenmill.frontend.api.rerank_prompt import RerankPrompt
 from tokenmill.frontend.tokenizer import Tokenizer
 from tokenmill.protocol.arrays import pack
@@ -99,6 +100,7 @@ class RequestContext:
     logprobs_mode: str = "raw"  # --logprobs-mode: a request's without `logprobs_mode`
     reasoning_parser: str = ""  # --reasoning-parser; "": answers are not split
     routed_experts: bool = False  # --enable-return-routed-experts
+    adapters: LoraNames | None = None  # --enable-lora: the adapters a request may name
 
 
 @dataclass(frozen=True)
@@ -186,14 +188,25 @@ def new_id(prefix: str) -> str:
 
 
 def check_model(model: str | None, ctx: RequestContext) -> str:
-    if model is not None and model != ctx.served_model_name:
-        raise ApiError(
-            f"The model `{model}` does not exist; this server serves `{ctx.served_model_name}`.",
-            "model",
-            status=404,
-            code="model_not_found",
-        )
-    return ctx.served_model_name
+    """The model a request names: the served model (also where it names none) or, with
+    --enable-lora, a loaded adapter; else a 404."""
+    if model is None or model == ctx.served_model_name:
+        return ctx.served_model_name
+    if ctx.adapters is not None and model in ctx.adapters:
+        return model
+    adapters = "" if ctx.adapters is None else "".join(f", `{a}`" for a in ctx.adapters.paths)
+    raise ApiError(
+        f"The model `{model}` does not exist; this server serves `{ctx.served_model_name}`"
+        f"{adapters}.",
+        "model",
+        status=404,
+        code="model_not_found",
+    )
+
+
+def lora_of(model: str, ctx: RequestContext) -> str:
+    """The adapter a checked model name runs (check_model's answer), "" for the base."""
+    return "" if model == ctx.served_model_name else model
 
 
 def is_token_ids(value: Any) -> bool:
@@ -282,9 +295,12 @@ def build_choices(
     prompt_texts: list[str | None],
     opts: PromptOptions,
     ctx: RequestContext,
+    lora: str | list[str] = "",
 ) -> list[Choice]:
     """One GenerateRequest per prompt and choice; choice j of a prompt samples with seed + j,
-    so a prompt in a batch gets what it would get alone with the same seed."""
+    so a prompt in a batch gets what it would get alone with the same seed. `lora`: the
+    adapter every prompt runs with, or each prompt's ("": the base model)."""
+    loras = [lora] * len(prompts) if isinstance(lora, str) else lora
     if len(prompts) * opts.n > MAX_CHOICES:
         raise ApiError(
             f"{len(prompts)} prompts x n={opts.n} is more than {MAX_CHOICES} choices", "n"
@@ -324,6 +340,7 @@ def build_choices(
                 constraint=opts.constraint,
                 speculative=opts.speculative,
                 routed_experts_start=opts.routed_experts_start,
+                lora_name=loras[p],
             )
             choices.append(Choice(index, request, p, ids, text))
     return choices

@@ -34,6 +34,7 @@ from tokenmill.frontend.api.common import (
     decode_body,
     is_token_ids,
     logprobs_processed,
+    lora_of,
     new_id,
     routed_experts_start,
     stop_strings,
@@ -77,6 +78,8 @@ class NativeSampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class GenerateBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None  # not in SGLang's body; checked like the OpenAI APIs' when given
+    # SGLang's: the adapter (by its name) every prompt runs with, or each prompt's
+    lora_path: str | list[str | None] | None = None
     text: str | list[str] | None = None
     input_ids: Any = None  # list[int] | list[list[int]], checked by `_prompts`
     sampling_params: NativeSampling | None = None
@@ -177,10 +180,26 @@ def _options(body: GenerateBody, ctx: RequestContext) -> PromptOptions:
     )
 
 
+def _lora(
+    asked: str | list[str | None] | None, num_prompts: int, model: str, ctx: RequestContext
+) -> list[str]:
+    """Each prompt's adapter: SGLang's `lora_path` (one name, or one per prompt; None is the
+    base model), else the one `model` names."""
+    if asked is None:
+        return [model] * num_prompts
+    names = [asked] * num_prompts if isinstance(asked, str) else asked
+    if len(names) != num_prompts:
+        raise ApiError(
+            f"lora_path names {len(names)} adapters for {num_prompts} prompts", "lora_path"
+        )
+    return [check_model(name, ctx) if name else "" for name in names]
+
+
 def parse_generate(raw: bytes, ctx: RequestContext) -> ParsedRequest:
     body = decode_body(raw, GenerateBody)
-    check_model(body.model, ctx)
+    model = check_model(body.model, ctx)
     prompts, batched = _prompts(body, ctx)
+    lora = _lora(body.lora_path, len(prompts), lora_of(model, ctx), ctx)
     opts = _options(body, ctx)
     for ids in prompts:
         start = opts.logprobs.prompt_start
@@ -195,7 +214,7 @@ def parse_generate(raw: bytes, ctx: RequestContext) -> ParsedRequest:
         opts = replace(opts, max_tokens=max(0, min(DEFAULT_MAX_NEW_TOKENS, room)))
     # NOTE: `rid` is accepted but not used as the engine id, which must be unique.
     response_id = new_id("gen")
-    choices = build_choices(response_id, prompts, [None] * len(prompts), opts, ctx)
+    choices = build_choices(response_id, prompts, [None] * len(prompts), opts, ctx, lora)
     return ParsedRequest(
         api="generate",
         response_id=response_id,

@@ -37,6 +37,7 @@ from tokenmill.frontend.api.common import (
     check_token_ids,
     decode_body,
     is_token_ids,
+    lora_of,
     new_id,
 )
 from tokenmill.protocol.arrays import pack
@@ -206,6 +207,7 @@ def _parsed(
             logprobs=logprobs,
             detokenize=detokenize,
             shared_prefix_len=shared,
+            lora_name=lora_of(model, ctx),
         )
         choices.append(Choice(i, request, i, ids, None))
     return ParsedRequest(api="score", response_id=response_id, model=model, choices=choices)

@@ -8,6 +8,7 @@ registry, so that several apps in one process (tests) do not share counters.
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import (
@@ -158,7 +159,9 @@ class VllmGauges(Collector):
 
     def collect(self) -> Iterator[Metric]:
         stats = self.stats()
-        replicas = list(enumerate(stats.per_replica())) if stats.replicas else [(None, stats)]
+        replicas: list[tuple[int | None, EngineStats]] = (
+            list(enumerate(stats.per_replica())) if stats.replicas else [(None, stats)]
+        )
         for name, help_text, value in (
             ("vllm:num_requests_running", "Requests being decoded.", _running),
             ("vllm:num_requests_waiting", "Requests waiting to be started.", _waiting),
@@ -170,6 +173,30 @@ class VllmGauges(Collector):
                 engine = [] if d is None else [str(d)]
                 family.add_metric([self.model_name, *engine], value(replica))
             yield family
+        yield from _lora_info(replicas)
+
+
+def _lora_info(replicas: list[tuple[int | None, EngineStats]]) -> Iterator[Metric]:
+    """vLLM's lora_requests_info (--enable-lora): the adapters of running and of waiting
+    requests, comma-separated in labels; its value the time of the engine's last report, so
+    that a reader takes the newest sample (as vLLM's)."""
+    if not any(r.lora for _, r in replicas):
+        return
+    labels = ["max_lora", "running_lora_adapters", "waiting_lora_adapters"]
+    if replicas[0][0] is not None:
+        labels.append("engine")
+    family = GaugeMetricFamily(
+        "vllm:lora_requests_info", "Running stats on LoRA requests.", labels=labels
+    )
+    now = time.time()
+    for d, replica in replicas:
+        if replica.lora is not None:
+            slots, running, waiting = replica.lora
+            engine = [] if d is None else [str(d)]
+            values = [str(slots), ",".join(running), ",".join(waiting), *engine]
+            age = time.monotonic() - replica.last_report
+            family.add_metric(values, now - age)
+    yield family
 
 
 def _spec_metrics(stats: EngineStats, replicas: list[EngineStats]) -> Iterator[Metric]:

@@ -19,6 +19,7 @@ from tokenmill.frontend.api.responses_requests import ResponsesBody
 from tokenmill.frontend.api.scoring import RerankBody, ScoreBody
 from tokenmill.frontend.api.tokenize import DetokenizeBody, TokenizeBody
 from tokenmill.frontend.app.control_routes import CONTROL_ROUTES, ControlResponse
+from tokenmill.frontend.app.lora_routes import LORA_ROUTES
 
 # --- response shapes -------------------------------------------------------------------
 
@@ -180,6 +181,7 @@ class ModelCard(Shape):
     owned_by: str
     root: str
     max_model_len: int
+    parent: str | None = None  # a LoRA adapter's base model (--enable-lora)
 
 
 class ModelList(Shape):
@@ -312,7 +314,7 @@ ROUTES: list[Route] = [
      TokenizeBody, TokenizeResponse, False),
     ("/detokenize", "post", "Token ids as text (vLLM)", DetokenizeBody, DetokenizeResponse,
      False),
-    ("/v1/models", "get", "The served model", None, ModelList, False),
+    ("/v1/models", "get", "The served model (and its LoRA adapters)", None, ModelList, False),
     ("/health", "get", "200 while the engine steps; 503 when it does not or on drain", None,
      Health, False),
 ]  # fmt: skip
@@ -326,9 +328,15 @@ ERRORS = {
 }
 
 
-def openapi_document(rl_control: bool = False) -> dict[str, Any]:
-    """The routes served; with `rl_control` (--enable-rl-control), the control routes too."""
+def openapi_document(rl_control: bool = False, lora: bool = False) -> dict[str, Any]:
+    """The routes served; with `rl_control` (--enable-rl-control), the control routes too;
+    with `lora` (--enable-lora), the LoRA routes."""
     routes = list(ROUTES)
+    if lora:
+        routes += [
+            (path, method, summary, body, str, False)
+            for path, (method, summary, body) in LORA_ROUTES.items()
+        ]
     if rl_control:
         routes += [
             (path, method, summary, body, ControlResponse, False)

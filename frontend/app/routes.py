@@ -22,6 +22,7 @@ from aiohttp import web
 from tokenmill.frontend.api.chat_template import ChatTemplate, template_source
 from tokenmill.frontend.api.common import ApiError, Choice, ParsedRequest, RequestContext
 from tokenmill.frontend.api.constraints import GrammarValidator
+from tokenmill.frontend.api.lora_names import LoraNames
 from tokenmill.frontend.api.native_requests import parse_generate
 from tokenmill.frontend.api.native_responses import NativeResponder
 from tokenmill.frontend.api.openai_requests import ChatMessage, parse_chat, parse_completion
@@ -47,6 +48,7 @@ from tokenmill.frontend.api.scoring import (
 from tokenmill.frontend.api.tokenize import detokenize, tokenize
 from tokenmill.frontend.app.auth import auth_middleware
 from tokenmill.frontend.app.control_routes import ControlApi
+from tokenmill.frontend.app.lora_routes import LoraApi
 from tokenmill.frontend.app.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from tokenmill.frontend.app.metrics import ApiMetrics
 from tokenmill.frontend.app.openapi import openapi_document
@@ -54,7 +56,7 @@ from tokenmill.frontend.app.response_store import ResponseStore
 from tokenmill.frontend.engine.client import EngineClient, EngineDeadError
 from tokenmill.frontend.server_config import ServerConfig
 from tokenmill.frontend.tokenizer import Tokenizer
-from tokenmill.protocol.outputs import DetokenizedOutput
+from tokenmill.protocol.outputs import NO_ADAPTER, DetokenizedOutput
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +182,9 @@ class HttpApi:
         self.ctx = ctx
         self.metrics = ApiMetrics(lambda: engine.stats, ctx.served_model_name)
         self.created = int(time.time())
-        self.openapi_json = msgspec.json.encode(openapi_document(config.http.enable_rl_control))
+        self.openapi_json = msgspec.json.encode(
+            openapi_document(config.http.enable_rl_control, config.lora.enable_lora)
+        )
         self.stored = ResponseStore(config.http.max_stored_responses)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -216,7 +220,13 @@ class HttpApi:
             "root": self.config.model.model or self.ctx.served_model_name,
             "max_model_len": self.ctx.max_model_len,
         }
-        return json_response({"object": "list", "data": [model]})
+        # NOTE: vLLM's entries for adapters: the adapter's path as root, the base as parent
+        adapters = self.ctx.adapters.paths if self.ctx.adapters is not None else {}
+        data = [model] + [
+            {**model, "id": name, "root": path, "parent": self.ctx.served_model_name}
+            for name, path in adapters.items()
+        ]
+        return json_response({"object": "list", "data": data})
 
     async def health(self, request: web.Request) -> web.Response:
         if self.engine.stats.healthy() and not self.engine.draining:
@@ -321,7 +331,13 @@ class HttpApi:
                 if first and out.token_ids:
                     first_token[index] = now
                 self.metrics.on_output(out, now - start, first)
-                if out.finish_reason in ("error", "rejected", "queue_timeout", "paused"):
+                if out.finish_reason in (
+                    "error",
+                    "rejected",
+                    "queue_timeout",
+                    "paused",
+                    NO_ADAPTER,
+                ):
                     raise _engine_refusal(out)
                 if out.finish_reason is not None and out.num_output_tokens > 1:
                     tpot = (now - first_token.get(index, now)) / (out.num_output_tokens - 1)
@@ -398,6 +414,8 @@ def _engine_refusal(out: DetokenizedOutput) -> ApiError:
     if out.finish_reason == "paused":
         message = f"the request was {out.finish_detail}"
         return ApiError(message, status=503, type="server_error", code="generation_paused")
+    if out.finish_reason == NO_ADAPTER:
+        return ApiError(str(out.finish_detail), "model", status=404, code="model_not_found")
     if out.finish_reason == "queue_timeout":
         message = f"the server is overloaded: the request was {out.finish_detail}"
         return ApiError(message, status=503, type="server_error", code="queue_timeout")
@@ -468,6 +486,7 @@ def build_app(
         logprobs_mode=config.scheduler.logprobs_mode,
         reasoning_parser=config.http.reasoning_parser,
         routed_experts=config.scheduler.enable_return_routed_experts,
+        adapters=LoraNames.of(config.lora.modules()) if config.lora.enable_lora else None,
     )
     api = HttpApi(config, engine, ctx)
     middlewares = [_error_middleware(api.metrics)]
@@ -493,6 +512,8 @@ def build_app(
     app.router.add_get("/openapi.json", api.openapi)
     if config.http.enable_rl_control:
         ControlApi(engine).add_routes(app)
+    if config.lora.enable_lora:
+        LoraApi(engine, ctx).add_routes(app)
     return app
 
 

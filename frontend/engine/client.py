@@ -35,6 +35,8 @@ class EngineStats:
     # drafts, and kept drafts by position; None while the engine does not speculate
     spec: tuple[int, int, int, tuple[int, ...]] | None = None
     weight_version: str = "default"  # the weights in force (the RL control plane's)
+    # --enable-lora (EngineReport.max_loras, lora_*): slots, adapters running and waiting
+    lora: tuple[int, tuple[str, ...], tuple[str, ...]] | None = None
     # time.monotonic() of the controller's last report (it reports between steps)
     last_report: float = field(default_factory=time.monotonic)
     extra: dict[str, float] = field(default_factory=dict)

@@ -173,6 +173,8 @@ def controller_config(
         replica=replica,
         max_queued_requests=s.max_queued_requests,
         queue_timeout_s=s.queue_timeout,
+        max_loras=config.lora.max_loras if config.lora.enable_lora else 0,
+        lora_modules=config.lora.modules(),
     )
 
 
@@ -209,6 +211,9 @@ def runner_config(
         load_format=m.load_format,
         attention_backend=m.attention_backend,
         return_routed_experts=s.enable_return_routed_experts,
+        max_loras=config.lora.max_loras if config.lora.enable_lora else 0,
+        max_lora_rank=config.lora.max_lora_rank,
+        lora_modules=tuple(path for _, path in config.lora.modules()),
     )
 
 

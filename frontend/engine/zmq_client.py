@@ -191,6 +191,8 @@ class ZmqEngineClient:
                 report.spec_accepted_per_pos,
             )
         s.extra["prefix_cache_tokens"] = report.prefix_cached_tokens
+        if report.max_loras:
+            s.lora = (report.max_loras, report.lora_running, report.lora_waiting)
         self.stats.weight_version = report.weight_version
         s.extra.update(report.step_timing)
         s.last_report = time.monotonic()

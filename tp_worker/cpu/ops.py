@@ -174,14 +174,33 @@ class PackedLinear:
             if self.glu
             else x.new_empty(x.shape[0], width, dtype=dtype)
         )
-        ldc = row_stride(out)
         if residual is not None:
             assert residual.shape == out.shape and residual.dtype == out.dtype, residual.shape
             residual = residual.contiguous()
             # NOTE: the kernel reads residual with out's row stride.
-            assert row_stride(residual) == ldc, (residual.stride(), out.stride())
-        if x.shape[0] == 0:
+            assert row_stride(residual) == row_stride(out), (residual.stride(), out.stride())
+        self._run(x, out, residual, ACTIVATION_CODES[self.activation] if self.glu else 0)
+        return out
+
+    def float_sums(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T (+ b) [M, N] in float32, unrounded, the weight's rows in their own order (a
+        glu layer's too: gate then up, before the activation), each element the bits the
+        epilogues start from."""
+        assert x.dtype == self.dtype and x.dim() == 2 and x.shape[-1] == self.in_features
+        x = product_input(x)
+        out = x.new_empty(x.shape[0], self.out_features, dtype=torch.float32)
+        self._run(x, out, None, 0)
+        if not self.glu:
             return out
+        # NOTE: the panels hold 16 gate then 16 up features each (gate_up_panels)
+        rows = out.shape[0]
+        return out.view(rows, -1, 2, PANEL // 2).transpose(1, 2).reshape(rows, -1)
+
+    def _run(
+        self, x: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None, act: int
+    ) -> None:
+        if x.shape[0] == 0:
+            return
         lib = library()
         status = (lib.tm_linear_amx if self.amx else lib.tm_linear)(
             x.data_ptr(),
@@ -192,14 +211,13 @@ class PackedLinear:
             self.out_features,
             None if self.bias is None else self.bias.data_ptr(),
             out.data_ptr(),
-            ldc,
+            row_stride(out),
             DTYPE_CODES[x.dtype],
             DTYPE_CODES[out.dtype],
             None if residual is None else residual.data_ptr(),
-            ACTIVATION_CODES[self.activation] if self.glu else 0,
+            act,
         )
         assert status == 0, f"tm_linear: unsupported {x.dtype} -> {out.dtype}"
-        return out
 
 
 def rms_norm_cpu(
@@ -391,3 +409,33 @@ def rope_store_cpu(
     )
     assert status == 0, f"tm_rope_store_partial: unsupported {qkv.dtype} or rotary width {rot}"
     return q
+
+
+# NOTE: csrc/lora.cpp's table layout: per adapter slot, A's address and its rank, then up to
+# LORA_SEGMENTS (B's address, first column, width, first u, rank) for a fused projection's parts
+LORA_SEGMENTS = 3
+LORA_TABLE_WORDS = 2 + 5 * LORA_SEGMENTS
+LORA_SHRINK, LORA_EXPAND = 1, 2
+
+
+def lora_cpu(
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    table: torch.Tensor,
+    u: torch.Tensor,
+    y: torch.Tensor,
+    mode: int = LORA_SHRINK | LORA_EXPAND,
+) -> None:
+    """In place, through csrc/lora.cpp: u [M, R] = A x for each row of x [M, K] with an
+    adapter slot (slots [M] int32, -1: none), then y [M, N] (float32) += B u per segment of
+    the slot's entry in table [S, LORA_TABLE_WORDS] (int64); `mode` one half or both."""
+    assert slots.dtype == torch.int32 and table.dtype == torch.int64
+    assert u.dtype == y.dtype == torch.float32 and u.stride(1) == 1 and y.stride(1) == 1
+    assert x.stride(1) == 1 and x.dtype in DTYPE_CODES
+    slots, table = slots.contiguous(), table.contiguous()
+    status = library().tm_lora(
+        x.data_ptr(), x.shape[0], x.shape[1], row_stride(x), DTYPE_CODES[x.dtype],
+        slots.data_ptr(), table.shape[0], table.data_ptr(), u.data_ptr(), row_stride(u),
+        y.data_ptr(), row_stride(y), mode,
+    )  # fmt: skip
+    assert status == 0, f"tm_lora: {status} (dtype {x.dtype})"

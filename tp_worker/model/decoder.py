@@ -31,6 +31,8 @@ from tokenmill.tp_worker.cuda.linear import triton_linear
 from tokenmill.tp_worker.model.attention import Attention
 from tokenmill.tp_worker.model.config import ModelConfig, layer_window
 from tokenmill.tp_worker.model.layer_attention import LayerAttention
+from tokenmill.tp_worker.model.lora import EmbeddingLora, ProjectionLora
+from tokenmill.tp_worker.model.lora_rows import LoraRows
 from tokenmill.tp_worker.model.moe import SparseMoe
 from tokenmill.tp_worker.model.parallel import (
     ShardedLinear,
@@ -228,13 +230,18 @@ class DecoderLayer(nn.Module):
         return x.to(self.qkv_proj.weight.dtype)
 
     def add_output(
-        self, proj: ShardedLinear, rows: torch.Tensor, x: torch.Tensor, norm: RMSNorm | None
+        self,
+        proj: ShardedLinear,
+        rows: torch.Tensor,
+        x: torch.Tensor,
+        norm: RMSNorm | None,
+        lora: LoraRows | None = None,
     ) -> torch.Tensor:
         """x + proj(rows): in proj's epilogue, or, with an output norm (OLMo 2), x + the norm
         of proj(rows) rounded to the model's dtype."""
         if norm is None:
-            return proj(rows, residual=x)
-        out = proj(rows)
+            return proj(rows, residual=x, lora=lora)
+        out = proj(rows, lora=lora)
         if norm.cpu_kernel:
             x = x.contiguous()
             norm_add_cpu(x, out, norm.weight, norm.eps)
@@ -248,28 +255,33 @@ class DecoderLayer(nn.Module):
         attention: Attention,
         kv: tuple[torch.Tensor, torch.Tensor],
         keep: torch.Tensor | None = None,
+        lora: LoraRows | None = None,
     ) -> torch.Tensor:
         """x [T, hidden] float32 -> [T, hidden] float32; with `keep` [K] (the tokens
-        `attention` attends), every token's key and value into the cache and [K, hidden] out."""
+        `attention` attends), every token's key and value into the cache and [K, hidden] out.
+        `lora`: the rows' adapters (lora_rows.py; None: the base model's alone)."""
         normed = self.layer_input(x, self.input_layernorm)
         rest = (cos_sin, kv, self.num_heads, self.num_kv_heads, self.attention_settings)
-        if keep is not None and self.kv_kernel is not None:
+        # NOTE: kv_kernel's k and v are the base's: with adapters, every row's through qkv_proj
+        if keep is not None and self.kv_kernel is not None and lora is None:
             assert isinstance(attention, PagedAttention)
             kept = self.norm_heads(self.qkv_proj(normed[keep]), self.num_heads, 0)
             kv_rows = self.norm_heads(self.kv_kernel(normed), 0, self.num_kv_heads)
             attended = attention.attend_projection(kept, *rest, kv_rows=kv_rows)
         else:
-            qkv = self.norm_heads(self.qkv_proj(normed), self.num_heads, self.num_kv_heads)
+            qkv = self.qkv_proj(normed, lora=lora)
+            qkv = self.norm_heads(qkv, self.num_heads, self.num_kv_heads)
             attended = attention.attend_projection(qkv, *rest)
         if keep is not None:
             x = x[keep]
-        x = self.add_output(self.o_proj, attended, x, self.attn_out_norm)
+            lora = None if lora is None else lora.take(keep)
+        x = self.add_output(self.o_proj, attended, x, self.attn_out_norm, lora)
         mlp_in = self.layer_input(x, self.post_attention_layernorm)
         if self.moe is not None:
             return x + self.moe(mlp_in)
         assert self.gate_up_proj is not None and self.down_proj is not None
-        activated = self.gate_up_proj(mlp_in)  # act(gate) * up
-        return self.add_output(self.down_proj, activated, x, self.mlp_out_norm)
+        activated = self.gate_up_proj(mlp_in, lora=lora)  # act(gate) * up
+        return self.add_output(self.down_proj, activated, x, self.mlp_out_norm, lora)
 
 
 class CausalLM(nn.Module):
@@ -307,6 +319,9 @@ class CausalLM(nn.Module):
         self.lm_head_kernel: PackedLinear | None = None
         self.layer_stack: LayerStack | None = None  # csrc/layer_stack.cpp, use_cpu_kernels
         self.triton_lm_head = False
+        # NOTE: --enable-lora: the adapters' embedding and lm_head deltas (lora.py)
+        self.embed_lora: EmbeddingLora | None = None
+        self.lm_head_lora: ProjectionLora | None = None
 
     def use_cpu_kernels(self) -> None:
         """Run the dense layers through csrc/ (after the weights are loaded)."""
@@ -368,19 +383,22 @@ class CausalLM(nn.Module):
         attention: Attention,
         kv_cache: list[tuple[torch.Tensor, torch.Tensor]],
         last: tuple[Attention, torch.Tensor] | None = None,
+        lora: LoraRows | None = None,
     ) -> torch.Tensor:
         """input_ids, positions [T] -> final-normed hidden states [T, hidden]; with `last`
-        (the last layer's plan and the tokens [K] it attends), [K, hidden] of those tokens."""
+        (the last layer's plan and the tokens [K] it attends), [K, hidden] of those tokens.
+        `lora`: the tokens' adapters (None: the base model's alone)."""
         # NOTE: the residual stream is float32 in every dtype: in bfloat16 each layer's two
         # adds rounded it again, 30 layers deep on SmolLM2; float32 took tokenmill bfloat16's
         # mean logprob error against float64 from 0.020 to 0.016 there (float64_distance.py).
-        x = self._embed(input_ids)
+        x = self._embed(input_ids, lora)
         cos_sin = self.rotary.cos_sin(positions, self.dtype)
         local = (
             None if self.local_rotary is None else self.local_rotary.cos_sin(positions, self.dtype)
         )
         count = len(self.layers)
-        native = self._native_layers(attention, last)
+        # NOTE: the layer stack knows no adapters: their rows take the layers one by one
+        native = 0 if lora is not None else self._native_layers(attention, last)
         if native:
             assert self.layer_stack is not None and isinstance(attention, PagedAttention)
             self.layer_stack.run(x, cos_sin, local, attention, kv_cache, native)
@@ -389,17 +407,19 @@ class CausalLM(nn.Module):
             assert isinstance(layer, DecoderLayer)
             rope = local if layer.local_rope and local is not None else cos_sin
             if index == count - 1 and last is not None:
-                x = layer(x, rope, last[0], kv, last[1])
+                x = layer(x, rope, last[0], kv, last[1], lora)
             else:
-                x = layer(x, rope, attention, kv)
+                x = layer(x, rope, attention, kv, lora=lora)
         return self.norm(x)
 
-    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def _embed(self, input_ids: torch.Tensor, lora: LoraRows | None = None) -> torch.Tensor:
         """The float32 residual stream's start: the embeddings, times the family's multiplier
         (Granite's in float32 as transformers multiplies; Gemma's sqrt(hidden), rounded to the
         model's dtype, then in float32, where transformers rounds the product again: equal
         in float32)."""
         x = self.embed_tokens(input_ids).float()
+        if lora is not None and self.embed_lora is not None:
+            self.embed_lora.add(input_ids, x, lora)  # NOTE: PEFT's, before the multiplier
         if self.embedding_multiplier != 1.0:
             x = x * self.embedding_multiplier
         return x
@@ -414,8 +434,9 @@ class CausalLM(nn.Module):
         return len(self.layers) - (0 if last is None else 1)
 
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> float32 logits [N, vocab], gathered from every rank."""
+    def logits(self, hidden: torch.Tensor, lora: LoraRows | None = None) -> torch.Tensor:
+        """hidden [N, hidden] -> float32 logits [N, vocab], gathered from every rank; `lora`:
+        the rows' adapters, whose lm_head deltas add to this rank's float32 logits."""
         if self.lm_head_kernel is not None:
             # NOTE: float32 straight from the accumulators: no rounding of logits to bfloat16.
             local = self.lm_head_kernel(hidden, torch.float32)
@@ -423,6 +444,9 @@ class CausalLM(nn.Module):
             local = triton_linear(hidden, self.lm_head.weight, None, torch.float32)
         else:
             local = invariant_linear(hidden, self.lm_head.weight).float()
+        if lora is not None and self.lm_head_lora is not None:
+            local = local.contiguous()
+            self.lm_head_lora.add(hidden, local, lora, self.group.all_reduce)
         logits = self.group.all_gather_last_dim(local)[:, : self.config.vocab_size]
         if self.config.logits_scaling != 1.0:  # NOTE: Granite's divisor, as transformers divides
             logits = logits / self.config.logits_scaling

@@ -9,15 +9,20 @@ With one rank every collective is a no-op, so the same model code runs in-proces
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.tp_worker.cpu.ops import PackedLinear, fuses_gate_up, glu_mul_cpu
+from tokenmill.tp_worker.cpu.ops import PackedLinear, cast_rows_cpu, fuses_gate_up, glu_mul_cpu
 from tokenmill.tp_worker.cuda import linear as linear_triton
 from tokenmill.tp_worker.cuda.linear import triton_linear
+from tokenmill.tp_worker.model.lora_rows import LoraRows
+
+if TYPE_CHECKING:
+    from tokenmill.tp_worker.model.lora import ProjectionLora
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,7 @@ class ShardedLinear(nn.Module):
         super().__init__()
         assert not (glu and row_parallel), "a glu layer is column-parallel"
         self.row_parallel = row_parallel
+        self.in_features, self.out_features = in_features, out_features
         self.glu = glu
         self.group = group
         self.weight = nn.Parameter(
@@ -92,6 +98,7 @@ class ShardedLinear(nn.Module):
         )
         self.kernel: PackedLinear | None = None
         self.triton = False  # cuda/linear.py, switched on by CausalLM.use_triton_kernels
+        self.lora: ProjectionLora | None = None  # --enable-lora: the adapters' deltas (lora.py)
 
     def use_cpu_kernel(self) -> None:
         """Multiply through csrc/linear.cpp from now on; the unpacked weight is freed."""
@@ -100,10 +107,18 @@ class ShardedLinear(nn.Module):
         self.kernel = PackedLinear(self.weight.data, bias, glu=fused, activation=self.glu or "silu")
         self.weight.data = self.weight.data.new_empty(0)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        lora: LoraRows | None = None,
+    ) -> torch.Tensor:
         """x W^T (+ b), plus `residual` where given (the float32 residual stream: the sum is
         float32; with the CPU kernel y is added unrounded, in its epilogue or after the
-        float32 all-reduce; torch's products round y to the model's dtype first)."""
+        float32 all-reduce; torch's products round y to the model's dtype first). With
+        `lora`, each adapter row's delta too (_with_lora)."""
+        if lora is not None and self.lora is not None and self.lora.covers(lora):
+            return self._with_lora(x, residual, lora)
         if self.glu:
             assert residual is None, "a glu layer takes no residual"
             return self._gated(x)
@@ -121,6 +136,40 @@ class ShardedLinear(nn.Module):
             out = self.group.all_reduce(self._matmul(x, None, out_dtype))
             out = out if self.bias is None else out + self.bias
         return out if residual is None else residual + out
+
+    def _with_lora(
+        self, x: torch.Tensor, residual: torch.Tensor | None, lora: LoraRows
+    ) -> torch.Tensor:
+        """The product's float32 output that the paths above start from, each adapter row's
+        delta added there, then the same rounding, activation or residual add: a row of no
+        adapter gets forward's bits (on the CPU; csrc/ adds and rounds as torch does)."""
+        assert self.lora is not None
+        y = self._float_out(x, residual is not None)
+        self.lora.add(x, y, lora, self.group.all_reduce)
+        cpu = self.kernel is not None
+        if self.glu:
+            if cpu:
+                return glu_mul_cpu(y, x.dtype, self.glu)
+            gate, up = y.chunk(2, dim=-1)
+            act = F.gelu(gate, approximate="tanh") if self.glu == "gelu_tanh" else F.silu(gate)
+            return (act * up).to(x.dtype)
+        if residual is not None:
+            return residual + y
+        return cast_rows_cpu(y, x.dtype) if cpu else y.to(x.dtype)
+
+    def _float_out(self, x: torch.Tensor, to_residual: bool) -> torch.Tensor:
+        """x W^T + b [M, N] in float32 (contiguous) as forward computes it before rounding:
+        the kernel's sums; torch's product (rounded by torch); at tensor parallel, the sum
+        over the ranks (in float32 where it adds to the residual, else in the model's dtype,
+        as forward sums it)."""
+        whole = not self.row_parallel or self.group.size == 1
+        if self.kernel is not None and whole:
+            return self.kernel.float_sums(x)
+        if whole:
+            return self._matmul(x, self.bias).float().contiguous()
+        out = self.group.all_reduce(self._matmul(x, None, torch.float32 if to_residual else None))
+        out = out if self.bias is None else out + self.bias
+        return out.float().contiguous()
 
     def _gated(self, x: torch.Tensor) -> torch.Tensor:
         """act(gate) * up, computed in float32 and rounded once: in the kernel's epilogue, else

@@ -152,7 +152,7 @@ def score_targets(scores: LogSoftmax, targets: torch.Tensor, num_top: int) -> Sc
 def score_prompt(
     hidden: torch.Tensor,
     targets: torch.Tensor,
-    logits_fn: Callable[[torch.Tensor], torch.Tensor],
+    logits_fn: Callable[[torch.Tensor, slice], torch.Tensor],
     num_top: int,
     chunk_size: int,
     cpu_kernel: bool,
@@ -161,7 +161,8 @@ def score_prompt(
     """hidden [P, H] (each predicting targets [P]) -> scores, in chunks of chunk_size rows."""
     parts = []
     for start in range(0, hidden.shape[0], chunk_size):
-        logits = logits_fn(hidden[start : start + chunk_size])
+        rows = slice(start, start + chunk_size)
+        logits = logits_fn(hidden[rows], rows)
         scores = LogSoftmax.of(logits, cpu_kernel, num_top, triton_rows)
         parts.append(score_targets(scores, targets[start : start + chunk_size], num_top))
         del logits, scores

@@ -1,0 +1,55 @@
+"""The adapter slots of one rank's model (tp_worker, --enable-lora): ProjectionLora on every
+projection an adapter may touch, and an adapter put into a slot, or taken out, whole."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenmill.tp_worker.model.decoder import CausalLM, DecoderLayer
+from tokenmill.tp_worker.model.lora import EmbeddingLora, ProjectionLora
+from tokenmill.tp_worker.model.lora_checkpoint import BadAdapter, read_adapter
+from tokenmill.tp_worker.model.parallel import ShardedLinear
+
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+class LoraSlots:
+    def __init__(self, model: CausalLM, max_loras: int, max_rank: int) -> None:
+        self.model = model
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.projections: dict[tuple[int, str], ProjectionLora] = {}
+        for index, layer in enumerate(model.layers):
+            assert isinstance(layer, DecoderLayer)
+            for name in PROJECTIONS:
+                proj = getattr(layer, name)
+                if isinstance(proj, ShardedLinear):
+                    reduce = proj.row_parallel and model.group.size > 1
+                    proj.lora = ProjectionLora(max_loras, shrink_reduce=reduce)
+                    self.projections[(index, name.removesuffix("_proj"))] = proj.lora
+        model.embed_lora = EmbeddingLora(max_loras)
+        model.lm_head_lora = ProjectionLora(max_loras)
+
+    def load(self, slot: int, path: str) -> int:
+        """The adapter at `path` into `slot` (whatever it held before goes), all or nothing:
+        read and checked whole before any projection takes it. Returns its rank."""
+        self._check_slot(slot)
+        adapter = read_adapter(Path(path), self.model, self.max_rank)
+        for key, lora in self.projections.items():
+            lora.set(slot, adapter.projections.get(key))
+        assert self.model.embed_lora is not None and self.model.lm_head_lora is not None
+        self.model.embed_lora.set(slot, adapter.embed)
+        self.model.lm_head_lora.set(slot, adapter.lm_head)
+        return adapter.rank
+
+    def unload(self, slot: int) -> None:
+        self._check_slot(slot)
+        for lora in self.projections.values():
+            lora.set(slot, None)
+        assert self.model.embed_lora is not None and self.model.lm_head_lora is not None
+        self.model.embed_lora.set(slot, None)
+        self.model.lm_head_lora.set(slot, None)
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.max_loras:
+            raise BadAdapter(f"adapter slot {slot} is outside 0..{self.max_loras - 1}")
