@@ -104,19 +104,26 @@ def _mix(engine: OfflineEngine) -> list[OfflineOutput]:
         {"decode_steps": 4},
         {"speculative_config": NGRAM},
         {"prefix_cache": False, "cpu_kernels": False},
+        {"layer_stack": False},
     ],
-    ids=["chunked", "multi-step", "drafts", "torch"],
+    ids=["chunked", "multi-step", "drafts", "torch", "python-layers"],
 )
 def test_a_mix_of_adapters_and_the_base_keeps_every_bit(
-    adapters, tiny_checkpoint, settings
+    adapters, tiny_checkpoint, settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """bfloat16: each request of a batch mixing two adapters and the base gets the bits it
     gets alone (whole prompt, one step at a time), and a base row the bits of a server with
-    LoRA off."""
+    LoRA off. python-layers: the mix through the Python layer loop, alone through
+    csrc/layer_stack.cpp."""
     model = tiny_checkpoint("llama")
     loras = {name: path for name, (path, _) in adapters.items()}
+    settings = dict(settings)
     cpu = settings.get("cpu_kernels", True)
     alone = make_engine(model, dtype="bfloat16", loras=loras, cpu_kernels=cpu)
+    if cpu:
+        assert alone.runner.model.layer_stack is not None  # NOTE: the native path is tested
+    if not settings.pop("layer_stack", True):
+        monkeypatch.setenv("TOKENMILL_CPU_LAYER_STACK", "0")
     mixed = _mix(make_engine(model, dtype="bfloat16", loras=loras, **settings))
     reference = [alone.generate([r])[0] for r in _requests_of_mix()]
     for a, b in zip(reference, mixed, strict=True):

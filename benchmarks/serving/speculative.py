@@ -116,7 +116,8 @@ async def one(session: Any, url: str, body: dict[str, Any]) -> Timed:
     """One streamed request: its text, output tokens (usage), TTFT and latency."""
     chat = "messages" in body
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    body = {**body, "model": "m", "stream": True, "stream_options": {"include_usage": True}}
+    # NOTE: a body's own model wins (an adapter's name: benchmarks/serving/lora.py)
+    body = {"model": "m", **body, "stream": True, "stream_options": {"include_usage": True}}
     started = time.perf_counter()
     first, text, tokens = 0.0, "", 0
     async with session.post(url + path, json=body) as response:

@@ -195,6 +195,8 @@ def load(path: Path) -> ctypes.CDLL:
         *[_P] * 4,
         _I,
         _P,
+        _P,  # NOTE: the tokens' adapter slots (--enable-lora), or null
+        _I,
     ]
     lib.tm_layer_stack.restype = ctypes.c_int
     if hasattr(lib, "tm_route"):

@@ -40,6 +40,7 @@ from tokenmill.tp_worker.model import moe as moe_module
 
 if TYPE_CHECKING:
     from tokenmill.tp_worker.model.decoder import DecoderLayer
+    from tokenmill.tp_worker.model.lora_rows import LoraRows
     from tokenmill.tp_worker.model.moe import SparseMoe
 
 # NOTE: a layer's row of the weights table, csrc/layer_stack.cpp's Field order.
@@ -66,7 +67,13 @@ FIELDS = (
     "o_bias",
     "router_bias",
     "expert_biases",
+    "lora_qkv",
+    "lora_o",
+    "lora_gate_up",
+    "lora_down",
 )
+# NOTE: the products whose adapters' tables (model/lora.py's ProjectionLora) the stack reads
+LORA_PRODUCTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 K_COLUMN, V_COLUMN = FIELDS.index("k"), FIELDS.index("v")
 # NOTE: csrc/layer_stack.cpp's Shape.qk_norm
 QK_NORM_CODES = {"": 0, "head": 1, "projection": 2}
@@ -139,7 +146,24 @@ class LayerStack:
         # (held weakly: a released cache must be freed, and a new one is a new tensor).
         self._cache_key: ReferenceType[torch.Tensor] | None = None
         self._scratch: Scratch | None = None
+        # NOTE: --enable-lora (model/lora_slots.py): u's width (3 x --max-lora-rank covers
+        # q, k and v side by side) and the tables' slots; 0 while LoRA is off
+        self.lora_width = 0
+        self.num_lora_slots = 0
+        self.point_at_lora()  # NOTE: new kernels (new weights) keep the layers' adapters
         self._shape: tuple[tuple[int, ...], ctypes.Array[ctypes.c_int64]] | None = None
+
+    def point_at_lora(self) -> None:
+        """The LORA_* columns at the layers' adapter tables (their addresses never change:
+        an adapter loads into its table in place), 0 where a product has none."""
+        for row, layer in zip(self.table, self.layers, strict=True):
+            for name in LORA_PRODUCTS:
+                lora = getattr(getattr(layer, name), "lora", None)
+                row[FIELDS.index("lora_" + name.removesuffix("_proj"))] = (
+                    0 if lora is None else lora.table.data_ptr()
+                )
+                if lora is not None:
+                    self.lora_width, self.num_lora_slots = lora.u_width, len(lora.entries)
 
     @staticmethod
     def of(layers: Sequence[DecoderLayer], dtype: torch.dtype, tp_size: int) -> LayerStack | None:
@@ -168,9 +192,12 @@ class LayerStack:
         attention: PagedAttention,
         kv_cache: Sequence[tuple[torch.Tensor, torch.Tensor]],
         count: int,
+        lora: LoraRows | None = None,
     ) -> None:
         """The first `count` layers over the float32 residual stream x [T, hidden] (in place);
-        local_cos_sin: the RoPE table of the layers that rotate by the local one (or None)."""
+        local_cos_sin: the RoPE table of the layers that rotate by the local one (or None);
+        lora: the tokens' adapters (model/lora_rows.py; None: the base's alone)."""
+        assert lora is None or self.lora_width, "adapters in a stack without LoRA"
         assert attention.query_index is None, "a plan that drops queries is the last layer's"
         assert x.dtype == torch.float32 and x.is_contiguous(), (x.dtype, x.stride())
         # NOTE: the kernels take raw pointers: what they read must be laid out as they expect.
@@ -187,7 +214,7 @@ class LayerStack:
             else (None, None)
         )
         slots = attention.out_slots.contiguous()
-        scratch = self._scratch_for(tokens)  # NOTE: held until the call returns
+        scratch = self._scratch_for(tokens, lora is not None)  # NOTE: held until it returns
         status = library().tm_layer_stack(
             self.table.data_ptr(),
             count,
@@ -210,6 +237,8 @@ class LayerStack:
             attention.first_pos.data_ptr(),
             attention.rows.shape[0],
             scratch.addresses,
+            None if lora is None else lora.slots.data_ptr(),
+            self.num_lora_slots,
         )
         assert status == 0, f"tm_layer_stack failed ({status})"
         if scratch.routed is not None:
@@ -266,11 +295,13 @@ class LayerStack:
             row[K_COLUMN], row[V_COLUMN] = k.data_ptr(), v.data_ptr()
         self._cache_key = ref(first)
 
-    def _scratch_for(self, tokens: int) -> Scratch:
+    def _scratch_for(self, tokens: int, adapted: bool = False) -> Scratch:
         """The rows a layer's intermediates go to, laid out as the Python loop lays them out
-        (cpu/ops.py's product_rows where a product reads them)."""
-        if self._scratch is not None and self._scratch.tokens == tokens:
-            return self._scratch
+        (cpu/ops.py's product_rows where a product reads them); `adapted`: with the rows
+        the adapters' deltas go through."""
+        cached = self._scratch
+        if cached is not None and cached.tokens == tokens and cached.adapted == adapted:
+            return cached
         dtype, q_width = self.dtype, self.heads * self.head_dim
         normed = product_rows(tokens, self.hidden, dtype)
         qkv = torch.empty(tokens, q_width + 2 * self.kv_heads * self.head_dim, dtype=dtype)
@@ -293,11 +324,28 @@ class LayerStack:
             activated.stride(0),
             *(0 if t is None else t.data_ptr() for t in experts),
         )
+        lora = self._lora_scratch(tokens, q_width) if adapted else (None, None, None)
+        fields += (
+            0 if lora[0] is None else lora[0].data_ptr(),
+            self.lora_width,
+            *(0 if t is None else t.data_ptr() for t in lora[1:]),
+        )
         held = [t for t in (normed, qkv, q, attended, attended_rows, activated) if t is not None]
-        held += [t for t in experts if t is not None]
-        scratch = Scratch(tokens, (ctypes.c_int64 * len(fields))(*fields), held, experts[4])
+        held += [t for t in (*experts, *lora) if t is not None]
+        fields_array = (ctypes.c_int64 * len(fields))(*fields)
+        scratch = Scratch(tokens, fields_array, held, experts[4], adapted)
         self._scratch = scratch if tokens <= KEEP_SCRATCH_TOKENS else None
         return scratch
+
+    def _lora_scratch(self, tokens: int, q_width: int) -> tuple[torch.Tensor, ...]:
+        """u [T, lora_width] (zeros: a row of no adapter is never read), a product's float32
+        output [T, widest], the gate/up product's in panel order [T, 2 inter]."""
+        widest = max(q_width + 2 * self.kv_heads * self.head_dim, 2 * self.inter, self.hidden)
+        return (
+            torch.zeros(tokens, self.lora_width, dtype=torch.float32),
+            torch.empty(tokens, widest, dtype=torch.float32),
+            torch.empty(tokens, max(2 * self.inter, 1), dtype=torch.float32),
+        )
 
     def _moe_scratch(self, tokens: int) -> tuple[torch.Tensor | None, ...]:
         """The experts' rows (csrc/layer_stack.cpp's Scratch: logits, ids, weights, their sum,
@@ -321,6 +369,7 @@ class Scratch:
     addresses: ctypes.Array[ctypes.c_int64]  # csrc/layer_stack.cpp's Scratch fields
     tensors: list[torch.Tensor]  # what the addresses point into
     routed: torch.Tensor | None = None  # [MoE layers, T, k] their ids, where a log keeps them
+    adapted: bool = False  # with the adapters' rows (csrc/layer_stack.cpp's lora_* fields)
 
 
 def _address(norm: torch.nn.Module | None) -> int:

@@ -397,11 +397,10 @@ class CausalLM(nn.Module):
             None if self.local_rotary is None else self.local_rotary.cos_sin(positions, self.dtype)
         )
         count = len(self.layers)
-        # NOTE: the layer stack knows no adapters: their rows take the layers one by one
-        native = 0 if lora is not None else self._native_layers(attention, last)
+        native = self._native_layers(attention, last, lora)
         if native:
             assert self.layer_stack is not None and isinstance(attention, PagedAttention)
-            self.layer_stack.run(x, cos_sin, local, attention, kv_cache, native)
+            self.layer_stack.run(x, cos_sin, local, attention, kv_cache, native, lora)
         for index in range(native, count):
             layer, kv = self.layers[index], kv_cache[index]
             assert isinstance(layer, DecoderLayer)
@@ -425,11 +424,16 @@ class CausalLM(nn.Module):
         return x
 
     def _native_layers(
-        self, attention: Attention, last: tuple[Attention, torch.Tensor] | None
+        self,
+        attention: Attention,
+        last: tuple[Attention, torch.Tensor] | None,
+        lora: LoraRows | None = None,
     ) -> int:
         """How many layers from the first run as one native call (cpu/layer_stack.py): all, or
         all but a last layer that computes a few tokens only."""
         if self.layer_stack is None or not isinstance(attention, PagedAttention):
+            return 0
+        if lora is not None and not self.layer_stack.lora_width:
             return 0
         return len(self.layers) - (0 if last is None else 1)
 

@@ -57,8 +57,11 @@ class ProjectionLora:
     layers at tensor parallel): each rank's u is its share of k, summed over the ranks
     before the expand."""
 
-    def __init__(self, max_loras: int, shrink_reduce: bool = False) -> None:
+    def __init__(self, max_loras: int, shrink_reduce: bool = False, u_width: int = 0) -> None:
+        """u_width: the widest u an adapter of this server may need here (3 x its largest
+        rank: q, k and v side by side), for csrc/layer_stack.cpp's rows."""
         self.entries: list[ProjectionDelta | None] = [None] * max_loras
+        self.u_width = u_width
         self.table = torch.zeros(max_loras, LORA_TABLE_WORDS, dtype=torch.int64)
         self.shrink_reduce = shrink_reduce
         self.max_rank = 0

@@ -25,10 +25,12 @@ class LoraSlots:
                 proj = getattr(layer, name)
                 if isinstance(proj, ShardedLinear):
                     reduce = proj.row_parallel and model.group.size > 1
-                    proj.lora = ProjectionLora(max_loras, shrink_reduce=reduce)
+                    proj.lora = ProjectionLora(max_loras, reduce, 3 * max_rank)
                     self.projections[(index, name.removesuffix("_proj"))] = proj.lora
         model.embed_lora = EmbeddingLora(max_loras)
         model.lm_head_lora = ProjectionLora(max_loras)
+        if model.layer_stack is not None:  # NOTE: csrc/layer_stack.cpp adds the deltas too
+            model.layer_stack.point_at_lora()
 
     def load(self, slot: int, path: str) -> int:
         """The adapter at `path` into `slot` (whatever it held before goes), all or nothing:

@@ -15,6 +15,7 @@
 #endif
 
 #include "bf16.h"
+#include "kernels.h"
 #include "silu.h"
 
 namespace {

@@ -31,6 +31,11 @@ int tm_linear_amx_then(const void* x, int64_t m, int64_t k, int64_t lda, const v
                        int64_t n, const float* bias, void* out, int64_t ldc, int dtype,
                        int out_dtype, const void* residual, int glu, const void* then_packed,
                        int64_t then_n, int64_t then_k);
+int tm_glu_mul(const void* gate_up, void* out, int64_t rows, int64_t inter, int dtype,
+               int out_dtype, int act);
+int tm_lora(const void* x, int64_t rows, int64_t k, int64_t ldx, int dtype, const int32_t* slots,
+            int64_t num_slots, const int64_t* table, float* u, int64_t ldu, float* y,
+            int64_t ldy, int mode);
 int tm_route(const float* logits, int64_t tokens, int64_t experts, int64_t k, int renormalize,
              int64_t* ids, float* weights);
 // then_packed, then_n, then_k: the product after the last expert's (as tm_linear_then's).

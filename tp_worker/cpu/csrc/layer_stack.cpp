@@ -23,6 +23,15 @@
 
 namespace {
 
+template <typename T>
+inline const void* at(int64_t address) {
+  return reinterpret_cast<const T*>(static_cast<uintptr_t>(address));
+}
+
+inline void* mutable_at(int64_t address) {
+  return reinterpret_cast<void*>(static_cast<uintptr_t>(address));
+}
+
 // A layer's row of the weights table (int64 addresses; 0 for no bias), cpu/layer_stack.py's order.
 // Q_NORM and K_NORM: the norms of q and k before RoPE (Shape's qk_norm says over what), or
 // both 0. INPUT_NORM and POST_NORM (before attention, before the MLP) are 0 where the model has
@@ -38,10 +47,12 @@ namespace {
 // gpt-oss's parts, 0 where a model has none: SINKS each query head's sink logit (float32),
 // O_BIAS the output product's bias, ROUTER_BIAS the router's, EXPERT_BIASES the address of
 // num_experts gate/up bias addresses, then num_experts down ones (float32, as packed).
+// LORA_QKV, LORA_O, LORA_GATE_UP, LORA_DOWN: the adapters' tables of those products
+// (csrc/lora.cpp's layout, one row per slot), 0 where LoRA is off or a product has none.
 enum Field {
   INPUT_NORM, QKV, QKV_BIAS, O, POST_NORM, GATE_UP, DOWN, K_CACHE, V_CACHE, Q_NORM, K_NORM,
   ATTN_OUT_NORM, MLP_OUT_NORM, WINDOW, LOCAL_ROPE, ROUTER, EXPERTS, MOE_INDEX, SINKS, O_BIAS,
-  ROUTER_BIAS, EXPERT_BIASES, FIELDS
+  ROUTER_BIAS, EXPERT_BIASES, LORA_QKV, LORA_O, LORA_GATE_UP, LORA_DOWN, FIELDS
 };
 
 // The model's shape, cpu/layer_stack.py's order.
@@ -86,16 +97,33 @@ struct Scratch {
   float* weights;  // [T, top_k] their weights
   float* moe_out;  // [T, hidden] the experts' weighted sum
   int64_t* routed;  // [MoE layers, T, top_k] every MoE layer's ids, or null (not kept)
+  // With adapters (null without): u [T, lora_u_stride], a product's float32 output y
+  // [T, widest product] and the gate/up one's in the weight's row order [T, 2 inter]
+  float* lora_u;
+  int64_t lora_u_stride;
+  float* lora_y;
+  float* lora_gate_up;
 };
 
-template <typename T>
-inline const void* at(int64_t address) {
-  return reinterpret_cast<const T*>(static_cast<uintptr_t>(address));
+// The step's adapter of each token (csrc/lora.cpp's slots; null: no token has one).
+struct Lora {
+  const int32_t* slots;
+  int64_t num_slots;
+
+  // The table of a layer's product where this step adds its adapters' deltas, else null.
+  const int64_t* table(const int64_t* w, int64_t field) const {
+    return slots != nullptr && w[field] != 0 ? static_cast<const int64_t*>(at<int64_t>(w[field]))
+                                             : nullptr;
+  }
+};
+
+// y [tokens, n] float32 += each token's adapter delta for `in` (csrc/lora.cpp).
+int add_deltas(const Lora& l, const int64_t* table, const void* in, int64_t tokens, int64_t k,
+               int64_t lda, const Scratch& b, int64_t n, int dtype) {
+  return tm_lora(in, tokens, k, lda, dtype, l.slots, l.num_slots, table, b.lora_u,
+                 b.lora_u_stride, b.lora_y, n, 3);
 }
 
-inline void* mutable_at(int64_t address) {
-  return reinterpret_cast<void*>(static_cast<uintptr_t>(address));
-}
 
 // cpu/ops.py's row_stride: a lone row's stride is its width.
 inline int64_t row_stride(int64_t rows, int64_t stride, int64_t width) {
@@ -114,14 +142,68 @@ using Linear = int (*)(const void*, int64_t, int64_t, int64_t, const void*, int6
                        void*, int64_t, int, int, const void*, int, const void*, int64_t,
                        int64_t);
 
+// residual_product with adapters (model/parallel.py's ShardedLinear._with_lora): the product's
+// float32 output, each token's delta added, then x + y, or (out_norm) y rounded, normed and
+// added as tm_norm_add adds it.
+int adapted_residual_product(Linear linear, const void* in, int64_t tokens, int64_t k,
+                             int64_t lda, int64_t weight, const float* bias, int64_t out_norm,
+                             const Shape& s, const Scratch& b, float* x, float eps, int64_t then,
+                             int64_t then_n, int64_t then_k, const Lora& lora,
+                             const int64_t* table) {
+  const int dtype = static_cast<int>(s.dtype);
+  int status = linear(in, tokens, k, lda, at<void>(weight), s.hidden, bias, b.lora_y, s.hidden,
+                      dtype, 0, nullptr, 0, at<void>(then), then_n, then_k);
+  status |= add_deltas(lora, table, in, tokens, k, lda, b, s.hidden, dtype);
+  if (out_norm == 0) {
+    const int64_t elements = tokens * s.hidden;
+#pragma omp parallel for schedule(static) if (elements >= (1 << 16))
+    for (int64_t i = 0; i < elements; ++i) x[i] = x[i] + b.lora_y[i];
+    return status;
+  }
+  const int64_t ldc = row_stride(tokens, b.normed_stride, s.hidden);
+  status |= tm_cast_rows(b.lora_y, b.normed, tokens, s.hidden, ldc, dtype);
+  return status | tm_norm_add(b.normed, at<void>(out_norm), x, tokens, s.hidden, ldc, eps, dtype);
+}
+
+// The gate/up product with adapters: its float32 sums (the panels hold 16 gate then 16 up
+// features each: cpu/ops.py's gate_up_panels) back in gate-then-up order, each token's
+// delta added, then act(gate) * up rounded once into the activated rows (tm_glu_mul: the
+// bits of the fused epilogue over the same sums).
+int adapted_gate_up(Linear linear, const int64_t* w, const Shape& s, const Scratch& b,
+                    int64_t tokens, int64_t normed_lda, const Lora& lora, const int64_t* table) {
+  const int dtype = static_cast<int>(s.dtype);
+  const int64_t width = 2 * s.inter, half = 16;
+  int status = linear(b.normed, tokens, s.hidden, normed_lda, at<void>(w[GATE_UP]), width,
+                      nullptr, b.lora_gate_up, width, dtype, 0, nullptr, 0, at<void>(w[DOWN]),
+                      s.hidden, s.inter);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* panels = b.lora_gate_up + t * width;
+    float* row = b.lora_y + t * width;
+    for (int64_t p = 0; p < width / (2 * half); ++p) {
+      std::memcpy(row + p * half, panels + 2 * p * half, half * sizeof(float));
+      std::memcpy(row + s.inter + p * half, panels + (2 * p + 1) * half, half * sizeof(float));
+    }
+  }
+  status |= add_deltas(lora, table, b.normed, tokens, s.hidden, normed_lda, b, width, dtype);
+  const int64_t elem = dtype == 0 ? 4 : 2;
+  for (int64_t t = 0; t < tokens; ++t)
+    status |= tm_glu_mul(b.lora_y + t * width,
+                         static_cast<char*>(b.activated) + t * b.activated_stride * elem, 1,
+                         s.inter, 0, dtype, static_cast<int>(s.activation));
+  return status;
+}
+
 // x += the product of `in` and `weight` [hidden x k] (+ bias, 0 for none): in its epilogue,
 // or (out_norm nonzero) through the scratch rows and tm_norm_add.
 int residual_product(Linear linear, const void* in, int64_t tokens, int64_t k, int64_t lda,
                      int64_t weight, int64_t bias, int64_t out_norm, const Shape& s,
                      const Scratch& b, float* x, float eps, int64_t then, int64_t then_n,
-                     int64_t then_k) {
+                     int64_t then_k, const Lora& lora, const int64_t* table) {
   const int dtype = static_cast<int>(s.dtype);
   const auto* added = static_cast<const float*>(at<float>(bias));
+  if (table != nullptr)
+    return adapted_residual_product(linear, in, tokens, k, lda, weight, added, out_norm, s, b,
+                                    x, eps, then, then_n, then_k, lora, table);
   if (out_norm == 0)
     return linear(in, tokens, k, lda, at<void>(weight), s.hidden, added, x, s.hidden, dtype, 0,
                   x, 0, at<void>(then), then_n, then_k);
@@ -172,16 +254,23 @@ int run_experts(const int64_t* w, const Shape& s, const Scratch& b, float* x, in
 // `next_qkv`: the next layer's q/k/v weights, or 0 after the last layer of the call.
 int run_layer(const int64_t* w, const Shape& s, const Plan& p, const Scratch& b, float* x,
               int64_t tokens, const Rope& rope, const int64_t* slots, float eps, float scale,
-              float softcap, int64_t next_qkv) {
+              float softcap, int64_t next_qkv, const Lora& lora) {
   auto* linear = s.linear_amx ? tm_linear_amx_then : tm_linear_then;
   auto* attention = s.attention_amx ? tm_paged_attention_amx : tm_paged_attention;
   const int dtype = static_cast<int>(s.dtype);
   const int64_t qkv_n = (s.heads + 2 * s.kv_heads) * s.head_dim, q_width = s.heads * s.head_dim;
   const int64_t normed_lda = row_stride(tokens, b.normed_stride, s.hidden);
   int status = norm_or_cast(x, w[INPUT_NORM], b, tokens, s.hidden, eps, dtype);
-  status |= linear(b.normed, tokens, s.hidden, normed_lda, at<void>(w[QKV]), qkv_n,
-                   static_cast<const float*>(at<float>(w[QKV_BIAS])), b.qkv, qkv_n, dtype, dtype,
-                   nullptr, 0, at<void>(w[O]), s.hidden, q_width);
+  const auto* qkv_bias = static_cast<const float*>(at<float>(w[QKV_BIAS]));
+  if (const int64_t* table = lora.table(w, LORA_QKV)) {
+    status |= linear(b.normed, tokens, s.hidden, normed_lda, at<void>(w[QKV]), qkv_n, qkv_bias,
+                     b.lora_y, qkv_n, dtype, 0, nullptr, 0, at<void>(w[O]), s.hidden, q_width);
+    status |= add_deltas(lora, table, b.normed, tokens, s.hidden, normed_lda, b, qkv_n, dtype);
+    status |= tm_cast_rows(b.lora_y, b.qkv, tokens, qkv_n, qkv_n, dtype);
+  } else {
+    status |= linear(b.normed, tokens, s.hidden, normed_lda, at<void>(w[QKV]), qkv_n, qkv_bias,
+                     b.qkv, qkv_n, dtype, dtype, nullptr, 0, at<void>(w[O]), s.hidden, q_width);
+  }
   if (w[Q_NORM] != 0) {
     const bool whole = s.qk_norm == 2;
     status |= tm_head_norm(b.qkv, tokens, qkv_n, whole ? 1 : s.heads,
@@ -213,17 +302,22 @@ int run_layer(const int64_t* w, const Shape& s, const Plan& p, const Scratch& b,
   const bool moe = w[ROUTER] != 0;
   status |= residual_product(linear, attended, tokens, q_width, attended_lda, w[O], w[O_BIAS],
                              w[ATTN_OUT_NORM], s, b, x, eps, moe ? w[ROUTER] : w[GATE_UP],
-                             moe ? s.experts : 2 * s.inter, s.hidden);
+                             moe ? s.experts : 2 * s.inter, s.hidden, lora,
+                             lora.table(w, LORA_O));
   status |= norm_or_cast(x, w[POST_NORM], b, tokens, s.hidden, eps, dtype);
   if (moe) return status | run_experts(w, s, b, x, tokens, normed_lda, linear, next_qkv);
-  status |= linear(b.normed, tokens, s.hidden, normed_lda, at<void>(w[GATE_UP]), 2 * s.inter,
-                   nullptr, b.activated, b.activated_stride, dtype, dtype, nullptr,
-                   static_cast<int>(s.activation),
-                   at<void>(w[DOWN]), s.hidden, s.inter);
+  if (const int64_t* table = lora.table(w, LORA_GATE_UP)) {
+    status |= adapted_gate_up(linear, w, s, b, tokens, normed_lda, lora, table);
+  } else {
+    status |= linear(b.normed, tokens, s.hidden, normed_lda, at<void>(w[GATE_UP]), 2 * s.inter,
+                     nullptr, b.activated, b.activated_stride, dtype, dtype, nullptr,
+                     static_cast<int>(s.activation), at<void>(w[DOWN]), s.hidden, s.inter);
+  }
   status |= residual_product(linear, b.activated, tokens, s.inter,
                              row_stride(tokens, b.activated_stride, s.inter), w[DOWN], 0,
                              w[MLP_OUT_NORM], s, b, x, eps, next_qkv,
-                             (s.heads + 2 * s.kv_heads) * s.head_dim, s.hidden);
+                             (s.heads + 2 * s.kv_heads) * s.head_dim, s.hidden, lora,
+                             lora.table(w, LORA_DOWN));
   return status;
 }
 
@@ -236,14 +330,16 @@ extern "C" {
 // cos, sin [tokens, rotary_dim] in the model's dtype, local_cos and local_sin the same for
 // the layers whose LOCAL_ROPE is 1 (or null); softcap: attention's (0: none); slots [tokens] the KV slot each token
 // writes; the attention plan's table and rows as tm_paged_attention takes them; scratch: the
-// Scratch fields in order (addresses and strides, int64). Returns 0, or nonzero where a
-// kernel refused its dtypes.
+// Scratch fields in order (addresses and strides, int64); lora_slots [tokens] each token's
+// adapter slot (-1: none) in the LORA_* tables of num_lora_slots rows, or null where no
+// token has one. Returns 0, or nonzero where a kernel refused its dtypes.
 int tm_layer_stack(const int64_t* weights, int64_t num_layers, const int64_t* shape, float eps,
                    float scale, float softcap, float* x, int64_t tokens, const void* cos,
                    const void* sin, const void* local_cos, const void* local_sin,
                    const int64_t* slots, const int32_t* table, int64_t table_stride,
                    const int64_t* rows, const int64_t* token_starts, const int64_t* num_tokens,
-                   const int64_t* first_pos, int64_t num_rows, const int64_t* scratch) {
+                   const int64_t* first_pos, int64_t num_rows, const int64_t* scratch,
+                   const int32_t* lora_slots, int64_t num_lora_slots) {
   const Shape s{shape[0],  shape[1],  shape[2],  shape[3],  shape[4],  shape[5],
                 shape[6],  shape[7],  shape[8],  shape[9],  shape[10], shape[11],
                 shape[12], shape[13], shape[14], shape[15], shape[16], shape[17]};
@@ -255,12 +351,16 @@ int tm_layer_stack(const int64_t* weights, int64_t num_layers, const int64_t* sh
                   static_cast<int64_t*>(mutable_at(scratch[10])),
                   static_cast<float*>(mutable_at(scratch[11])),
                   static_cast<float*>(mutable_at(scratch[12])),
-                  static_cast<int64_t*>(mutable_at(scratch[13]))};
+                  static_cast<int64_t*>(mutable_at(scratch[13])),
+                  static_cast<float*>(mutable_at(scratch[14])), scratch[15],
+                  static_cast<float*>(mutable_at(scratch[16])),
+                  static_cast<float*>(mutable_at(scratch[17]))};
+  const Lora lora{lora_slots, num_lora_slots};
   const Rope rope{cos, sin, local_cos ? local_cos : cos, local_sin ? local_sin : sin};
   for (int64_t layer = 0; layer < num_layers; ++layer) {
     const int64_t next_qkv = layer + 1 < num_layers ? weights[(layer + 1) * FIELDS + QKV] : 0;
     const int status = run_layer(weights + layer * FIELDS, s, p, b, x, tokens, rope, slots, eps,
-                                 scale, softcap, next_qkv);
+                                 scale, softcap, next_qkv, lora);
     if (status != 0) return status;
   }
   return 0;

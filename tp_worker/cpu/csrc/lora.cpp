@@ -1,114 +1,303 @@
-// LoRA deltas on the CPU (tp_worker, via ctypes): for each row m whose adapter slot
-// s = slots[m] is not -1, u = A_s x[m] (shrink), then y[m] += B_s u per output segment
-// (expand), in float32. Rows of slot -1 are not touched: the base's bits stay its own.
+// LoRA deltas on the CPU (tp_worker, via ctypes, and csrc/layer_stack.cpp): for each row m
+// whose adapter slot s = slots[m] is not -1, u = A_s x[m] (shrink), then y[m] += B_s u per
+// output segment (expand), in float32. Rows of slot -1 are not touched: the base's bits stay
+// its own.
 //
 // The rule that keeps a row's bits its own in any batch: each u[r] sums its k products in
 // ascending k, from +0; each delta d[j] sums its rank products in ascending r, from +0; y
 // then adds d once. No sum depends on the other rows, their adapters, the threads or the
-// vector width (lanes run over independent sums), and with -ffp-contract=off no multiply
-// fuses into an add: the same bits on every x86 machine. The scaling (lora_alpha / r, or
-// over sqrt(r) with rslora) is folded into B at load.
+// vector width (the AVX-512 lanes run over independent sums, and compute each as the
+// portable loop does), and with -ffp-contract=off no multiply fuses into an add: the same
+// bits on every x86 machine. The scaling (lora_alpha / r, or over sqrt(r) with rslora) is
+// folded into B at load.
 //
 // The table, per slot, int64 words (TABLE_WORDS): A's address (float32 [k, rank], A
 // transposed: the rank of one k side by side), rank (all segments' together), then
 // MAX_SEGMENTS times (B's address (float32 [r, n]), first output column, n, first u, r);
 // n = 0 ends the segments. A fused projection (q/k/v, gate/up) has one segment per part.
+//
+// Rows go by slot, ROW_BLOCK at a time, so that one pass over an adapter's A or B serves
+// several rows (a decode step of many users on few adapters streams each B once a block).
 
+#include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "bf16.h"
+#include "kernels.h"
 
 namespace {
 
 constexpr int64_t MAX_SEGMENTS = 3;
 constexpr int64_t TABLE_WORDS = 2 + 5 * MAX_SEGMENTS;
 constexpr int64_t ROW_BLOCK = 4;  // rows whose sums interleave (independent chains)
+constexpr int64_t LANES = 16;
+constexpr int64_t PARALLEL_WORK = 1 << 18;  // multiply-adds from which a call splits
 
 using tokenmill::load;
 
-template <typename T>
-void shrink_rows(const T* const* x, int64_t rows, int64_t k, const float* a, int64_t rank,
-                 float* const* u) {
-  for (int64_t b = 0; b < rows; ++b) {
-    for (int64_t r = 0; r < rank; ++r) u[b][r] = 0.0f;
-  }
+struct Rows {
+  const int64_t* index;  // the block's row numbers
+  int64_t count;  // 1..ROW_BLOCK
+};
+
+// Up to SPAN lanes (GROUPS vectors) of the rank or the output columns a work item takes
+// at once: with ROW_BLOCK rows, as many independent sums in flight (the adds' latency,
+// not their count, bounds a lone row's chain).
+constexpr int64_t GROUPS = 4;
+constexpr int64_t SPAN = GROUPS * LANES;
+
+#if defined(__AVX512F__)
+// u_rows[b][r0 : r0 + width] (width <= SPAN) = the sum over k of a[i][r] * xs[b][i], for
+// float32 rows xs[0 .. count): each x element broadcast from memory (a load, no shuffle).
+// NOTE: NB rows and NG vectors known at compile time, so that the accumulators stay in
+// registers (a loop bound known only at run time kept them in memory: 3x slower).
+template <int NB, int NG>
+void shrink_fixed(const float* const* xs, int64_t k, const float* a, int64_t rank,
+                  const __mmask16* masks, float* const* u_rows, int64_t r0) {
+  __m512 acc[NB][NG];
+  for (int b = 0; b < NB; ++b)
+    for (int g = 0; g < NG; ++g) acc[b][g] = _mm512_setzero_ps();
   for (int64_t i = 0; i < k; ++i) {
-    const float* ai = a + i * rank;
-    for (int64_t b = 0; b < rows; ++b) {
-      const float xi = load(x[b] + i);
-      float* ub = u[b];
-      for (int64_t r = 0; r < rank; ++r) ub[r] += ai[r] * xi;
+    __m512 ai[NG];
+    for (int g = 0; g < NG; ++g)
+      ai[g] = _mm512_maskz_loadu_ps(masks[g], a + i * rank + r0 + g * LANES);
+    for (int b = 0; b < NB; ++b) {
+      const __m512 xi = _mm512_set1_ps(xs[b][i]);
+      for (int g = 0; g < NG; ++g) acc[b][g] = _mm512_add_ps(acc[b][g], _mm512_mul_ps(ai[g], xi));
     }
+  }
+  for (int b = 0; b < NB; ++b)
+    for (int g = 0; g < NG; ++g)
+      _mm512_mask_storeu_ps(u_rows[b] + r0 + g * LANES, masks[g], acc[b][g]);
+}
+
+template <int NB>
+void shrink_rows(const float* const* xs, int64_t k, const float* a, int64_t rank,
+                 const __mmask16* masks, int64_t groups, float* const* u_rows, int64_t r0) {
+  switch (groups) {
+    case 1: return shrink_fixed<NB, 1>(xs, k, a, rank, masks, u_rows, r0);
+    case 2: return shrink_fixed<NB, 2>(xs, k, a, rank, masks, u_rows, r0);
+    case 3: return shrink_fixed<NB, 3>(xs, k, a, rank, masks, u_rows, r0);
+    default: return shrink_fixed<NB, 4>(xs, k, a, rank, masks, u_rows, r0);
   }
 }
 
-void expand_row(const float* u, const int64_t* slot, float* y, std::vector<float>& d) {
-  for (int64_t s = 0; s < MAX_SEGMENTS; ++s) {
-    const int64_t* seg = slot + 2 + 5 * s;
-    const int64_t n = seg[2];
-    if (n == 0) break;
-    const float* b = reinterpret_cast<const float*>(seg[0]);
-    const float* us = u + seg[3];
-    float* ys = y + seg[1];
-    d.assign(n, 0.0f);
-    float* dp = d.data();
-    for (int64_t r = 0; r < seg[4]; ++r) {
-      const float ur = us[r];
-      const float* br = b + r * n;
-      for (int64_t j = 0; j < n; ++j) dp[j] += br[j] * ur;
-    }
-    for (int64_t j = 0; j < n; ++j) ys[j] += dp[j];
+void shrink_f32(const float* const* xs, int64_t count, int64_t k, const float* a, int64_t rank,
+                float* const* u_rows, int64_t r0, int64_t width) {
+  __mmask16 masks[GROUPS];
+  for (int64_t g = 0; g < GROUPS; ++g) {
+    const int64_t w = std::clamp<int64_t>(width - g * LANES, 0, LANES);
+    masks[g] = static_cast<__mmask16>((1u << w) - 1u);
+  }
+  const int64_t groups = (width + LANES - 1) / LANES;
+  switch (count) {
+    case 1: return shrink_rows<1>(xs, k, a, rank, masks, groups, u_rows, r0);
+    case 2: return shrink_rows<2>(xs, k, a, rank, masks, groups, u_rows, r0);
+    case 3: return shrink_rows<3>(xs, k, a, rank, masks, groups, u_rows, r0);
+    default: return shrink_rows<4>(xs, k, a, rank, masks, groups, u_rows, r0);
   }
 }
 
-// The rows of one slot, in blocks of ROW_BLOCK: [first, end) of `order`.
+#endif
+
+// u[row][r0 : r0 + width] (width <= SPAN) for each row of the block: the sum over k of
+// a[i][r] * x[row][i].
 template <typename T>
-void shrink(const T* x, int64_t ldx, int64_t k, const int64_t* slot, const int64_t* order,
-            int64_t count, float* u, int64_t ldu) {
-  const float* a = reinterpret_cast<const float*>(slot[0]);
-  const int64_t rank = slot[1];
-#pragma omp parallel for schedule(static) if (count * k * rank >= (1 << 18))
-  for (int64_t first = 0; first < count; first += ROW_BLOCK) {
-    const int64_t n = first + ROW_BLOCK <= count ? ROW_BLOCK : count - first;
-    const T* xs[ROW_BLOCK];
-    float* us[ROW_BLOCK];
-    for (int64_t b = 0; b < n; ++b) {
-      xs[b] = x + order[first + b] * ldx;
-      us[b] = u + order[first + b] * ldu;
+void shrink_lanes(const T* x, int64_t ldx, int64_t k, const float* a, int64_t rank, Rows rows,
+                  float* u, int64_t ldu, int64_t r0, int64_t width) {
+#if defined(__AVX512F__)
+  const float* xs[ROW_BLOCK];
+  float* u_rows[ROW_BLOCK];
+  thread_local std::vector<float> converted;  // NOTE: bfloat16 rows in float32 (exact)
+  if constexpr (!std::is_same_v<T, float>) converted.resize(static_cast<size_t>(ROW_BLOCK * k));
+  for (int64_t b = 0; b < rows.count; ++b) {
+    const T* row = x + rows.index[b] * ldx;
+    u_rows[b] = u + rows.index[b] * ldu;
+    if constexpr (std::is_same_v<T, float>) {
+      xs[b] = row;
+    } else {
+      float* out = converted.data() + b * k;
+      int64_t i = 0;
+      for (; i + LANES <= k; i += LANES) _mm512_storeu_ps(out + i, tokenmill::load16(row + i));
+      for (; i < k; ++i) out[i] = load(row + i);
+      xs[b] = out;
     }
-    shrink_rows(xs, n, k, a, rank, us);
   }
+  shrink_f32(xs, rows.count, k, a, rank, u_rows, r0, width);
+#else
+  float acc[ROW_BLOCK][SPAN] = {};
+  for (int64_t i = 0; i < k; ++i) {
+    const float* ai = a + i * rank + r0;
+    for (int64_t b = 0; b < rows.count; ++b) {
+      const float xi = load(x + rows.index[b] * ldx + i);
+      for (int64_t r = 0; r < width; ++r) acc[b][r] += ai[r] * xi;
+    }
+  }
+  for (int64_t b = 0; b < rows.count; ++b)
+    for (int64_t r = 0; r < width; ++r) u[rows.index[b] * ldu + r0 + r] = acc[b][r];
+#endif
+}
+
+#if defined(__AVX512F__)
+// expand_lanes for NB rows of NG vectors (shrink_fixed's NOTE): y_rows[b][j0 ...] += the
+// sum over r of bm[r][j] * u_rows[b][r].
+template <int NB, int NG>
+void expand_fixed(const float* bm, int64_t n, int64_t rank, const float* const* u_rows,
+                  float* const* y_rows, int64_t j0, const __mmask16* masks) {
+  __m512 acc[NB][NG];
+  for (int b = 0; b < NB; ++b)
+    for (int g = 0; g < NG; ++g) acc[b][g] = _mm512_setzero_ps();
+  for (int64_t r = 0; r < rank; ++r) {
+    __m512 br[NG];
+    for (int g = 0; g < NG; ++g)
+      br[g] = _mm512_maskz_loadu_ps(masks[g], bm + r * n + j0 + g * LANES);
+    for (int b = 0; b < NB; ++b) {
+      const __m512 ur = _mm512_set1_ps(u_rows[b][r]);
+      for (int g = 0; g < NG; ++g) acc[b][g] = _mm512_add_ps(acc[b][g], _mm512_mul_ps(br[g], ur));
+    }
+  }
+  for (int b = 0; b < NB; ++b)
+    for (int g = 0; g < NG; ++g) {
+      float* yb = y_rows[b] + j0 + g * LANES;
+      const __m512 old = _mm512_maskz_loadu_ps(masks[g], yb);
+      _mm512_mask_storeu_ps(yb, masks[g], _mm512_add_ps(old, acc[b][g]));
+    }
+}
+
+template <int NB>
+void expand_rows(const float* bm, int64_t n, int64_t rank, const float* const* u_rows,
+                 float* const* y_rows, int64_t j0, const __mmask16* masks, int64_t groups) {
+  switch (groups) {
+    case 1: return expand_fixed<NB, 1>(bm, n, rank, u_rows, y_rows, j0, masks);
+    case 2: return expand_fixed<NB, 2>(bm, n, rank, u_rows, y_rows, j0, masks);
+    case 3: return expand_fixed<NB, 3>(bm, n, rank, u_rows, y_rows, j0, masks);
+    default: return expand_fixed<NB, 4>(bm, n, rank, u_rows, y_rows, j0, masks);
+  }
+}
+#endif
+
+// y[row][col + j] += the sum over r of b[r][j] * u[row][u0 + r], for j in [j0, j0 + width)
+// (width <= SPAN).
+void expand_lanes(const float* bm, int64_t n, int64_t rank, const float* u, int64_t ldu,
+                  int64_t u0, Rows rows, float* y, int64_t ldy, int64_t col, int64_t j0,
+                  int64_t width) {
+#if defined(__AVX512F__)
+  __mmask16 masks[GROUPS];
+  for (int64_t g = 0; g < GROUPS; ++g) {
+    const int64_t w = std::clamp<int64_t>(width - g * LANES, 0, LANES);
+    masks[g] = static_cast<__mmask16>((1u << w) - 1u);
+  }
+  const int64_t groups = (width + LANES - 1) / LANES;
+  const float* u_rows[ROW_BLOCK];
+  float* y_rows[ROW_BLOCK];
+  for (int64_t b = 0; b < rows.count; ++b) {
+    u_rows[b] = u + rows.index[b] * ldu + u0;
+    y_rows[b] = y + rows.index[b] * ldy + col;
+  }
+  switch (rows.count) {
+    case 1: return expand_rows<1>(bm, n, rank, u_rows, y_rows, j0, masks, groups);
+    case 2: return expand_rows<2>(bm, n, rank, u_rows, y_rows, j0, masks, groups);
+    case 3: return expand_rows<3>(bm, n, rank, u_rows, y_rows, j0, masks, groups);
+    default: return expand_rows<4>(bm, n, rank, u_rows, y_rows, j0, masks, groups);
+  }
+#else
+  float acc[ROW_BLOCK][SPAN] = {};
+  for (int64_t r = 0; r < rank; ++r) {
+    const float* br = bm + r * n + j0;
+    for (int64_t b = 0; b < rows.count; ++b) {
+      const float ur = u[rows.index[b] * ldu + u0 + r];
+      for (int64_t j = 0; j < width; ++j) acc[b][j] += br[j] * ur;
+    }
+  }
+  for (int64_t b = 0; b < rows.count; ++b) {
+    float* yb = y + rows.index[b] * ldy + col + j0;
+    for (int64_t j = 0; j < width; ++j) yb[j] += acc[b][j];
+  }
+#endif
+}
+
+// f(0..items-1), over the threads where `parallel` (a small call stays on this thread: a
+// team costs more than the work). Each item's sums are its own either way.
+template <typename F>
+void for_items(int64_t items, bool parallel, const F& f) {
+  if (!parallel) {
+    for (int64_t item = 0; item < items; ++item) f(item);
+    return;
+  }
+#pragma omp parallel for schedule(static)
+  for (int64_t item = 0; item < items; ++item) f(item);
+}
+
+// One work item: a block of one slot's rows and a run of up to SPAN lanes of its rank
+// (shrink) or of one segment's columns (expand).
+struct Item {
+  const int64_t* slot;
+  Rows rows;
+  int64_t segment;  // expand: which of the slot's segments; shrink: unused
+  int64_t lane0;  // the item's first rank element (shrink) or column of the segment (expand)
+};
+
+// Every slot's blocks of rows times its lane runs; `work` += the multiply-adds they take.
+std::vector<Item> items_of(const std::vector<std::vector<int64_t>>& by_slot,
+                           const int64_t* table, int64_t k, bool expand, int64_t& work) {
+  std::vector<Item> items;
+  for (size_t s = 0; s < by_slot.size(); ++s) {
+    const int64_t* slot = table + s * TABLE_WORDS;
+    const int64_t count = static_cast<int64_t>(by_slot[s].size());
+    if (count == 0 || slot[1] == 0) continue;
+    for (int64_t seg = 0; seg < (expand ? MAX_SEGMENTS : 1); ++seg) {
+      const int64_t width = expand ? slot[2 + 5 * seg + 2] : slot[1];
+      if (width == 0) break;
+      work += count * width * (expand ? slot[2 + 5 * seg + 4] : k);
+      for (int64_t first = 0; first < count; first += ROW_BLOCK) {
+        const Rows rows{by_slot[s].data() + first, std::min(ROW_BLOCK, count - first)};
+        for (int64_t lane0 = 0; lane0 < width; lane0 += SPAN)
+          items.push_back(Item{slot, rows, seg, lane0});
+      }
+    }
+  }
+  return items;
 }
 
 template <typename T>
 int run(const T* x, int64_t rows, int64_t k, int64_t ldx, const int32_t* slots,
         int64_t num_slots, const int64_t* table, float* u, int64_t ldu, float* y, int64_t ldy,
         int mode) {
-  // NOTE: rows grouped by slot so that one slot's A streams once per block of rows
   std::vector<std::vector<int64_t>> by_slot(num_slots);
   for (int64_t m = 0; m < rows; ++m) {
     if (slots[m] < 0) continue;
     if (slots[m] >= num_slots) return -2;
     by_slot[slots[m]].push_back(m);
   }
+  // NOTE: one team per half: every slot's items together (a decode step of many users on a
+  // few adapters has many small ones)
   if (mode & 1) {
-    for (int64_t s = 0; s < num_slots; ++s) {
-      if (!by_slot[s].empty()) {
-        shrink(x, ldx, k, table + s * TABLE_WORDS, by_slot[s].data(),
-               static_cast<int64_t>(by_slot[s].size()), u, ldu);
-      }
-    }
+    int64_t work = 0;
+    const std::vector<Item> items = items_of(by_slot, table, k, false, work);
+    for_items(static_cast<int64_t>(items.size()), work >= PARALLEL_WORK, [&](int64_t i) {
+      const Item& it = items[i];
+      const auto* a = reinterpret_cast<const float*>(it.slot[0]);
+      const int64_t rank = it.slot[1];
+      shrink_lanes(x, ldx, k, a, rank, it.rows, u, ldu, it.lane0,
+                   std::min(SPAN, rank - it.lane0));
+    });
   }
   if (mode & 2) {
-#pragma omp parallel if (rows * ldy >= (1 << 16))
-    {
-      std::vector<float> d;
-#pragma omp for schedule(static)
-      for (int64_t m = 0; m < rows; ++m) {
-        if (slots[m] >= 0) expand_row(u + m * ldu, table + slots[m] * TABLE_WORDS, y + m * ldy, d);
-      }
-    }
+    int64_t work = 0;
+    const std::vector<Item> items = items_of(by_slot, table, k, true, work);
+    for_items(static_cast<int64_t>(items.size()), work >= PARALLEL_WORK, [&](int64_t i) {
+      const Item& it = items[i];
+      const int64_t* seg = it.slot + 2 + 5 * it.segment;
+      const auto* bm = reinterpret_cast<const float*>(seg[0]);
+      expand_lanes(bm, seg[2], seg[4], u, ldu, seg[3], it.rows, y, ldy, seg[1], it.lane0,
+                   std::min(SPAN, seg[2] - it.lane0));
+    });
   }
   return 0;
 }
