@@ -207,7 +207,7 @@ def load(path: Path) -> ctypes.CDLL:
         lib.tm_moe_experts.argtypes += [_C, _C, _P, _P, _I, _I]
         lib.tm_moe_experts.restype = ctypes.c_int
     if hasattr(lib, "tm_lora"):
-        lib.tm_lora.argtypes = [_P, _I, _I, _I, _C, _P, _I, _P, _P, _I, _P, _I, _C]
+        lib.tm_lora.argtypes = [_P, _I, _I, _I, _C, _P, _I, _P, _P, _I, _P, _I, _C, _C]
         lib.tm_lora.restype = ctypes.c_int
     lib.tm_linear_isa.argtypes = []
     lib.tm_linear_isa.restype = ctypes.c_int

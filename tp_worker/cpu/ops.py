@@ -416,6 +416,8 @@ def rope_store_cpu(
 LORA_SEGMENTS = 3
 LORA_TABLE_WORDS = 2 + 5 * LORA_SEGMENTS
 LORA_SHRINK, LORA_EXPAND = 1, 2
+# NOTE: elements past the end of a bfloat16 A or B that csrc/lora.cpp may read (and drop)
+LORA_SLACK = 16
 
 
 def lora_cpu(
@@ -425,10 +427,12 @@ def lora_cpu(
     u: torch.Tensor,
     y: torch.Tensor,
     mode: int = LORA_SHRINK | LORA_EXPAND,
+    weights: torch.dtype = torch.float32,
 ) -> None:
     """In place, through csrc/lora.cpp: u [M, R] = A x for each row of x [M, K] with an
     adapter slot (slots [M] int32, -1: none), then y [M, N] (float32) += B u per segment of
-    the slot's entry in table [S, LORA_TABLE_WORDS] (int64); `mode` one half or both."""
+    the slot's entry in table [S, LORA_TABLE_WORDS] (int64), whose A and B are `weights`
+    (bfloat16 ones with LORA_SLACK elements past their end); `mode` one half or both."""
     assert slots.dtype == torch.int32 and table.dtype == torch.int64
     assert u.dtype == y.dtype == torch.float32 and u.stride(1) == 1 and y.stride(1) == 1
     assert x.stride(1) == 1 and x.dtype in DTYPE_CODES
@@ -436,6 +440,6 @@ def lora_cpu(
     status = library().tm_lora(
         x.data_ptr(), x.shape[0], x.shape[1], row_stride(x), DTYPE_CODES[x.dtype],
         slots.data_ptr(), table.shape[0], table.data_ptr(), u.data_ptr(), row_stride(u),
-        y.data_ptr(), row_stride(y), mode,
+        y.data_ptr(), row_stride(y), mode, DTYPE_CODES[weights],
     )  # fmt: skip
     assert status == 0, f"tm_lora: {status} (dtype {x.dtype})"

@@ -21,6 +21,7 @@ from tokenmill.tp_worker.cpu.ops import (
     LORA_EXPAND,
     LORA_SEGMENTS,
     LORA_SHRINK,
+    LORA_SLACK,
     LORA_TABLE_WORDS,
     lora_cpu,
 )
@@ -29,6 +30,15 @@ from tokenmill.tp_worker.model.parallel import invariant_linear
 
 # NOTE: a rank group's float32 sum in place (parallel.py's TpGroup.all_reduce)
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+def stored(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An adapter's A or B (float32, scaled) as the kernels read it: in `dtype` (the model's,
+    as vLLM holds adapters: bfloat16 rounds each weight once), contiguous, with LORA_SLACK
+    elements past its end (csrc/lora.cpp reads bfloat16 lanes whole)."""
+    flat = torch.zeros(tensor.numel() + LORA_SLACK, dtype=dtype)
+    flat[: tensor.numel()] = tensor.reshape(-1)
+    return flat[: tensor.numel()].view(tensor.shape)
 
 
 @dataclass(frozen=True)
@@ -63,12 +73,15 @@ class ProjectionLora:
         self.entries: list[ProjectionDelta | None] = [None] * max_loras
         self.u_width = u_width
         self.table = torch.zeros(max_loras, LORA_TABLE_WORDS, dtype=torch.int64)
+        self.dtype = torch.float32  # NOTE: the adapters' A and B (lora_checkpoint.py's)
         self.shrink_reduce = shrink_reduce
         self.max_rank = 0
 
     def set(self, slot: int, delta: ProjectionDelta | None) -> None:
         assert delta is None or len(delta.segments) <= LORA_SEGMENTS, delta
         self.entries[slot] = delta
+        if delta is not None:
+            self.dtype = delta.a.dtype
         row = self.table[slot]
         row.zero_()
         if delta is not None:
@@ -96,11 +109,11 @@ class ProjectionLora:
         x = x if x.stride(1) == 1 else x.contiguous()
         u = torch.zeros(x.shape[0], self.max_rank, dtype=torch.float32)
         if not self.shrink_reduce:
-            lora_cpu(x, rows.slots, self.table, u, y)
+            lora_cpu(x, rows.slots, self.table, u, y, weights=self.dtype)
             return
-        lora_cpu(x, rows.slots, self.table, u, y, LORA_SHRINK)
+        lora_cpu(x, rows.slots, self.table, u, y, LORA_SHRINK, self.dtype)
         all_reduce(u)
-        lora_cpu(x, rows.slots, self.table, u, y, LORA_EXPAND)
+        lora_cpu(x, rows.slots, self.table, u, y, LORA_EXPAND, self.dtype)
 
     def _add_torch(
         self, x: torch.Tensor, y: torch.Tensor, rows: LoraRows, all_reduce: AllReduce
@@ -110,12 +123,12 @@ class ProjectionLora:
             delta = self.entries[slot]
             if delta is None:
                 continue
-            u = fixed_linear(x[index].float(), delta.a.t())
+            u = fixed_linear(x[index].float(), delta.a.float().t())
             if self.shrink_reduce:
                 all_reduce(u)
             for seg in delta.segments:
                 rank = seg.b.shape[0]
-                d = fixed_linear(u[:, seg.u_start : seg.u_start + rank], seg.b.t())
+                d = fixed_linear(u[:, seg.u_start : seg.u_start + rank], seg.b.float().t())
                 y[index, seg.col : seg.col + seg.b.shape[1]] += d
 
 
@@ -156,11 +169,11 @@ class EmbeddingLora:
         for slot, index in rows.groups:
             delta = self.entries[slot]
             if delta is not None:
-                u[index, : delta.a.shape[1]] = delta.a[ids[index]]
+                u[index, : delta.a.shape[1]] = delta.a[ids[index]].float()
         if x.device.type == "cpu":
-            lora_cpu(x, rows.slots, self.expand.table, u, x, LORA_EXPAND)
+            lora_cpu(x, rows.slots, self.expand.table, u, x, LORA_EXPAND, self.expand.dtype)
             return
         for slot, index in rows.groups:
             delta = self.entries[slot]
             if delta is not None:
-                x[index] += fixed_linear(u[index, : delta.a.shape[1]], delta.b.t())
+                x[index] += fixed_linear(u[index, : delta.a.shape[1]], delta.b.float().t())

@@ -5,7 +5,8 @@ Each HF module's A [r, in] and B [out, r] land where weights.py puts the module'
 q, k and v in the fused qkv_proj (each its segment of columns and of the rank), gate and up
 in gate_up_proj, o and down sharded by their input features. The scaling (lora_alpha / r,
 or / sqrt(r) with use_rslora: PEFT's definitions) is folded into B in float32, with Granite's
-residual multiplier on o and down, as weights.py folds it into their weights.
+residual multiplier on o and down, as weights.py folds it into their weights; A and B are
+then held in the model's dtype (float32 or bfloat16).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ import torch
 from safetensors import safe_open
 
 from tokenmill.tp_worker.model.decoder import CausalLM, DecoderLayer
-from tokenmill.tp_worker.model.lora import EmbeddingDelta, ProjectionDelta, Segment
+from tokenmill.tp_worker.model.lora import EmbeddingDelta, ProjectionDelta, Segment, stored
 from tokenmill.tp_worker.model.weights import _head_rows, _qkv_rows, text_model_name
 
 CONFIG_FILE = "adapter_config.json"
@@ -136,7 +137,23 @@ def read_adapter(directory: Path, model: CausalLM, max_rank: int) -> Adapter:
         layer = model.layers[index]
         assert isinstance(layer, DecoderLayer)
         adapter.projections.update(_layer_deltas(model, layer, index, modules))
-    return adapter
+    return _in_dtype(adapter, model.dtype if model.dtype == torch.bfloat16 else torch.float32)
+
+
+def _in_dtype(adapter: Adapter, dtype: torch.dtype) -> Adapter:
+    """The adapter's A and B as the kernels hold them (lora.py's stored)."""
+
+    def projection(delta: ProjectionDelta) -> ProjectionDelta:
+        segments = tuple(replace(s, b=stored(s.b, dtype)) for s in delta.segments)
+        return ProjectionDelta(stored(delta.a, dtype), segments)
+
+    embed = adapter.embed
+    return Adapter(
+        adapter.rank,
+        {key: projection(delta) for key, delta in adapter.projections.items()},
+        None if embed is None else EmbeddingDelta(stored(embed.a, dtype), stored(embed.b, dtype)),
+        None if adapter.lm_head is None else projection(adapter.lm_head),
+    )
 
 
 def _read_pairs(

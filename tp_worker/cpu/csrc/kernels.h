@@ -35,7 +35,7 @@ int tm_glu_mul(const void* gate_up, void* out, int64_t rows, int64_t inter, int 
                int out_dtype, int act);
 int tm_lora(const void* x, int64_t rows, int64_t k, int64_t ldx, int dtype, const int32_t* slots,
             int64_t num_slots, const int64_t* table, float* u, int64_t ldu, float* y,
-            int64_t ldy, int mode);
+            int64_t ldy, int mode, int weight_dtype);
 int tm_route(const float* logits, int64_t tokens, int64_t experts, int64_t k, int renormalize,
              int64_t* ids, float* weights);
 // then_packed, then_n, then_k: the product after the last expert's (as tm_linear_then's).

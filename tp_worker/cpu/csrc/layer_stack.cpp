@@ -117,11 +117,12 @@ struct Lora {
   }
 };
 
-// y [tokens, n] float32 += each token's adapter delta for `in` (csrc/lora.cpp).
+// y [tokens, n] float32 += each token's adapter delta for `in` (csrc/lora.cpp; the
+// adapters' weights are in the model's dtype, as `in` is).
 int add_deltas(const Lora& l, const int64_t* table, const void* in, int64_t tokens, int64_t k,
                int64_t lda, const Scratch& b, int64_t n, int dtype) {
   return tm_lora(in, tokens, k, lda, dtype, l.slots, l.num_slots, table, b.lora_u,
-                 b.lora_u_stride, b.lora_y, n, 3);
+                 b.lora_u_stride, b.lora_y, n, 3, dtype);
 }
 
 

@@ -53,12 +53,18 @@ constexpr int64_t GROUPS = 4;
 constexpr int64_t SPAN = GROUPS * LANES;
 
 #if defined(__AVX512F__)
+// 16 lanes of an adapter's A or B from p: float32 under the mask; bfloat16 whole, which the
+// weights' 16 elements of slack past their end keep in bounds (model/lora.py's slack), the
+// lanes past the mask never stored.
+inline __m512 weights16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
+inline __m512 weights16(const uint16_t* p, __mmask16) { return tokenmill::load16(p); }
+
 // u_rows[b][r0 : r0 + width] (width <= SPAN) = the sum over k of a[i][r] * xs[b][i], for
 // float32 rows xs[0 .. count): each x element broadcast from memory (a load, no shuffle).
 // NOTE: NB rows and NG vectors known at compile time, so that the accumulators stay in
 // registers (a loop bound known only at run time kept them in memory: 3x slower).
-template <int NB, int NG>
-void shrink_fixed(const float* const* xs, int64_t k, const float* a, int64_t rank,
+template <int NB, int NG, typename W>
+void shrink_fixed(const float* const* xs, int64_t k, const W* a, int64_t rank,
                   const __mmask16* masks, float* const* u_rows, int64_t r0) {
   __m512 acc[NB][NG];
   for (int b = 0; b < NB; ++b)
@@ -66,7 +72,7 @@ void shrink_fixed(const float* const* xs, int64_t k, const float* a, int64_t ran
   for (int64_t i = 0; i < k; ++i) {
     __m512 ai[NG];
     for (int g = 0; g < NG; ++g)
-      ai[g] = _mm512_maskz_loadu_ps(masks[g], a + i * rank + r0 + g * LANES);
+      ai[g] = weights16(a + i * rank + r0 + g * LANES, masks[g]);
     for (int b = 0; b < NB; ++b) {
       const __m512 xi = _mm512_set1_ps(xs[b][i]);
       for (int g = 0; g < NG; ++g) acc[b][g] = _mm512_add_ps(acc[b][g], _mm512_mul_ps(ai[g], xi));
@@ -77,8 +83,8 @@ void shrink_fixed(const float* const* xs, int64_t k, const float* a, int64_t ran
       _mm512_mask_storeu_ps(u_rows[b] + r0 + g * LANES, masks[g], acc[b][g]);
 }
 
-template <int NB>
-void shrink_rows(const float* const* xs, int64_t k, const float* a, int64_t rank,
+template <int NB, typename W>
+void shrink_rows(const float* const* xs, int64_t k, const W* a, int64_t rank,
                  const __mmask16* masks, int64_t groups, float* const* u_rows, int64_t r0) {
   switch (groups) {
     case 1: return shrink_fixed<NB, 1>(xs, k, a, rank, masks, u_rows, r0);
@@ -88,7 +94,8 @@ void shrink_rows(const float* const* xs, int64_t k, const float* a, int64_t rank
   }
 }
 
-void shrink_f32(const float* const* xs, int64_t count, int64_t k, const float* a, int64_t rank,
+template <typename W>
+void shrink_f32(const float* const* xs, int64_t count, int64_t k, const W* a, int64_t rank,
                 float* const* u_rows, int64_t r0, int64_t width) {
   __mmask16 masks[GROUPS];
   for (int64_t g = 0; g < GROUPS; ++g) {
@@ -108,8 +115,8 @@ void shrink_f32(const float* const* xs, int64_t count, int64_t k, const float* a
 
 // u[row][r0 : r0 + width] (width <= SPAN) for each row of the block: the sum over k of
 // a[i][r] * x[row][i].
-template <typename T>
-void shrink_lanes(const T* x, int64_t ldx, int64_t k, const float* a, int64_t rank, Rows rows,
+template <typename T, typename W>
+void shrink_lanes(const T* x, int64_t ldx, int64_t k, const W* a, int64_t rank, Rows rows,
                   float* u, int64_t ldu, int64_t r0, int64_t width) {
 #if defined(__AVX512F__)
   const float* xs[ROW_BLOCK];
@@ -133,10 +140,10 @@ void shrink_lanes(const T* x, int64_t ldx, int64_t k, const float* a, int64_t ra
 #else
   float acc[ROW_BLOCK][SPAN] = {};
   for (int64_t i = 0; i < k; ++i) {
-    const float* ai = a + i * rank + r0;
+    const W* ai = a + i * rank + r0;
     for (int64_t b = 0; b < rows.count; ++b) {
       const float xi = load(x + rows.index[b] * ldx + i);
-      for (int64_t r = 0; r < width; ++r) acc[b][r] += ai[r] * xi;
+      for (int64_t r = 0; r < width; ++r) acc[b][r] += load(ai + r) * xi;
     }
   }
   for (int64_t b = 0; b < rows.count; ++b)
@@ -147,8 +154,8 @@ void shrink_lanes(const T* x, int64_t ldx, int64_t k, const float* a, int64_t ra
 #if defined(__AVX512F__)
 // expand_lanes for NB rows of NG vectors (shrink_fixed's NOTE): y_rows[b][j0 ...] += the
 // sum over r of bm[r][j] * u_rows[b][r].
-template <int NB, int NG>
-void expand_fixed(const float* bm, int64_t n, int64_t rank, const float* const* u_rows,
+template <int NB, int NG, typename W>
+void expand_fixed(const W* bm, int64_t n, int64_t rank, const float* const* u_rows,
                   float* const* y_rows, int64_t j0, const __mmask16* masks) {
   __m512 acc[NB][NG];
   for (int b = 0; b < NB; ++b)
@@ -156,7 +163,7 @@ void expand_fixed(const float* bm, int64_t n, int64_t rank, const float* const* 
   for (int64_t r = 0; r < rank; ++r) {
     __m512 br[NG];
     for (int g = 0; g < NG; ++g)
-      br[g] = _mm512_maskz_loadu_ps(masks[g], bm + r * n + j0 + g * LANES);
+      br[g] = weights16(bm + r * n + j0 + g * LANES, masks[g]);
     for (int b = 0; b < NB; ++b) {
       const __m512 ur = _mm512_set1_ps(u_rows[b][r]);
       for (int g = 0; g < NG; ++g) acc[b][g] = _mm512_add_ps(acc[b][g], _mm512_mul_ps(br[g], ur));
@@ -170,8 +177,8 @@ void expand_fixed(const float* bm, int64_t n, int64_t rank, const float* const* 
     }
 }
 
-template <int NB>
-void expand_rows(const float* bm, int64_t n, int64_t rank, const float* const* u_rows,
+template <int NB, typename W>
+void expand_rows(const W* bm, int64_t n, int64_t rank, const float* const* u_rows,
                  float* const* y_rows, int64_t j0, const __mmask16* masks, int64_t groups) {
   switch (groups) {
     case 1: return expand_fixed<NB, 1>(bm, n, rank, u_rows, y_rows, j0, masks);
@@ -184,7 +191,8 @@ void expand_rows(const float* bm, int64_t n, int64_t rank, const float* const* u
 
 // y[row][col + j] += the sum over r of b[r][j] * u[row][u0 + r], for j in [j0, j0 + width)
 // (width <= SPAN).
-void expand_lanes(const float* bm, int64_t n, int64_t rank, const float* u, int64_t ldu,
+template <typename W>
+void expand_lanes(const W* bm, int64_t n, int64_t rank, const float* u, int64_t ldu,
                   int64_t u0, Rows rows, float* y, int64_t ldy, int64_t col, int64_t j0,
                   int64_t width) {
 #if defined(__AVX512F__)
@@ -209,10 +217,10 @@ void expand_lanes(const float* bm, int64_t n, int64_t rank, const float* u, int6
 #else
   float acc[ROW_BLOCK][SPAN] = {};
   for (int64_t r = 0; r < rank; ++r) {
-    const float* br = bm + r * n + j0;
+    const W* br = bm + r * n + j0;
     for (int64_t b = 0; b < rows.count; ++b) {
       const float ur = u[rows.index[b] * ldu + u0 + r];
-      for (int64_t j = 0; j < width; ++j) acc[b][j] += br[j] * ur;
+      for (int64_t j = 0; j < width; ++j) acc[b][j] += load(br + j) * ur;
     }
   }
   for (int64_t b = 0; b < rows.count; ++b) {
@@ -265,7 +273,7 @@ std::vector<Item> items_of(const std::vector<std::vector<int64_t>>& by_slot,
   return items;
 }
 
-template <typename T>
+template <typename T, typename W>
 int run(const T* x, int64_t rows, int64_t k, int64_t ldx, const int32_t* slots,
         int64_t num_slots, const int64_t* table, float* u, int64_t ldu, float* y, int64_t ldy,
         int mode) {
@@ -282,7 +290,7 @@ int run(const T* x, int64_t rows, int64_t k, int64_t ldx, const int32_t* slots,
     const std::vector<Item> items = items_of(by_slot, table, k, false, work);
     for_items(static_cast<int64_t>(items.size()), work >= PARALLEL_WORK, [&](int64_t i) {
       const Item& it = items[i];
-      const auto* a = reinterpret_cast<const float*>(it.slot[0]);
+      const auto* a = reinterpret_cast<const W*>(it.slot[0]);
       const int64_t rank = it.slot[1];
       shrink_lanes(x, ldx, k, a, rank, it.rows, u, ldu, it.lane0,
                    std::min(SPAN, rank - it.lane0));
@@ -294,7 +302,7 @@ int run(const T* x, int64_t rows, int64_t k, int64_t ldx, const int32_t* slots,
     for_items(static_cast<int64_t>(items.size()), work >= PARALLEL_WORK, [&](int64_t i) {
       const Item& it = items[i];
       const int64_t* seg = it.slot + 2 + 5 * it.segment;
-      const auto* bm = reinterpret_cast<const float*>(seg[0]);
+      const auto* bm = reinterpret_cast<const W*>(seg[0]);
       expand_lanes(bm, seg[2], seg[4], u, ldu, seg[3], it.rows, y, ldy, seg[1], it.lane0,
                    std::min(SPAN, seg[2] - it.lane0));
     });
@@ -306,22 +314,26 @@ int run(const T* x, int64_t rows, int64_t k, int64_t ldx, const int32_t* slots,
 
 extern "C" {
 
-// x [rows, k] (row stride ldx) in dtype (0 float32, 1 bfloat16); slots [rows] int32 (-1:
+// x [rows, k] (row stride ldx) in dtype (0 float32, 1 bfloat16); the table's A and B in
+// weight_dtype (bfloat16 ones with 16 elements of slack past their end); slots [rows] int32 (-1:
 // none); table [num_slots, TABLE_WORDS]; u [rows, ldu] float32, written by the shrink and
 // read by the expand; y [rows, ldy] float32, added to by the expand. mode: 1 shrink, 2
 // expand (from u as given: at tensor parallel, the ranks' shrinks all-reduced), 3 both.
 // Returns 0, -1 for an unknown dtype, -2 for a slot past the table.
 int tm_lora(const void* x, int64_t rows, int64_t k, int64_t ldx, int dtype, const int32_t* slots,
             int64_t num_slots, const int64_t* table, float* u, int64_t ldu, float* y,
-            int64_t ldy, int mode) {
-  if (dtype == 0) {
-    return run(static_cast<const float*>(x), rows, k, ldx, slots, num_slots, table, u, ldu, y,
-               ldy, mode);
-  }
-  if (dtype == 1) {
-    return run(static_cast<const uint16_t*>(x), rows, k, ldx, slots, num_slots, table, u, ldu,
-               y, ldy, mode);
-  }
+            int64_t ldy, int mode, int weight_dtype) {
+  const auto* xf = static_cast<const float*>(x);
+  const auto* xb = static_cast<const uint16_t*>(x);
+  const auto args = [&](auto typed_x, auto weight) {
+    return run<std::remove_cv_t<std::remove_pointer_t<decltype(typed_x)>>,
+               decltype(weight)>(typed_x, rows, k, ldx, slots, num_slots, table, u, ldu, y,
+                                 ldy, mode);
+  };
+  if (dtype == 0 && weight_dtype == 0) return args(xf, 0.0f);
+  if (dtype == 0 && weight_dtype == 1) return args(xf, uint16_t{});
+  if (dtype == 1 && weight_dtype == 0) return args(xb, 0.0f);
+  if (dtype == 1 && weight_dtype == 1) return args(xb, uint16_t{});
   return -1;
 }
 
