@@ -139,3 +139,16 @@ def test_tensor_parallel_adapters_score_as_peft_merged(tiny_checkpoint, tmp_path
     greedy, reference = teacher_forced(merged, PROMPT, answer["output_ids"])
     np.testing.assert_allclose(ours, reference, atol=1e-4, rtol=0)
     assert answer["output_ids"] == greedy
+
+
+def test_responses_carry_the_adapters_weight_version(lora_server) -> None:
+    """An adapter's requests carry its version: "1" from the start, a load_inplace's own."""
+    server, root = lora_server
+    body = {"model": "a", "prompt": "hi", "max_tokens": 1}
+    assert server.post("/v1/completions", body)[1]["weight_version"] == "1"
+    replace = {"lora_name": "a", "lora_path": str(root / "a"), "load_inplace": True,
+               "weight_version": "policy-2"}  # fmt: skip
+    assert _post_text(server, "/v1/load_lora_adapter", replace)[0] == 200
+    assert server.post("/v1/completions", body)[1]["weight_version"] == "policy-2"
+    base = {**body, "model": server.model}
+    assert server.post("/v1/completions", base)[1]["weight_version"] == "default"

@@ -7,7 +7,7 @@ on the checkpoint with peft. The workload is `vllm bench serve`'s random one: 12
 prompt tokens, 128 out (ignore_eos). Each figure is the median over --rounds rounds, base and
 adapters interleaved round by round (vLLM's after tokenmill's, one server at a time).
 
-    python benchmarks/serving/lora.py [--model DIR] [--rank 16] [--rounds 3] [--vllm]
+    python benchmarks/serving/lora.py [--model DIR] [--rank 16] [--rounds 3] [--vllm | --vllm-only]
 """
 
 from __future__ import annotations
@@ -127,7 +127,32 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="rounds per server (3)")
     p.add_argument("--dtype", default="", help="default: what tokenmill's auto picks here")
     p.add_argument("--vllm", action="store_true", help="vLLM CPU too, with the same adapters")
+    p.add_argument("--vllm-only", action="store_true", help="vLLM CPU alone (its figures)")
     return p.parse_args()
+
+
+def tokenmill_figures(args: argparse.Namespace, loads: dict, adapters: dict, root: Path) -> dict:
+    flags = ["--served-model-name", "m", "--dtype", args.dtype, "--max-model-len", "2048"]
+    flags += lora_flags(adapters, args.rank)
+    proc, url = start_server(args.model, flags, root / "tokenmill.log")
+    try:
+        return measure(url, loads, args.rounds)
+    finally:
+        stop_server(proc)
+
+
+def vllm_figures(args: argparse.Namespace, loads: dict, adapters: dict, root: Path) -> dict:
+    log = root / "vllm.log"
+    peer = start_vllm(args.model, args.dtype, log, lora_flags(adapters, args.rank))
+    try:
+        figures = measure(peer.url, loads, args.rounds)
+    finally:
+        stop(peer)
+    if any(isinstance(v, str) for v in figures.values()):
+        lines = log.read_text().splitlines()
+        errors = [line for line in lines if "Error" in line and "HTTP/1.1" not in line]
+        print("vLLM's log, its last error lines:\n" + "\n".join(errors[-15:]))
+    return figures
 
 
 def main() -> int:
@@ -144,22 +169,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         adapters = make_adapters(args.model, root, args.rank)
-        flags = ["--served-model-name", "m", "--dtype", args.dtype, "--max-model-len", "2048"]
-        proc, url = start_server(args.model, [*flags, *lora_flags(adapters, args.rank)],
-                                 root / "tokenmill.log")  # fmt: skip
-        try:
-            results["tokenmill"] = measure(url, loads, args.rounds)
-        finally:
-            stop_server(proc)
-        if args.vllm:
-            log = root / "vllm.log"
-            peer = start_vllm(args.model, args.dtype, log, lora_flags(adapters, args.rank))
-            try:
-                results["vLLM"] = measure(peer.url, loads, args.rounds)
-            finally:
-                stop(peer)
-            if any(isinstance(v, str) for v in results["vLLM"].values()):
-                print("vLLM's log, last lines:\n" + "\n".join(log.read_text().splitlines()[-25:]))
+        if not args.vllm_only:
+            results["tokenmill"] = tokenmill_figures(args, loads, adapters, root)
+        if args.vllm or args.vllm_only:
+            results["vLLM"] = vllm_figures(args, loads, adapters, root)
     print_table(results, args.users)
     print(f"\nmodel {args.model}, dtype {args.dtype}, rank {args.rank}, {os.cpu_count()} CPUs: "
           f"{cpu_name()}")  # fmt: skip

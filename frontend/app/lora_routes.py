@@ -22,6 +22,9 @@ class LoadLoraBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     lora_path: str
     # True: an adapter of that name already loaded gets these weights (RL: a new policy)
     load_inplace: bool = False
+    # ours: the weight_version its requests' responses carry (default: "1", then one more
+    # at each load_inplace)
+    weight_version: str | None = None
 
 
 class UnloadLoraBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -65,7 +68,7 @@ class LoraApi:
             )
         )
         _raise_refusal(reply)
-        self.names.loaded(body.lora_name, body.lora_path)
+        self.names.loaded(body.lora_name, body.lora_path, body.weight_version)
         return web.Response(text=reply.message)
 
     async def unload(self, request: web.Request) -> web.Response:

@@ -309,8 +309,12 @@ class HttpApi:
         self, request: web.Request, parsed: ParsedRequest, responder: Responder
     ) -> web.StreamResponse:
         self.metrics.on_start(len(parsed.choices), parsed.wants_logprobs)
-        stats = self.engine.stats
+        stats, adapters = self.engine.stats, self.ctx.adapters
         responder.weight_version = lambda: stats.weight_version
+        if adapters is not None and parsed.model in adapters:
+            # NOTE: an adapter's requests carry its own version (its load_inplace's)
+            name = parsed.model
+            responder.weight_version = lambda: adapters.versions.get(name, "")
         if parsed.stream:
             return await self._stream(request, parsed, responder)
         async with aclosing(self._outputs(parsed)) as outputs:
