@@ -135,6 +135,21 @@ def test_a_mix_of_adapters_and_the_base_keeps_every_bit(
     assert not np.array_equal(_ours(mixed[0]), _ours(mixed[1]))  # NOTE: the adapter acts
 
 
+def test_the_torch_deltas_of_a_device_without_our_kernels(adapters, tiny_checkpoint) -> None:
+    """float16 (no csrc/ kernel takes it: CUDA's path): torch multiplies each adapter's rows
+    in blocks of a fixed shape; a mix gives each request its bits alone, a base row LoRA
+    off's, and the numbers stay near the merged model's."""
+    model = tiny_checkpoint("llama")
+    loras = {name: path for name, (path, _) in adapters.items()}
+    alone = make_engine(model, dtype="float16", loras=loras, prefix_cache=False)
+    mixed = _mix(make_engine(model, dtype="float16", loras=loras, max_prefill_tokens=16))
+    for a, b in zip([alone.generate([r])[0] for r in _requests_of_mix()], mixed, strict=True):
+        assert_same_bits(a, b)
+    assert_same_bits(make_engine(model, dtype="float16").generate([_request("")])[0], mixed[1])
+    _, reference = teacher_forced(adapters["every"][1], PROMPT, mixed[0].output_ids)
+    np.testing.assert_allclose(_ours(mixed[0]), reference, atol=0.1, rtol=0)
+
+
 def _requests_of_mix() -> list[OfflineRequest]:
     return [
         _request("every", num_top=3),
