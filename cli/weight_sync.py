@@ -98,17 +98,23 @@ class WeightSync:
         return WeightSync(base_url, group, store, group_name, api_key)
 
     def update(
-        self, tensors: Mapping[str, torch.Tensor], weight_version: str | None = None
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        weight_version: str | None = None,
+        lora_name: str | None = None,
     ) -> dict[str, Any]:
         """Sends `tensors` (Hugging Face names, full shapes) to every rank of the server;
-        the server's answer."""
-        body = {
+        the server's answer. lora_name: they are that loaded LoRA adapter's new weights, the
+        whole adapter by PEFT's names (--enable-lora)."""
+        body: dict[str, Any] = {
             "names": list(tensors),
             "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors.values()],
             "shapes": [list(t.shape) for t in tensors.values()],
             "group_name": self.group_name,
             "weight_version": weight_version,
         }
+        if lora_name is not None:
+            body["lora_name"] = lora_name
         answer: dict[str, Any] = {}
         thread = _in_thread(
             answer,

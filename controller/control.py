@@ -91,6 +91,8 @@ class ControlPlane:
                 return self.flush_cache()
             case GetWeightVersion():
                 return self.weight_version
+            case ReceiveWeights() if command.lora_name:
+                return lora_control.from_trainer(self, command)
             case LoadWeights() | ReceiveWeights():
                 return self.update_weights(command)
             case ReleaseMemory() | ResumeMemory():

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from tokenmill.controller.lora_registry import LoraRegistry
+from tokenmill.controller.lora_registry import Adapter, LoraRegistry
 from tokenmill.controller.refused import Refused
-from tokenmill.protocol.control import LoadLoraAdapter, UnloadLoraAdapter
+from tokenmill.protocol.control import LoadLoraAdapter, ReceiveWeights, UnloadLoraAdapter
 
 if TYPE_CHECKING:
     from tokenmill.controller.control import ControlPlane
@@ -53,12 +53,39 @@ def _load(plane: ControlPlane, registry: LoraRegistry, command: LoadLoraAdapter)
 
 
 def _replace(plane: ControlPlane, registry: LoraRegistry, command: LoadLoraAdapter) -> str:
-    controller, name = plane.controller, command.lora_name
-    old = registry.adapters[name]
+    old = registry.adapters[command.lora_name]
+    return _swap(
+        plane, registry, old, command.lora_path, msgspec.structs.replace(command, slot=old.slot)
+    )
+
+
+def from_trainer(plane: ControlPlane, command: ReceiveWeights) -> str:
+    """An adapter's new weights broadcast by the trainer (the RL control plane's
+    /update_weights_from_distributed with lora_name): as load_inplace, from its tensors."""
+    registry = plane.controller.lora
+    if registry is None:
+        raise Refused(400, "LoRA is off: start the server with --enable-lora")
+    old = registry.get(command.lora_name)
+    if old is None:
+        raise Refused(404, f"The lora adapter '{command.lora_name}' cannot be found.")
+    action = msgspec.structs.replace(command, lora_slot=old.slot, lora_path=old.path)
+    return _swap(plane, registry, old, old.path, action)
+
+
+def _swap(
+    plane: ControlPlane,
+    registry: LoraRegistry,
+    old: Adapter,
+    path: str,
+    action: LoadLoraAdapter | ReceiveWeights,
+) -> str:
+    """New weights for the loaded adapter `old` through `action` on the ranks: its running
+    requests back to the queue first, a new cache space, the old one's prefixes dropped."""
+    controller, name = plane.controller, old.name
     plane.num_retracted = controller.scheduler.retract_where(lambda r: r.cache_space == old.space)
     # NOTE: on a refusal the ranks keep the old weights (each loads all or nothing)
-    plane.run_on_ranks(msgspec.structs.replace(command, slot=old.slot))
-    adapter, old_space = registry.replace(name, command.lora_path)
+    plane.run_on_ranks(action)
+    adapter, old_space = registry.replace(name, path)
     for request in controller.requests.values():
         if request.cache_space == old_space:
             request.cache_space = adapter.space

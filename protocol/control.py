@@ -68,6 +68,12 @@ class ReceiveWeights(msgspec.Struct, frozen=True, tag="receive_weights"):
     group_name: str = ""
     weight_version: str | None = None
     abort_all: bool = False  # as LoadWeights'
+    # --enable-lora: the tensors are LoRA adapter lora_name's (PEFT's names, the whole
+    # adapter), its new weights; the controller fills its slot and its directory, whose
+    # adapter_config.json gives their scaling
+    lora_name: str = ""
+    lora_slot: int = -1
+    lora_path: str = ""
 
 
 class LeaveWeightsGroup(msgspec.Struct, frozen=True, tag="leave_weights_group"):

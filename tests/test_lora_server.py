@@ -152,3 +152,55 @@ def test_responses_carry_the_adapters_weight_version(lora_server) -> None:
     assert server.post("/v1/completions", body)[1]["weight_version"] == "policy-2"
     base = {**body, "model": server.model}
     assert server.post("/v1/completions", base)[1]["weight_version"] == "default"
+
+
+def test_an_adapter_from_a_trainer(tiny_checkpoint, tmp_path: Path) -> None:
+    """The RL control plane's /update_weights_from_distributed with lora_name: the test
+    process as the trainer broadcasts a whole adapter's PEFT tensors; the adapter's requests
+    then get the in-process engine's bits for those weights and the trainer's version; a
+    refused set (a missing half) changes nothing."""
+    import socket
+
+    from safetensors.torch import load_file
+
+    from tokenmill.cli.weight_sync import WeightSync, WeightSyncError
+
+    base = tiny_checkpoint("llama")
+    make_adapter(base, tmp_path / "a", ALL_TARGETS, 8, 16)
+    make_adapter(base, tmp_path / "b", ALL_TARGETS, 8, 16, seed=9)
+    server = start_server(
+        base, tmp_path / "log", "--enable-lora", "--enable-rl-control",
+        "--lora-modules", f"a={tmp_path / 'a'}",
+    )  # fmt: skip
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    body = {
+        "model": "a",
+        "prompt": PROMPT,
+        "max_tokens": 4,
+        "logprobs": 1,
+        "echo": True,
+        "temperature": 0,
+    }
+    try:
+        sync = WeightSync.connect(server.base_url, master_port=port, num_ranks=1)
+        try:
+            tensors = load_file(tmp_path / "b" / "adapter_model.safetensors")
+            answer = sync.update(tensors, weight_version="policy-3", lora_name="a")
+            assert answer.get("success"), answer
+            status, served = server.post("/v1/completions", body)
+            half = {k: v for k, v in tensors.items() if "lora_B" not in k}
+            with pytest.raises(WeightSyncError, match="lora_B is missing"):
+                sync.update(half, lora_name="a")
+            _, again = server.post("/v1/completions", body)
+        finally:
+            sync.close()
+    finally:
+        assert server.stop() == 0
+    assert status == 200 and served["weight_version"] == "policy-3"
+    engine = make_engine(base, loras={"a": tmp_path / "b"})
+    [ours] = engine.generate([OfflineRequest(PROMPT, 4, prompt_logprob_start=1, lora_name="a")])
+    got = served["choices"][0]["logprobs"]["token_logprobs"][1:]
+    assert got == ours.prompt_logprobs + ours.logprobs
+    assert again["choices"][0]["logprobs"]["token_logprobs"][1:] == got

@@ -16,7 +16,12 @@ import numpy as np
 import torch
 
 from tokenmill.protocol.arrays import unpack
-from tokenmill.protocol.control import LoadLoraAdapter, UnloadLoraAdapter, WorkerAction
+from tokenmill.protocol.control import (
+    LoadLoraAdapter,
+    ReceiveWeights,
+    UnloadLoraAdapter,
+    WorkerAction,
+)
 from tokenmill.protocol.step import ForwardBatch, RoutingShape, StepResult
 from tokenmill.tp_worker.config import RunnerConfig
 from tokenmill.tp_worker.cpu import ops as cpu_ops
@@ -237,19 +242,28 @@ class ModelRunner:
         """A control command (protocol/control.py): new weights, memory released or taken
         back, an adapter loaded or unloaded. Raises BadWeights where the caller's weights do
         not fit."""
+        if self.updater is None:
+            self.updater = WeightUpdater(self)
+        if isinstance(action, ReceiveWeights) and action.lora_name:
+            tensors = self.updater.receive_tensors(action)  # NOTE: every broadcast, then checks
+            self._lora_action(LoadLoraAdapter("", action.lora_name, action.lora_path, True,
+                                              action.lora_slot), tensors)  # fmt: skip
+            return
         if isinstance(action, (LoadLoraAdapter, UnloadLoraAdapter)):
             self._lora_action(action)
             return
-        if self.updater is None:
-            self.updater = WeightUpdater(self)
         self.updater.carry_out(action)
 
-    def _lora_action(self, action: LoadLoraAdapter | UnloadLoraAdapter) -> None:
+    def _lora_action(
+        self,
+        action: LoadLoraAdapter | UnloadLoraAdapter,
+        tensors: dict[str, torch.Tensor] | None = None,
+    ) -> None:
         if self.lora_slots is None:
             raise BadWeights("LoRA is off: start the server with --enable-lora")
         try:
             if isinstance(action, LoadLoraAdapter):
-                self.lora_slots.load(action.slot, action.lora_path)
+                self.lora_slots.load(action.slot, action.lora_path, tensors)
             else:
                 self.lora_slots.unload(action.slot)
         except BadAdapter as e:

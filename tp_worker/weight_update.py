@@ -147,6 +147,26 @@ class WeightUpdater:
 
         self.rewrite(copy_all)
 
+    def receive_tensors(self, action: ReceiveWeights) -> dict[str, torch.Tensor]:
+        """Every tensor the trainer broadcasts, by name, on the CPU, unchecked (a LoRA
+        adapter's: model/lora_checkpoint.py checks them whole, after the last one came)."""
+        trainer = self.trainer
+        if trainer is None:
+            raise BadWeights("no weights group: POST /init_weights_update_group first")
+        if action.group_name and action.group_name != trainer.name:
+            raise BadWeights(f"group {action.group_name!r}: this server is in {trainer.name!r}")
+        if not len(action.names) == len(action.dtypes) == len(action.shapes):
+            raise BadWeights("names, dtypes and shapes must have the same length")
+        for name, dtype in zip(action.names, action.dtypes, strict=True):
+            if not isinstance(getattr(torch, dtype, None), torch.dtype):
+                raise BadWeights(f"tensor {name!r}: dtype {dtype!r} is not a torch dtype")
+        received = {}
+        for name, dtype, shape in zip(action.names, action.dtypes, action.shapes, strict=True):
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=trainer.device)
+            trainer.broadcast(tensor)
+            received[name] = tensor.cpu()
+        return received
+
     def _check_names(self, action: ReceiveWeights) -> None:
         """The announced tensors are the served model's, each with its shape and dtype (a
         trainer may send a subset of them)."""

@@ -15,6 +15,7 @@ import msgspec
 from aiohttp import web
 
 from tokenmill.frontend.api.common import ApiError, decode_body
+from tokenmill.frontend.api.lora_names import LoraNames
 from tokenmill.frontend.engine.client import EngineClient
 from tokenmill.protocol.control import (
     MEMORY_TAGS,
@@ -66,6 +67,9 @@ class UpdateDistributedBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=
     weight_version: str | None = None
     flush_cache: bool = True  # NOTE: as for UpdateFromDiskBody
     abort_all_requests: bool = False
+    # ours (--enable-lora): the tensors are this loaded adapter's, the whole of it, by PEFT's
+    # names; its weight_version the one its responses carry (docs/lora.md)
+    lora_name: str | None = None
 
 
 class GroupBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -106,8 +110,10 @@ CONTROL_ROUTES: dict[str, tuple[str, str, type | None]] = {
 
 
 class ControlApi:
-    def __init__(self, engine: EngineClient) -> None:
+    def __init__(self, engine: EngineClient, adapters: LoraNames | None = None) -> None:
+        """adapters: --enable-lora's names, whose versions a trainer's adapter updates set."""
         self.engine = engine
+        self.adapters = adapters
 
     def add_routes(self, app: web.Application) -> None:
         handlers: dict[str, Handler] = {
@@ -177,11 +183,19 @@ class ControlApi:
         def make(ctl_id: str) -> ReceiveWeights:
             names, dtypes = tuple(b.names), tuple(b.dtypes)
             return ReceiveWeights(
-                ctl_id, names, dtypes, shapes, b.group_name, b.weight_version,
-                b.abort_all_requests,
+                ctl_id, names, dtypes, shapes, b.group_name,
+                None if b.lora_name else b.weight_version, b.abort_all_requests,
+                lora_name=b.lora_name or "",
             )  # fmt: skip
 
-        return await self._run(make)
+        adapters = self.adapters
+        if b.lora_name and (adapters is None or b.lora_name not in adapters):
+            raise ApiError(f"The lora adapter '{b.lora_name}' cannot be found.", "lora_name",
+                           status=404, code="model_not_found")  # fmt: skip
+        response = await self._run(make)
+        if b.lora_name and adapters is not None:
+            adapters.loaded(b.lora_name, adapters.paths[b.lora_name], b.weight_version)
+        return response
 
     async def destroy_group(self, request: web.Request) -> web.Response:
         body = await _body(request, GroupBody)

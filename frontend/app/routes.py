@@ -515,7 +515,7 @@ def build_app(
     app.router.add_get("/metrics", api.prometheus)
     app.router.add_get("/openapi.json", api.openapi)
     if config.http.enable_rl_control:
-        ControlApi(engine).add_routes(app)
+        ControlApi(engine, ctx.adapters).add_routes(app)
     if config.lora.enable_lora:
         LoraApi(engine, ctx).add_routes(app)
     return app

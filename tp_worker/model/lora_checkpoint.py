@@ -109,11 +109,19 @@ class Adapter:
     lm_head: ProjectionDelta | None = None
 
 
-def read_adapter(directory: Path, model: CausalLM, max_rank: int) -> Adapter:
-    """The adapter at `directory` for `model`; BadAdapter where it does not fit."""
+def read_adapter(
+    directory: Path,
+    model: CausalLM,
+    max_rank: int,
+    tensors: dict[str, torch.Tensor] | None = None,
+) -> Adapter:
+    """The adapter at `directory` for `model` (`tensors`: its weights as a trainer sent
+    them, instead of the directory's file); BadAdapter where it does not fit."""
     settings = AdapterSettings.read(directory)
     config = model.config
-    pairs = _read_pairs(directory, (config.vocab_size, config.hidden_size))
+    source = str(directory / WEIGHTS_FILE) if tensors is None else "the trainer's tensors"
+    tensors = _read_file(directory) if tensors is None else tensors
+    pairs = _read_pairs(tensors, source, (config.vocab_size, config.hidden_size))
     adapter = Adapter()
     layers: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
     for target, (module, a, b) in pairs.items():
@@ -156,36 +164,39 @@ def _in_dtype(adapter: Adapter, dtype: torch.dtype) -> Adapter:
     )
 
 
-def _read_pairs(
-    directory: Path, expected_vocab_shape: tuple[int, int]
-) -> dict[str, tuple[str, torch.Tensor, torch.Tensor]]:
-    """target ("3.q", "embed_tokens", "lm_head") -> (its module's name, A, B) as the file
-    holds them; copies of the base's [vocab, hidden] embedding or lm_head must have its
-    shape."""
+def _read_file(directory: Path) -> dict[str, torch.Tensor]:
+    """adapter_model.safetensors' tensors by name."""
     path = directory / WEIGHTS_FILE
     if not path.is_file():
         pickled = " (adapter_model.bin is pickled: save with safe_serialization)"
         extra = pickled if (directory / "adapter_model.bin").exists() else ""
         raise BadAdapter(f"{directory}: no {WEIGHTS_FILE}{extra}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    except (OSError, ValueError, RuntimeError) as e:
+        raise BadAdapter(f"{path}: {e}") from e
+
+
+def _read_pairs(
+    tensors: dict[str, torch.Tensor], source: str, expected_vocab_shape: tuple[int, int]
+) -> dict[str, tuple[str, torch.Tensor, torch.Tensor]]:
+    """target ("3.q", "embed_tokens", "lm_head") -> (its module's name, A, B) of `tensors`
+    (PEFT's names, from `source`); copies of the base's [vocab, hidden] embedding or lm_head
+    must have its shape."""
     halves: dict[str, dict[str, torch.Tensor]] = {}
     modules: dict[str, str] = {}
     base_copies: dict[str, tuple[int, ...]] = {}
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is no mapping)
-                if _BASE_COPY.fullmatch(text_model_name(name.removeprefix(_PREFIX))):
-                    base_copies[name] = tuple(f.get_slice(name).get_shape())
-                    continue
-                target, half = _target(name)
-                halves.setdefault(target, {})[half] = f.get_tensor(name)
-                modules[target] = re.sub(r"\.lora_(embedding_)?[AB](\.weight)?$", "", name)
-                modules[target] = modules[target].removeprefix(_PREFIX)
-    except (OSError, ValueError, RuntimeError) as e:
-        if isinstance(e, BadAdapter):
-            raise
-        raise BadAdapter(f"{path}: {e}") from e
+    for name, tensor in tensors.items():
+        if _BASE_COPY.fullmatch(text_model_name(name.removeprefix(_PREFIX))):
+            base_copies[name] = tuple(tensor.shape)
+            continue
+        target, half = _target(name)
+        halves.setdefault(target, {})[half] = tensor
+        modules[target] = re.sub(r"\.lora_(embedding_)?[AB](\.weight)?$", "", name)
+        modules[target] = modules[target].removeprefix(_PREFIX)
     if not halves:
-        raise BadAdapter(f"{path}: no LoRA weights")
+        raise BadAdapter(f"{source}: no LoRA weights")
     for target, pair in halves.items():
         if set(pair) != {"A", "B"}:
             raise BadAdapter(f"{target}: lora_A or lora_B is missing")

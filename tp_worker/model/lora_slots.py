@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from tokenmill.tp_worker.model.decoder import CausalLM, DecoderLayer
 from tokenmill.tp_worker.model.lora import EmbeddingLora, ProjectionLora
 from tokenmill.tp_worker.model.lora_checkpoint import BadAdapter, read_adapter
@@ -32,11 +34,12 @@ class LoraSlots:
         if model.layer_stack is not None:  # NOTE: csrc/layer_stack.cpp adds the deltas too
             model.layer_stack.point_at_lora()
 
-    def load(self, slot: int, path: str) -> int:
+    def load(self, slot: int, path: str, tensors: dict[str, torch.Tensor] | None = None) -> int:
         """The adapter at `path` into `slot` (whatever it held before goes), all or nothing:
-        read and checked whole before any projection takes it. Returns its rank."""
+        read and checked whole before any projection takes it (`tensors`: its weights as a
+        trainer sent them, path's adapter_config.json their settings). Returns its rank."""
         self._check_slot(slot)
-        adapter = read_adapter(Path(path), self.model, self.max_rank)
+        adapter = read_adapter(Path(path), self.model, self.max_rank, tensors)
         for key, lora in self.projections.items():
             lora.set(slot, adapter.projections.get(key))
         assert self.model.embed_lora is not None and self.model.lm_head_lora is not None
