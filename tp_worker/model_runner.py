@@ -244,28 +244,24 @@ class ModelRunner:
         not fit."""
         if self.updater is None:
             self.updater = WeightUpdater(self)
-        if isinstance(action, ReceiveWeights) and action.lora_name:
-            tensors = self.updater.receive_tensors(action)  # NOTE: every broadcast, then checks
-            self._lora_action(LoadLoraAdapter("", action.lora_name, action.lora_path, True,
-                                              action.lora_slot), tensors)  # fmt: skip
-            return
-        if isinstance(action, (LoadLoraAdapter, UnloadLoraAdapter)):
-            self._lora_action(action)
-            return
-        self.updater.carry_out(action)
+        match action:
+            case ReceiveWeights() if action.lora_name:
+                # NOTE: every broadcast first, then the whole adapter checked
+                tensors = self.updater.receive_tensors(action)
+                self._adapter(lambda s: s.load(action.lora_slot, action.lora_path, tensors))
+            case LoadLoraAdapter():
+                self._adapter(lambda s: s.load(action.slot, action.lora_path))
+            case UnloadLoraAdapter():
+                self._adapter(lambda s: s.unload(action.slot))
+            case _:
+                self.updater.carry_out(action)
 
-    def _lora_action(
-        self,
-        action: LoadLoraAdapter | UnloadLoraAdapter,
-        tensors: dict[str, torch.Tensor] | None = None,
-    ) -> None:
+    def _adapter(self, change: Callable[[LoraSlots], object]) -> None:
+        """An adapter slot's change; BadWeights (a 400) where LoRA is off or it is refused."""
         if self.lora_slots is None:
             raise BadWeights("LoRA is off: start the server with --enable-lora")
         try:
-            if isinstance(action, LoadLoraAdapter):
-                self.lora_slots.load(action.slot, action.lora_path, tensors)
-            else:
-                self.lora_slots.unload(action.slot)
+            change(self.lora_slots)
         except BadAdapter as e:
             raise BadWeights(str(e)) from e
 

@@ -92,7 +92,7 @@ class ProjectionLora:
         self.max_rank = max((e.rank for e in self.entries if e is not None), default=0)
 
     def covers(self, rows: LoraRows) -> bool:
-        return any(self.entries[s] is not None for s, _ in rows.groups)
+        return any(self.entries[s] is not None for s in rows.used)
 
     def add(self, x: torch.Tensor, y: torch.Tensor, rows: LoraRows, all_reduce: AllReduce) -> None:
         """y [M, N] (float32, unit stride) += each row's delta for x [M, K]."""

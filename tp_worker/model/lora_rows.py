@@ -30,12 +30,16 @@ class LoraRows:
         return torch.from_numpy(self.host)
 
     @cached_property
+    def used(self) -> tuple[int, ...]:
+        """The slots in use, ascending."""
+        return tuple(int(s) for s in np.unique(self.host) if s >= 0)
+
+    @cached_property
     def groups(self) -> list[tuple[int, torch.Tensor]]:
-        """(slot, its rows [n] int64 on the device) for each slot in use, ascending."""
+        """(slot, its rows [n] int64 on the device) for each slot in use, ascending (the
+        torch path's: csrc/lora.cpp groups the rows itself)."""
         return [
-            (int(s), torch.from_numpy(np.flatnonzero(self.host == s)).to(self.device))
-            for s in np.unique(self.host)
-            if s >= 0
+            (s, torch.from_numpy(np.flatnonzero(self.host == s)).to(self.device)) for s in self.used
         ]
 
     def take(self, index: torch.Tensor | slice | None) -> LoraRows | None:

@@ -148,11 +148,7 @@ class ShardedLinear(nn.Module):
         self.lora.add(x, y, lora, self.group.all_reduce)
         cpu = self.kernel is not None
         if self.glu:
-            if cpu:
-                return glu_mul_cpu(y, x.dtype, self.glu)
-            gate, up = y.chunk(2, dim=-1)
-            act = F.gelu(gate, approximate="tanh") if self.glu == "gelu_tanh" else F.silu(gate)
-            return (act * up).to(x.dtype)
+            return glu_mul_cpu(y, x.dtype, self.glu) if cpu else self._act_mul(y, x.dtype)
         if residual is not None:
             return residual + y
         return cast_rows_cpu(y, x.dtype) if cpu else y.to(x.dtype)
@@ -182,10 +178,13 @@ class ShardedLinear(nn.Module):
             return triton_linear(x, self.weight, self.bias, glu=self.glu)
         # NOTE: in float32 and rounded once, as the CPU kernels do (gate and up themselves
         # come rounded from torch's product).
-        gate, up = self._matmul(x, self.bias).float().chunk(2, dim=-1)
-        if self.glu == "gelu_tanh":
-            return (F.gelu(gate, approximate="tanh") * up).to(x.dtype)
-        return (F.silu(gate) * up).to(x.dtype)
+        return self._act_mul(self._matmul(x, self.bias).float(), x.dtype)
+
+    def _act_mul(self, gate_up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """act(gate) * up of float32 gate_up [M, 2 inter] in torch, rounded once to dtype."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.gelu(gate, approximate="tanh") if self.glu == "gelu_tanh" else F.silu(gate)
+        return (act * up).to(dtype)
 
     def _matmul(
         self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None

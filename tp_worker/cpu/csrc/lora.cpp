@@ -59,58 +59,67 @@ constexpr int64_t SPAN = GROUPS * LANES;
 inline __m512 weights16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
 inline __m512 weights16(const uint16_t* p, __mmask16) { return tokenmill::load16(p); }
 
-// u_rows[b][r0 : r0 + width] (width <= SPAN) = the sum over k of a[i][r] * xs[b][i], for
-// float32 rows xs[0 .. count): each x element broadcast from memory (a load, no shuffle).
-// NOTE: NB rows and NG vectors known at compile time, so that the accumulators stay in
-// registers (a loop bound known only at run time kept them in memory: 3x slower).
-template <int NB, int NG, typename W>
-void shrink_fixed(const float* const* xs, int64_t k, const W* a, int64_t rank,
-                  const __mmask16* masks, float* const* u_rows, int64_t r0) {
-  __m512 acc[NB][NG];
-  for (int b = 0; b < NB; ++b)
-    for (int g = 0; g < NG; ++g) acc[b][g] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < k; ++i) {
-    __m512 ai[NG];
-    for (int g = 0; g < NG; ++g)
-      ai[g] = weights16(a + i * rank + r0 + g * LANES, masks[g]);
-    for (int b = 0; b < NB; ++b) {
-      const __m512 xi = _mm512_set1_ps(xs[b][i]);
-      for (int g = 0; g < NG; ++g) acc[b][g] = _mm512_add_ps(acc[b][g], _mm512_mul_ps(ai[g], xi));
-    }
-  }
-  for (int b = 0; b < NB; ++b)
-    for (int g = 0; g < NG; ++g)
-      _mm512_mask_storeu_ps(u_rows[b] + r0 + g * LANES, masks[g], acc[b][g]);
-}
-
-template <int NB, typename W>
-void shrink_rows(const float* const* xs, int64_t k, const W* a, int64_t rank,
-                 const __mmask16* masks, int64_t groups, float* const* u_rows, int64_t r0) {
-  switch (groups) {
-    case 1: return shrink_fixed<NB, 1>(xs, k, a, rank, masks, u_rows, r0);
-    case 2: return shrink_fixed<NB, 2>(xs, k, a, rank, masks, u_rows, r0);
-    case 3: return shrink_fixed<NB, 3>(xs, k, a, rank, masks, u_rows, r0);
-    default: return shrink_fixed<NB, 4>(xs, k, a, rank, masks, u_rows, r0);
-  }
-}
-
-template <typename W>
-void shrink_f32(const float* const* xs, int64_t count, int64_t k, const W* a, int64_t rank,
-                float* const* u_rows, int64_t r0, int64_t width) {
-  __mmask16 masks[GROUPS];
+// The masks of `width` lanes (<= SPAN) in vectors of LANES; returns how many vectors.
+inline int64_t lane_masks(int64_t width, __mmask16* masks) {
   for (int64_t g = 0; g < GROUPS; ++g) {
     const int64_t w = std::clamp<int64_t>(width - g * LANES, 0, LANES);
     masks[g] = static_cast<__mmask16>((1u << w) - 1u);
   }
-  const int64_t groups = (width + LANES - 1) / LANES;
-  switch (count) {
-    case 1: return shrink_rows<1>(xs, k, a, rank, masks, groups, u_rows, r0);
-    case 2: return shrink_rows<2>(xs, k, a, rank, masks, groups, u_rows, r0);
-    case 3: return shrink_rows<3>(xs, k, a, rank, masks, groups, u_rows, r0);
-    default: return shrink_rows<4>(xs, k, a, rank, masks, groups, u_rows, r0);
+  return (width + LANES - 1) / LANES;
+}
+
+// Both halves' one product: for each of NB rows b and each lane of NG vectors, the sum over
+// t in [0, len), ascending from +0, of w[t * stride + lane] * s[b][t] (shrink: w = A's rank
+// lanes, s = x; expand: w = B's columns, s = u); stored at out[b] (ADD: added to it).
+// NOTE: NB and NG known at compile time, so that the accumulators stay in registers (loop
+// bounds known only at run time kept them in memory: 3x slower).
+template <int NB, int NG, bool ADD, typename W>
+void lanes_fixed(const float* const* s, int64_t len, const W* w, int64_t stride,
+                 const __mmask16* masks, float* const* out) {
+  __m512 acc[NB][NG];
+  for (int b = 0; b < NB; ++b)
+    for (int g = 0; g < NG; ++g) acc[b][g] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < len; ++t) {
+    __m512 wt[NG];
+    for (int g = 0; g < NG; ++g) wt[g] = weights16(w + t * stride + g * LANES, masks[g]);
+    for (int b = 0; b < NB; ++b) {
+      const __m512 st = _mm512_set1_ps(s[b][t]);  // NOTE: a broadcast from memory, no shuffle
+      for (int g = 0; g < NG; ++g) acc[b][g] = _mm512_add_ps(acc[b][g], _mm512_mul_ps(wt[g], st));
+    }
+  }
+  for (int b = 0; b < NB; ++b)
+    for (int g = 0; g < NG; ++g) {
+      float* o = out[b] + g * LANES;
+      const __m512 v = ADD ? _mm512_add_ps(_mm512_maskz_loadu_ps(masks[g], o), acc[b][g])
+                           : acc[b][g];
+      _mm512_mask_storeu_ps(o, masks[g], v);
+    }
+}
+
+template <int NB, bool ADD, typename W>
+void lanes_rows(int64_t groups, const float* const* s, int64_t len, const W* w, int64_t stride,
+                const __mmask16* masks, float* const* out) {
+  switch (groups) {
+    case 1: return lanes_fixed<NB, 1, ADD>(s, len, w, stride, masks, out);
+    case 2: return lanes_fixed<NB, 2, ADD>(s, len, w, stride, masks, out);
+    case 3: return lanes_fixed<NB, 3, ADD>(s, len, w, stride, masks, out);
+    default: return lanes_fixed<NB, 4, ADD>(s, len, w, stride, masks, out);
   }
 }
 
+// lanes_fixed for `rows` rows (<= ROW_BLOCK) and `width` lanes (<= SPAN).
+template <bool ADD, typename W>
+void lanes(int64_t rows, int64_t width, const float* const* s, int64_t len, const W* w,
+           int64_t stride, float* const* out) {
+  __mmask16 masks[GROUPS];
+  const int64_t groups = lane_masks(width, masks);
+  switch (rows) {
+    case 1: return lanes_rows<1, ADD>(groups, s, len, w, stride, masks, out);
+    case 2: return lanes_rows<2, ADD>(groups, s, len, w, stride, masks, out);
+    case 3: return lanes_rows<3, ADD>(groups, s, len, w, stride, masks, out);
+    default: return lanes_rows<4, ADD>(groups, s, len, w, stride, masks, out);
+  }
+}
 #endif
 
 // u[row][r0 : r0 + width] (width <= SPAN) for each row of the block: the sum over k of
@@ -125,7 +134,7 @@ void shrink_lanes(const T* x, int64_t ldx, int64_t k, const W* a, int64_t rank, 
   if constexpr (!std::is_same_v<T, float>) converted.resize(static_cast<size_t>(ROW_BLOCK * k));
   for (int64_t b = 0; b < rows.count; ++b) {
     const T* row = x + rows.index[b] * ldx;
-    u_rows[b] = u + rows.index[b] * ldu;
+    u_rows[b] = u + rows.index[b] * ldu + r0;
     if constexpr (std::is_same_v<T, float>) {
       xs[b] = row;
     } else {
@@ -136,7 +145,7 @@ void shrink_lanes(const T* x, int64_t ldx, int64_t k, const W* a, int64_t rank, 
       xs[b] = out;
     }
   }
-  shrink_f32(xs, rows.count, k, a, rank, u_rows, r0, width);
+  lanes<false>(rows.count, width, xs, k, a + r0, rank, u_rows);
 #else
   float acc[ROW_BLOCK][SPAN] = {};
   for (int64_t i = 0; i < k; ++i) {
@@ -151,44 +160,6 @@ void shrink_lanes(const T* x, int64_t ldx, int64_t k, const W* a, int64_t rank, 
 #endif
 }
 
-#if defined(__AVX512F__)
-// expand_lanes for NB rows of NG vectors (shrink_fixed's NOTE): y_rows[b][j0 ...] += the
-// sum over r of bm[r][j] * u_rows[b][r].
-template <int NB, int NG, typename W>
-void expand_fixed(const W* bm, int64_t n, int64_t rank, const float* const* u_rows,
-                  float* const* y_rows, int64_t j0, const __mmask16* masks) {
-  __m512 acc[NB][NG];
-  for (int b = 0; b < NB; ++b)
-    for (int g = 0; g < NG; ++g) acc[b][g] = _mm512_setzero_ps();
-  for (int64_t r = 0; r < rank; ++r) {
-    __m512 br[NG];
-    for (int g = 0; g < NG; ++g)
-      br[g] = weights16(bm + r * n + j0 + g * LANES, masks[g]);
-    for (int b = 0; b < NB; ++b) {
-      const __m512 ur = _mm512_set1_ps(u_rows[b][r]);
-      for (int g = 0; g < NG; ++g) acc[b][g] = _mm512_add_ps(acc[b][g], _mm512_mul_ps(br[g], ur));
-    }
-  }
-  for (int b = 0; b < NB; ++b)
-    for (int g = 0; g < NG; ++g) {
-      float* yb = y_rows[b] + j0 + g * LANES;
-      const __m512 old = _mm512_maskz_loadu_ps(masks[g], yb);
-      _mm512_mask_storeu_ps(yb, masks[g], _mm512_add_ps(old, acc[b][g]));
-    }
-}
-
-template <int NB, typename W>
-void expand_rows(const W* bm, int64_t n, int64_t rank, const float* const* u_rows,
-                 float* const* y_rows, int64_t j0, const __mmask16* masks, int64_t groups) {
-  switch (groups) {
-    case 1: return expand_fixed<NB, 1>(bm, n, rank, u_rows, y_rows, j0, masks);
-    case 2: return expand_fixed<NB, 2>(bm, n, rank, u_rows, y_rows, j0, masks);
-    case 3: return expand_fixed<NB, 3>(bm, n, rank, u_rows, y_rows, j0, masks);
-    default: return expand_fixed<NB, 4>(bm, n, rank, u_rows, y_rows, j0, masks);
-  }
-}
-#endif
-
 // y[row][col + j] += the sum over r of b[r][j] * u[row][u0 + r], for j in [j0, j0 + width)
 // (width <= SPAN).
 template <typename W>
@@ -196,24 +167,13 @@ void expand_lanes(const W* bm, int64_t n, int64_t rank, const float* u, int64_t 
                   int64_t u0, Rows rows, float* y, int64_t ldy, int64_t col, int64_t j0,
                   int64_t width) {
 #if defined(__AVX512F__)
-  __mmask16 masks[GROUPS];
-  for (int64_t g = 0; g < GROUPS; ++g) {
-    const int64_t w = std::clamp<int64_t>(width - g * LANES, 0, LANES);
-    masks[g] = static_cast<__mmask16>((1u << w) - 1u);
-  }
-  const int64_t groups = (width + LANES - 1) / LANES;
   const float* u_rows[ROW_BLOCK];
   float* y_rows[ROW_BLOCK];
   for (int64_t b = 0; b < rows.count; ++b) {
     u_rows[b] = u + rows.index[b] * ldu + u0;
-    y_rows[b] = y + rows.index[b] * ldy + col;
+    y_rows[b] = y + rows.index[b] * ldy + col + j0;
   }
-  switch (rows.count) {
-    case 1: return expand_rows<1>(bm, n, rank, u_rows, y_rows, j0, masks, groups);
-    case 2: return expand_rows<2>(bm, n, rank, u_rows, y_rows, j0, masks, groups);
-    case 3: return expand_rows<3>(bm, n, rank, u_rows, y_rows, j0, masks, groups);
-    default: return expand_rows<4>(bm, n, rank, u_rows, y_rows, j0, masks, groups);
-  }
+  lanes<true>(rows.count, width, u_rows, rank, bm + j0, n, y_rows);
 #else
   float acc[ROW_BLOCK][SPAN] = {};
   for (int64_t r = 0; r < rank; ++r) {
