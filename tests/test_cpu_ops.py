@@ -21,6 +21,7 @@ from tokenmill.tp_worker.cpu.ops import (
     soft_cap_cpu,
 )
 from tokenmill.tp_worker.model.layer_attention import LayerAttention
+from tokenmill.tp_worker.model.lora import ProjectionDelta, ProjectionLora, Segment, stored
 from tokenmill.tp_worker.model.parallel import ShardedLinear, TpGroup
 from tokenmill.tp_worker.model.rope import Rotary, apply_rotary, float32_cos_sin
 
@@ -499,3 +500,77 @@ def test_bfloat16_scores_add_a_pairs_odd_product_first(
         out = attention.attend(q, k, v, LayerAttention(1.0)).float().view(20, 8, 64)
         expanded = expected.view(20, 1, 1).expand(20, 8, 64).float()
         torch.testing.assert_close(out, expanded, atol=2e-3, rtol=0)  # bfloat16 outputs
+
+
+def _lora_case(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, ProjectionLora]:
+    """x [21, 40] in dtype and each row's slot: 9 rows on slot 0 (two of csrc/lora.cpp's
+    blocks of 8), the rest over slots 1 and 2 and the base (-1); a gate/up-shaped projection
+    (two parts of 48 columns), adapters in dtype: slot 0 rank 8 a part, slot 1 rank 5 a part
+    (lanes under a mask), slot 2 the up part alone, rank 4."""
+    gen = torch.Generator().manual_seed(5)
+    slots = torch.tensor([0, -1, 1, 0, 2, 0, 0, -1, 1, 0, 0, 2, 0, 1, 0, -1, 1, 2, 0, 1, 1])
+    lora = ProjectionLora(3)
+
+    def part(rank: int, col: int, u_start: int) -> Segment:
+        return Segment(stored(torch.randn(rank, 48, generator=gen) / 4, dtype), col, u_start)
+
+    for slot, parts in enumerate(((8, 0), (5, 0), (4, 48))):
+        rank, first = parts
+        cols = (0, 48) if first == 0 else (48,)
+        a = stored(torch.randn(40, rank * len(cols), generator=gen) / 4, dtype)
+        segments = tuple(part(rank, c, i * rank) for i, c in enumerate(cols))
+        lora.set(slot, ProjectionDelta(a, segments))
+    return torch.randn(21, 40, generator=gen).to(dtype), slots.int(), lora
+
+
+def _to_panels(y: torch.Tensor) -> torch.Tensor:
+    return cpu_ops.gate_up_panels(y.t()).t().contiguous()
+
+
+def _lora_outputs(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """The deltas added to y in the table's column order and in the panel order, and the
+    activation of the latter (glu_mul_panels_cpu)."""
+    x, slots, lora = _lora_case(dtype)
+    y = torch.randn(21, 96, generator=torch.Generator().manual_seed(6))
+    contiguous, panels = y.clone(), _to_panels(y)
+    for out, mode in ((contiguous, 3), (panels, 3 | cpu_ops.LORA_PANELS)):
+        u = torch.zeros(21, 16)
+        cpu_ops.lora_cpu(x, slots, lora.table, u, out, mode, lora.dtype)
+    return y, contiguous, panels, cpu_ops.glu_mul_panels_cpu(panels, dtype)
+
+
+def _lora_reference(dtype: torch.dtype, y: torch.Tensor) -> torch.Tensor:
+    """y + each row's B (A x) in float64."""
+    x, slots, lora = _lora_case(dtype)
+    out = y.double()
+    for m, slot in enumerate(slots.tolist()):
+        delta = lora.entries[slot] if slot >= 0 else None
+        if delta is None:
+            continue
+        u = x[m].double() @ delta.a.double()
+        for seg in delta.segments:
+            rank, n = seg.b.shape
+            out[m, seg.col : seg.col + n] += u[seg.u_start : seg.u_start + rank] @ seg.b.double()
+    return out
+
+
+def test_lora_deltas_in_either_column_order_and_from_the_portable_build(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """csrc/lora.cpp near float64, the base's rows untouched, the panel order
+    (LORA_PANELS) the same sums in gate_up_panels' places, glu_mul_panels_cpu glu_mul_cpu's
+    bits; and a build without any AVX gives every bit of this machine's."""
+    native = {dtype: _lora_outputs(dtype) for dtype in cpu_ops.DTYPE_CODES}
+    base = _lora_case(torch.float32)[1] == -1
+    for dtype, (y, contiguous, panels, glu) in native.items():
+        torch.testing.assert_close(
+            contiguous.double(), _lora_reference(dtype, y), atol=1e-5, rtol=1e-5
+        )
+        assert torch.equal(contiguous[base], y[base])
+        assert torch.equal(panels, _to_panels(contiguous))
+        assert torch.equal(glu, glu_mul_cpu(contiguous, dtype))
+    portable = cpu_kernels.load(cpu_kernels.build("x86-64-v2"))
+    monkeypatch.setattr(cpu_ops, "library", lambda: portable)
+    for dtype, outputs in native.items():
+        for ours, expected in zip(_lora_outputs(dtype), outputs, strict=True):
+            assert torch.equal(ours, expected)

@@ -165,6 +165,8 @@ def load(path: Path) -> ctypes.CDLL:
     if hasattr(lib, "tm_glu_mul"):
         lib.tm_glu_mul.argtypes = [_P, _P, _I, _I, *[ctypes.c_int] * 3]
         lib.tm_glu_mul.restype = ctypes.c_int
+        lib.tm_glu_mul_panels.argtypes = [_P, _P, _I, _I, _I, ctypes.c_int, ctypes.c_int]
+        lib.tm_glu_mul_panels.restype = ctypes.c_int
         lib.tm_soft_cap.argtypes = [_P, _I, _F]
         lib.tm_soft_cap.restype = None
     if hasattr(lib, "tm_sigmoid"):

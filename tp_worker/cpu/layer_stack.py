@@ -340,7 +340,7 @@ class LayerStack:
     def _lora_scratch(self, tokens: int, q_width: int) -> tuple[torch.Tensor, ...]:
         """u [T, lora_width] (zeros: a row of no adapter is never read), a product's float32
         output [T, widest], the gate/up product's in panel order [T, 2 inter]."""
-        widest = max(q_width + 2 * self.kv_heads * self.head_dim, 2 * self.inter, self.hidden)
+        widest = max(q_width + 2 * self.kv_heads * self.head_dim, self.hidden)
         return (
             torch.zeros(tokens, self.lora_width, dtype=torch.float32),
             torch.empty(tokens, widest, dtype=torch.float32),

@@ -411,11 +411,30 @@ def rope_store_cpu(
     return q
 
 
+def glu_mul_panels_cpu(
+    panels: torch.Tensor, out_dtype: torch.dtype, activation: str = "silu"
+) -> torch.Tensor:
+    """glu_mul_cpu's act(gate) * up [N, inter] from a gate/up product's float32 sums
+    [N, 2 * inter] in the panel order (gate_up_panels': csrc/layer_stack.cpp's adapted
+    gate/up product); the same bits as glu_mul_cpu over the sums in gate-then-up order."""
+    assert panels.dtype == torch.float32 and panels.dim() == 2, panels.shape
+    panels = panels.contiguous()
+    rows, inter = panels.shape[0], panels.shape[1] // 2
+    out = panels.new_empty(rows, inter, dtype=out_dtype)
+    status = library().tm_glu_mul_panels(
+        panels.data_ptr(), out.data_ptr(), rows, inter, inter, DTYPE_CODES[out_dtype],
+        ACTIVATION_CODES[activation],
+    )  # fmt: skip
+    assert status == 0, f"tm_glu_mul_panels: {out_dtype} or inter {inter}"
+    return out
+
+
 # NOTE: csrc/lora.cpp's table layout: per adapter slot, A's address and its rank, then up to
 # LORA_SEGMENTS (B's address, first column, width, first u, rank) for a fused projection's parts
 LORA_SEGMENTS = 3
 LORA_TABLE_WORDS = 2 + 5 * LORA_SEGMENTS
 LORA_SHRINK, LORA_EXPAND = 1, 2
+LORA_PANELS = 4  # NOTE: y a gate/up product's sums in the panel order (gate_up_panels)
 # NOTE: elements past the end of a bfloat16 A or B that csrc/lora.cpp may read (and drop)
 LORA_SLACK = 16
 
@@ -432,7 +451,8 @@ def lora_cpu(
     """In place, through csrc/lora.cpp: u [M, R] = A x for each row of x [M, K] with an
     adapter slot (slots [M] int32, -1: none), then y [M, N] (float32) += B u per segment of
     the slot's entry in table [S, LORA_TABLE_WORDS] (int64), whose A and B are `weights`
-    (bfloat16 ones with LORA_SLACK elements past their end); `mode` one half or both."""
+    (bfloat16 ones with LORA_SLACK elements past their end); `mode` one half or both, with
+    LORA_PANELS where y's columns are in gate_up_panels' order."""
     assert slots.dtype == torch.int32 and table.dtype == torch.int64
     assert u.dtype == y.dtype == torch.float32 and u.stride(1) == 1 and y.stride(1) == 1
     assert x.stride(1) == 1 and x.dtype in DTYPE_CODES

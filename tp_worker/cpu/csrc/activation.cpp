@@ -46,6 +46,26 @@ void glu_mul(const T* gate_up, Out* out, int64_t rows, int64_t inter, int act) {
   }
 }
 
+// glu_mul over a gate/up product's float32 panels (cpu/ops.py's gate_up_panels: each 32
+// hold 16 gate then the same 16 up features; inter a multiple of 16), out rows ldo apart.
+template <typename Out>
+void glu_mul_panels(const float* panels, Out* out, int64_t rows, int64_t inter, int64_t ldo,
+                    int act) {
+#pragma omp parallel for schedule(static) if (rows * inter >= (1 << 16))
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* p = panels + r * 2 * inter;
+    Out* o = out + r * ldo;
+    for (int64_t i = 0; i < inter; i += 16) {
+#if defined(__AVX512F__)
+      store16(o + i, glu_times16(act, load16(p + 2 * i), load16(p + 2 * i + 16)));
+#else
+      for (int64_t l = 0; l < 16; ++l)
+        store(o + i + l, glu_times(act, p[2 * i + l], p[2 * i + 16 + l]));
+#endif
+    }
+  }
+}
+
 void soft_cap(float* x, int64_t n, float cap) {
   int64_t i = 0;
 #if defined(__AVX512F__)
@@ -73,6 +93,22 @@ int tm_glu_mul(const void* gate_up, void* out, int64_t rows, int64_t inter, int 
     glu_mul(static_cast<const float*>(gate_up), static_cast<uint16_t*>(out), rows, inter, act);
   } else if (dtype == 1 && out_dtype == 1) {
     glu_mul(static_cast<const uint16_t*>(gate_up), static_cast<uint16_t*>(out), rows, inter, act);
+  } else {
+    return -1;
+  }
+  return 0;
+}
+
+// panels [rows, 2 * inter] float32 in the gate/up panel order; out [rows, ldo] in out_dtype
+// (0 float32, 1 bfloat16), act(gate) * up as tm_glu_mul computes it. Returns 0, or -1 for an
+// unknown dtype or an inter that is not a multiple of 16.
+int tm_glu_mul_panels(const float* panels, void* out, int64_t rows, int64_t inter, int64_t ldo,
+                      int out_dtype, int act) {
+  if (inter % 16 != 0) return -1;
+  if (out_dtype == 0) {
+    glu_mul_panels(panels, static_cast<float*>(out), rows, inter, ldo, act);
+  } else if (out_dtype == 1) {
+    glu_mul_panels(panels, static_cast<uint16_t*>(out), rows, inter, ldo, act);
   } else {
     return -1;
   }

@@ -33,6 +33,8 @@ int tm_linear_amx_then(const void* x, int64_t m, int64_t k, int64_t lda, const v
                        int64_t then_n, int64_t then_k);
 int tm_glu_mul(const void* gate_up, void* out, int64_t rows, int64_t inter, int dtype,
                int out_dtype, int act);
+int tm_glu_mul_panels(const float* panels, void* out, int64_t rows, int64_t inter, int64_t ldo,
+                      int out_dtype, int act);
 int tm_lora(const void* x, int64_t rows, int64_t k, int64_t ldx, int dtype, const int32_t* slots,
             int64_t num_slots, const int64_t* table, float* u, int64_t ldu, float* y,
             int64_t ldy, int mode, int weight_dtype);

@@ -98,7 +98,7 @@ struct Scratch {
   float* moe_out;  // [T, hidden] the experts' weighted sum
   int64_t* routed;  // [MoE layers, T, top_k] every MoE layer's ids, or null (not kept)
   // With adapters (null without): u [T, lora_u_stride], a product's float32 output y
-  // [T, widest product] and the gate/up one's in the weight's row order [T, 2 inter]
+  // [T, widest product but gate/up] and the gate/up one's in its panel order [T, 2 inter]
   float* lora_u;
   int64_t lora_u_stride;
   float* lora_y;
@@ -118,13 +118,15 @@ struct Lora {
 };
 
 // y [tokens, n] float32 += each token's adapter delta for `in` (csrc/lora.cpp; the
-// adapters' weights are in the model's dtype, as `in` is).
+// adapters' weights are in the model's dtype, as `in` is); `panels`: y is a gate/up
+// product's panels.
 int add_deltas(const Lora& l, const int64_t* table, const void* in, int64_t tokens, int64_t k,
-               int64_t lda, const Scratch& b, int64_t n, int dtype) {
+               int64_t lda, const Scratch& b, float* y, int64_t n, int dtype,
+               bool panels = false) {
+  constexpr int both = 3, in_panels = 4;  // NOTE: csrc/lora.cpp's modes
   return tm_lora(in, tokens, k, lda, dtype, l.slots, l.num_slots, table, b.lora_u,
-                 b.lora_u_stride, b.lora_y, n, 3, dtype);
+                 b.lora_u_stride, y, n, both | (panels ? in_panels : 0), dtype);
 }
-
 
 // cpu/ops.py's row_stride: a lone row's stride is its width.
 inline int64_t row_stride(int64_t rows, int64_t stride, int64_t width) {
@@ -154,10 +156,10 @@ int adapted_residual_product(Linear linear, const void* in, int64_t tokens, int6
   const int dtype = static_cast<int>(s.dtype);
   int status = linear(in, tokens, k, lda, at<void>(weight), s.hidden, bias, b.lora_y, s.hidden,
                       dtype, 0, nullptr, 0, at<void>(then), then_n, then_k);
-  status |= add_deltas(lora, table, in, tokens, k, lda, b, s.hidden, dtype);
+  status |= add_deltas(lora, table, in, tokens, k, lda, b, b.lora_y, s.hidden, dtype);
   if (out_norm == 0) {
     const int64_t elements = tokens * s.hidden;
-#pragma omp parallel for schedule(static) if (elements >= (1 << 16))
+#pragma omp parallel for schedule(static) if (elements >= (1 << 14))
     for (int64_t i = 0; i < elements; ++i) x[i] = x[i] + b.lora_y[i];
     return status;
   }
@@ -166,32 +168,20 @@ int adapted_residual_product(Linear linear, const void* in, int64_t tokens, int6
   return status | tm_norm_add(b.normed, at<void>(out_norm), x, tokens, s.hidden, ldc, eps, dtype);
 }
 
-// The gate/up product with adapters: its float32 sums (the panels hold 16 gate then 16 up
-// features each: cpu/ops.py's gate_up_panels) back in gate-then-up order, each token's
-// delta added, then act(gate) * up rounded once into the activated rows (tm_glu_mul: the
-// bits of the fused epilogue over the same sums).
+// The gate/up product with adapters: its float32 sums (in the panel order: cpu/ops.py's
+// gate_up_panels), each token's delta added there, then act(gate) * up rounded once into the
+// activated rows (tm_glu_mul_panels: the bits of the fused epilogue over the same sums).
 int adapted_gate_up(Linear linear, const int64_t* w, const Shape& s, const Scratch& b,
                     int64_t tokens, int64_t normed_lda, const Lora& lora, const int64_t* table) {
   const int dtype = static_cast<int>(s.dtype);
-  const int64_t width = 2 * s.inter, half = 16;
+  const int64_t width = 2 * s.inter;
   int status = linear(b.normed, tokens, s.hidden, normed_lda, at<void>(w[GATE_UP]), width,
                       nullptr, b.lora_gate_up, width, dtype, 0, nullptr, 0, at<void>(w[DOWN]),
                       s.hidden, s.inter);
-  for (int64_t t = 0; t < tokens; ++t) {
-    const float* panels = b.lora_gate_up + t * width;
-    float* row = b.lora_y + t * width;
-    for (int64_t p = 0; p < width / (2 * half); ++p) {
-      std::memcpy(row + p * half, panels + 2 * p * half, half * sizeof(float));
-      std::memcpy(row + s.inter + p * half, panels + (2 * p + 1) * half, half * sizeof(float));
-    }
-  }
-  status |= add_deltas(lora, table, b.normed, tokens, s.hidden, normed_lda, b, width, dtype);
-  const int64_t elem = dtype == 0 ? 4 : 2;
-  for (int64_t t = 0; t < tokens; ++t)
-    status |= tm_glu_mul(b.lora_y + t * width,
-                         static_cast<char*>(b.activated) + t * b.activated_stride * elem, 1,
-                         s.inter, 0, dtype, static_cast<int>(s.activation));
-  return status;
+  status |= add_deltas(lora, table, b.normed, tokens, s.hidden, normed_lda, b, b.lora_gate_up,
+                       width, dtype, true);
+  return status | tm_glu_mul_panels(b.lora_gate_up, b.activated, tokens, s.inter,
+                                    b.activated_stride, dtype, static_cast<int>(s.activation));
 }
 
 // x += the product of `in` and `weight` [hidden x k] (+ bias, 0 for none): in its epilogue,
@@ -266,7 +256,8 @@ int run_layer(const int64_t* w, const Shape& s, const Plan& p, const Scratch& b,
   if (const int64_t* table = lora.table(w, LORA_QKV)) {
     status |= linear(b.normed, tokens, s.hidden, normed_lda, at<void>(w[QKV]), qkv_n, qkv_bias,
                      b.lora_y, qkv_n, dtype, 0, nullptr, 0, at<void>(w[O]), s.hidden, q_width);
-    status |= add_deltas(lora, table, b.normed, tokens, s.hidden, normed_lda, b, qkv_n, dtype);
+    status |= add_deltas(lora, table, b.normed, tokens, s.hidden, normed_lda, b, b.lora_y, qkv_n,
+                          dtype);
     status |= tm_cast_rows(b.lora_y, b.qkv, tokens, qkv_n, qkv_n, dtype);
   } else {
     status |= linear(b.normed, tokens, s.hidden, normed_lda, at<void>(w[QKV]), qkv_n, qkv_bias,

@@ -17,7 +17,13 @@
 // n = 0 ends the segments. A fused projection (q/k/v, gate/up) has one segment per part.
 //
 // Rows go by slot, ROW_BLOCK at a time, so that one pass over an adapter's A or B serves
-// several rows (a decode step of many users on few adapters streams each B once a block).
+// several rows (a decode step of many users on few adapters streams each B once a block);
+// a block is one work item, its shrink then its expand (u stays in the core's cache).
+//
+// With LORA_PANELS in mode, y's rows are a gate/up product's in the linear kernels' panel
+// order (cpu/ops.py's gate_up_panels: 16 gate then the same 16 up features per 32): column c
+// of the table's gate-then-up order, half = ldy / 2, is at (c mod half) / 16 * 32 +
+// (c / half) * 16 + c mod 16. The segments' columns and widths are then multiples of 16.
 
 #include <algorithm>
 #include <cstdint>
@@ -35,7 +41,7 @@ namespace {
 
 constexpr int64_t MAX_SEGMENTS = 3;
 constexpr int64_t TABLE_WORDS = 2 + 5 * MAX_SEGMENTS;
-constexpr int64_t ROW_BLOCK = 4;  // rows whose sums interleave (independent chains)
+constexpr int64_t ROW_BLOCK = 8;  // rows whose sums interleave (independent chains)
 constexpr int64_t LANES = 16;
 constexpr int64_t PARALLEL_WORK = 1 << 18;  // multiply-adds from which a call splits
 
@@ -46,11 +52,21 @@ struct Rows {
   int64_t count;  // 1..ROW_BLOCK
 };
 
-// Up to SPAN lanes (GROUPS vectors) of the rank or the output columns a work item takes
-// at once: with ROW_BLOCK rows, as many independent sums in flight (the adds' latency,
-// not their count, bounds a lone row's chain).
-constexpr int64_t GROUPS = 4;
+// Up to SPAN lanes (GROUPS vectors) of the rank or the output columns taken at once: with
+// ROW_BLOCK rows, ROW_BLOCK x GROUPS accumulators and GROUPS weight vectors fit the 32
+// registers (a lone row's chain is bound by the adds' latency, not their count).
+constexpr int64_t GROUPS = 3;
+constexpr int LORA_PANELS = 4;
 constexpr int64_t SPAN = GROUPS * LANES;
+
+// Where a row's output column c (of the table's order) lies in y: c itself, or (half
+// nonzero: LORA_PANELS) its place in the gate/up panels of a row 2 * half wide.
+struct Columns {
+  int64_t half;
+  int64_t at(int64_t c) const {
+    return half == 0 ? c : (c % half) / LANES * 2 * LANES + c / half * LANES + c % LANES;
+  }
+};
 
 #if defined(__AVX512F__)
 // 16 lanes of an adapter's A or B from p: float32 under the mask; bfloat16 whole, which the
@@ -68,14 +84,14 @@ inline int64_t lane_masks(int64_t width, __mmask16* masks) {
   return (width + LANES - 1) / LANES;
 }
 
-// Both halves' one product: for each of NB rows b and each lane of NG vectors, the sum over
+// Both halves' one product: for each of NB rows b and each lane of NG vectors g, the sum over
 // t in [0, len), ascending from +0, of w[t * stride + lane] * s[b][t] (shrink: w = A's rank
-// lanes, s = x; expand: w = B's columns, s = u); stored at out[b] (ADD: added to it).
+// lanes, s = x; expand: w = B's columns, s = u); stored at out[b] + at[g] (ADD: added to it).
 // NOTE: NB and NG known at compile time, so that the accumulators stay in registers (loop
 // bounds known only at run time kept them in memory: 3x slower).
 template <int NB, int NG, bool ADD, typename W>
 void lanes_fixed(const float* const* s, int64_t len, const W* w, int64_t stride,
-                 const __mmask16* masks, float* const* out) {
+                 const __mmask16* masks, float* const* out, const int64_t* at) {
   __m512 acc[NB][NG];
   for (int b = 0; b < NB; ++b)
     for (int g = 0; g < NG; ++g) acc[b][g] = _mm512_setzero_ps();
@@ -89,7 +105,7 @@ void lanes_fixed(const float* const* s, int64_t len, const W* w, int64_t stride,
   }
   for (int b = 0; b < NB; ++b)
     for (int g = 0; g < NG; ++g) {
-      float* o = out[b] + g * LANES;
+      float* o = out[b] + at[g];
       const __m512 v = ADD ? _mm512_add_ps(_mm512_maskz_loadu_ps(masks[g], o), acc[b][g])
                            : acc[b][g];
       _mm512_mask_storeu_ps(o, masks[g], v);
@@ -98,35 +114,37 @@ void lanes_fixed(const float* const* s, int64_t len, const W* w, int64_t stride,
 
 template <int NB, bool ADD, typename W>
 void lanes_rows(int64_t groups, const float* const* s, int64_t len, const W* w, int64_t stride,
-                const __mmask16* masks, float* const* out) {
+                const __mmask16* masks, float* const* out, const int64_t* at) {
   switch (groups) {
-    case 1: return lanes_fixed<NB, 1, ADD>(s, len, w, stride, masks, out);
-    case 2: return lanes_fixed<NB, 2, ADD>(s, len, w, stride, masks, out);
-    case 3: return lanes_fixed<NB, 3, ADD>(s, len, w, stride, masks, out);
-    default: return lanes_fixed<NB, 4, ADD>(s, len, w, stride, masks, out);
+    case 1: return lanes_fixed<NB, 1, ADD>(s, len, w, stride, masks, out, at);
+    case 2: return lanes_fixed<NB, 2, ADD>(s, len, w, stride, masks, out, at);
+    default: return lanes_fixed<NB, 3, ADD>(s, len, w, stride, masks, out, at);
   }
 }
 
 // lanes_fixed for `rows` rows (<= ROW_BLOCK) and `width` lanes (<= SPAN).
 template <bool ADD, typename W>
 void lanes(int64_t rows, int64_t width, const float* const* s, int64_t len, const W* w,
-           int64_t stride, float* const* out) {
+           int64_t stride, float* const* out, const int64_t* at) {
   __mmask16 masks[GROUPS];
   const int64_t groups = lane_masks(width, masks);
   switch (rows) {
-    case 1: return lanes_rows<1, ADD>(groups, s, len, w, stride, masks, out);
-    case 2: return lanes_rows<2, ADD>(groups, s, len, w, stride, masks, out);
-    case 3: return lanes_rows<3, ADD>(groups, s, len, w, stride, masks, out);
-    default: return lanes_rows<4, ADD>(groups, s, len, w, stride, masks, out);
+    case 1: return lanes_rows<1, ADD>(groups, s, len, w, stride, masks, out, at);
+    case 2: return lanes_rows<2, ADD>(groups, s, len, w, stride, masks, out, at);
+    case 3: return lanes_rows<3, ADD>(groups, s, len, w, stride, masks, out, at);
+    case 4: return lanes_rows<4, ADD>(groups, s, len, w, stride, masks, out, at);
+    case 5: return lanes_rows<5, ADD>(groups, s, len, w, stride, masks, out, at);
+    case 6: return lanes_rows<6, ADD>(groups, s, len, w, stride, masks, out, at);
+    case 7: return lanes_rows<7, ADD>(groups, s, len, w, stride, masks, out, at);
+    default: return lanes_rows<8, ADD>(groups, s, len, w, stride, masks, out, at);
   }
 }
 #endif
 
-// u[row][r0 : r0 + width] (width <= SPAN) for each row of the block: the sum over k of
-// a[i][r] * x[row][i].
+// u[row][0 : rank] for each row of the block: the sum over k of a[i][r] * x[row][i].
 template <typename T, typename W>
-void shrink_lanes(const T* x, int64_t ldx, int64_t k, const W* a, int64_t rank, Rows rows,
-                  float* u, int64_t ldu, int64_t r0, int64_t width) {
+void shrink_block(const T* x, int64_t ldx, int64_t k, const W* a, int64_t rank, Rows rows,
+                  float* u, int64_t ldu) {
 #if defined(__AVX512F__)
   const float* xs[ROW_BLOCK];
   float* u_rows[ROW_BLOCK];
@@ -134,7 +152,7 @@ void shrink_lanes(const T* x, int64_t ldx, int64_t k, const W* a, int64_t rank, 
   if constexpr (!std::is_same_v<T, float>) converted.resize(static_cast<size_t>(ROW_BLOCK * k));
   for (int64_t b = 0; b < rows.count; ++b) {
     const T* row = x + rows.index[b] * ldx;
-    u_rows[b] = u + rows.index[b] * ldu + r0;
+    u_rows[b] = u + rows.index[b] * ldu;
     if constexpr (std::is_same_v<T, float>) {
       xs[b] = row;
     } else {
@@ -145,47 +163,47 @@ void shrink_lanes(const T* x, int64_t ldx, int64_t k, const W* a, int64_t rank, 
       xs[b] = out;
     }
   }
-  lanes<false>(rows.count, width, xs, k, a + r0, rank, u_rows);
+  for (int64_t r0 = 0; r0 < rank; r0 += SPAN) {
+    const int64_t at[GROUPS] = {r0, r0 + LANES, r0 + 2 * LANES};
+    lanes<false>(rows.count, std::min(SPAN, rank - r0), xs, k, a + r0, rank, u_rows, at);
+  }
 #else
-  float acc[ROW_BLOCK][SPAN] = {};
-  for (int64_t i = 0; i < k; ++i) {
-    const W* ai = a + i * rank + r0;
-    for (int64_t b = 0; b < rows.count; ++b) {
-      const float xi = load(x + rows.index[b] * ldx + i);
-      for (int64_t r = 0; r < width; ++r) acc[b][r] += load(ai + r) * xi;
+  for (int64_t b = 0; b < rows.count; ++b) {
+    const int64_t m = rows.index[b];
+    for (int64_t r = 0; r < rank; ++r) {
+      float acc = 0.0f;
+      for (int64_t i = 0; i < k; ++i) acc += load(a + i * rank + r) * load(x + m * ldx + i);
+      u[m * ldu + r] = acc;
     }
   }
-  for (int64_t b = 0; b < rows.count; ++b)
-    for (int64_t r = 0; r < width; ++r) u[rows.index[b] * ldu + r0 + r] = acc[b][r];
 #endif
 }
 
-// y[row][col + j] += the sum over r of b[r][j] * u[row][u0 + r], for j in [j0, j0 + width)
-// (width <= SPAN).
+// One segment of an adapter's expand for a block: y[row][cols.at(col + j)] += the sum over r
+// of b[r][j] * u[row][u0 + r], for j in [0, n).
 template <typename W>
-void expand_lanes(const W* bm, int64_t n, int64_t rank, const float* u, int64_t ldu,
-                  int64_t u0, Rows rows, float* y, int64_t ldy, int64_t col, int64_t j0,
-                  int64_t width) {
+void expand_block(const W* bm, int64_t n, int64_t rank, const float* u, int64_t ldu,
+                  int64_t u0, Rows rows, float* y, int64_t ldy, int64_t col, Columns cols) {
 #if defined(__AVX512F__)
   const float* u_rows[ROW_BLOCK];
   float* y_rows[ROW_BLOCK];
   for (int64_t b = 0; b < rows.count; ++b) {
     u_rows[b] = u + rows.index[b] * ldu + u0;
-    y_rows[b] = y + rows.index[b] * ldy + col + j0;
+    y_rows[b] = y + rows.index[b] * ldy;
   }
-  lanes<true>(rows.count, width, u_rows, rank, bm + j0, n, y_rows);
+  for (int64_t j0 = 0; j0 < n; j0 += SPAN) {
+    int64_t at[GROUPS];
+    for (int64_t g = 0; g < GROUPS; ++g) at[g] = cols.at(col + j0 + g * LANES);
+    lanes<true>(rows.count, std::min(SPAN, n - j0), u_rows, rank, bm + j0, n, y_rows, at);
+  }
 #else
-  float acc[ROW_BLOCK][SPAN] = {};
-  for (int64_t r = 0; r < rank; ++r) {
-    const W* br = bm + r * n + j0;
-    for (int64_t b = 0; b < rows.count; ++b) {
-      const float ur = u[rows.index[b] * ldu + u0 + r];
-      for (int64_t j = 0; j < width; ++j) acc[b][j] += load(br + j) * ur;
-    }
-  }
   for (int64_t b = 0; b < rows.count; ++b) {
-    float* yb = y + rows.index[b] * ldy + col + j0;
-    for (int64_t j = 0; j < width; ++j) yb[j] += acc[b][j];
+    const int64_t m = rows.index[b];
+    for (int64_t j = 0; j < n; ++j) {
+      float acc = 0.0f;
+      for (int64_t r = 0; r < rank; ++r) acc += load(bm + r * n + j) * u[m * ldu + u0 + r];
+      y[m * ldy + cols.at(col + j)] += acc;
+    }
   }
 #endif
 }
@@ -202,35 +220,29 @@ void for_items(int64_t items, bool parallel, const F& f) {
   for (int64_t item = 0; item < items; ++item) f(item);
 }
 
-// One work item: a block of one slot's rows and a run of up to SPAN lanes of its rank
-// (shrink) or of one segment's columns (expand).
-struct Item {
+// One work item: a block of one slot's rows.
+struct Block {
   const int64_t* slot;
   Rows rows;
-  int64_t segment;  // expand: which of the slot's segments; shrink: unused
-  int64_t lane0;  // the item's first rank element (shrink) or column of the segment (expand)
 };
 
-// Every slot's blocks of rows times its lane runs; `work` += the multiply-adds they take.
-std::vector<Item> items_of(const std::vector<std::vector<int64_t>>& by_slot,
-                           const int64_t* table, int64_t k, bool expand, int64_t& work) {
-  std::vector<Item> items;
+// Every slot's blocks of rows; `work` += the multiply-adds of the halves `mode` asks for.
+std::vector<Block> blocks_of(const std::vector<std::vector<int64_t>>& by_slot,
+                             const int64_t* table, int64_t k, int mode, int64_t& work) {
+  std::vector<Block> blocks;
   for (size_t s = 0; s < by_slot.size(); ++s) {
     const int64_t* slot = table + s * TABLE_WORDS;
     const int64_t count = static_cast<int64_t>(by_slot[s].size());
     if (count == 0 || slot[1] == 0) continue;
-    for (int64_t seg = 0; seg < (expand ? MAX_SEGMENTS : 1); ++seg) {
-      const int64_t width = expand ? slot[2 + 5 * seg + 2] : slot[1];
-      if (width == 0) break;
-      work += count * width * (expand ? slot[2 + 5 * seg + 4] : k);
-      for (int64_t first = 0; first < count; first += ROW_BLOCK) {
-        const Rows rows{by_slot[s].data() + first, std::min(ROW_BLOCK, count - first)};
-        for (int64_t lane0 = 0; lane0 < width; lane0 += SPAN)
-          items.push_back(Item{slot, rows, seg, lane0});
-      }
-    }
+    int64_t per_row = mode & 1 ? k * slot[1] : 0;
+    for (int64_t seg = 0; (mode & 2) && seg < MAX_SEGMENTS && slot[2 + 5 * seg + 2]; ++seg)
+      per_row += slot[2 + 5 * seg + 2] * slot[2 + 5 * seg + 4];
+    work += count * per_row;
+    for (int64_t first = 0; first < count; first += ROW_BLOCK)
+      blocks.push_back(Block{slot, Rows{by_slot[s].data() + first,
+                                        std::min(ROW_BLOCK, count - first)}});
   }
-  return items;
+  return blocks;
 }
 
 template <typename T, typename W>
@@ -243,30 +255,23 @@ int run(const T* x, int64_t rows, int64_t k, int64_t ldx, const int32_t* slots,
     if (slots[m] >= num_slots) return -2;
     by_slot[slots[m]].push_back(m);
   }
-  // NOTE: one team per half: every slot's items together (a decode step of many users on a
-  // few adapters has many small ones)
-  if (mode & 1) {
-    int64_t work = 0;
-    const std::vector<Item> items = items_of(by_slot, table, k, false, work);
-    for_items(static_cast<int64_t>(items.size()), work >= PARALLEL_WORK, [&](int64_t i) {
-      const Item& it = items[i];
-      const auto* a = reinterpret_cast<const W*>(it.slot[0]);
-      const int64_t rank = it.slot[1];
-      shrink_lanes(x, ldx, k, a, rank, it.rows, u, ldu, it.lane0,
-                   std::min(SPAN, rank - it.lane0));
-    });
-  }
-  if (mode & 2) {
-    int64_t work = 0;
-    const std::vector<Item> items = items_of(by_slot, table, k, true, work);
-    for_items(static_cast<int64_t>(items.size()), work >= PARALLEL_WORK, [&](int64_t i) {
-      const Item& it = items[i];
-      const int64_t* seg = it.slot + 2 + 5 * it.segment;
-      const auto* bm = reinterpret_cast<const W*>(seg[0]);
-      expand_lanes(bm, seg[2], seg[4], u, ldu, seg[3], it.rows, y, ldy, seg[1], it.lane0,
-                   std::min(SPAN, seg[2] - it.lane0));
-    });
-  }
+  const Columns cols{mode & LORA_PANELS ? ldy / 2 : 0};
+  int64_t work = 0;
+  const std::vector<Block> blocks = blocks_of(by_slot, table, k, mode, work);
+  // NOTE: one team for every slot's blocks (a decode step of many users on a few adapters
+  // has many small ones), each block's shrink then its expand
+  for_items(static_cast<int64_t>(blocks.size()), work >= PARALLEL_WORK, [&](int64_t i) {
+    const Block& bl = blocks[i];
+    if (mode & 1)
+      shrink_block(x, ldx, k, reinterpret_cast<const W*>(bl.slot[0]), bl.slot[1], bl.rows, u,
+                   ldu);
+    for (int64_t seg = 0; (mode & 2) && seg < MAX_SEGMENTS; ++seg) {
+      const int64_t* e = bl.slot + 2 + 5 * seg;
+      if (e[2] == 0) break;
+      expand_block(reinterpret_cast<const W*>(e[0]), e[2], e[4], u, ldu, e[3], bl.rows, y, ldy,
+                   e[1], cols);
+    }
+  });
   return 0;
 }
 
@@ -278,7 +283,8 @@ extern "C" {
 // weight_dtype (bfloat16 ones with 16 elements of slack past their end); slots [rows] int32 (-1:
 // none); table [num_slots, TABLE_WORDS]; u [rows, ldu] float32, written by the shrink and
 // read by the expand; y [rows, ldy] float32, added to by the expand. mode: 1 shrink, 2
-// expand (from u as given: at tensor parallel, the ranks' shrinks all-reduced), 3 both.
+// expand (from u as given: at tensor parallel, the ranks' shrinks all-reduced), 3 both; plus
+// 4 (LORA_PANELS) where y is a gate/up product's panels (the header's column order).
 // Returns 0, -1 for an unknown dtype, -2 for a slot past the table.
 int tm_lora(const void* x, int64_t rows, int64_t k, int64_t ldx, int dtype, const int32_t* slots,
             int64_t num_slots, const int64_t* table, float* u, int64_t ldu, float* y,
