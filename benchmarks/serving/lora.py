@@ -4,8 +4,10 @@ serving the same adapters beside it (--vllm).
 
 The adapters are random PEFT ones (rank --rank, every projection q/k/v/o/gate/up/down), made
 on the checkpoint with peft. The workload is `vllm bench serve`'s random one: 128 random
-prompt tokens, 128 out (ignore_eos). Each figure is the median over --rounds rounds, base and
-adapters interleaved round by round (vLLM's after tokenmill's, one server at a time).
+prompt tokens, 128 out (ignore_eos). Each figure is the median over --rounds rounds; at one
+user, base and adapter requests alternate in one run (the pairs see the same machine), at 64
+users the two workloads alternate round by round (vLLM's after tokenmill's, one server at a
+time).
 
     python benchmarks/serving/lora.py [--model DIR] [--rank 16] [--rounds 3] [--vllm | --vllm-only]
 """
@@ -49,36 +51,44 @@ def make_adapters(model: Path, out: Path, rank: int) -> dict[str, Path]:
     return adapters
 
 
-def workloads(vocab: int, users: int) -> dict[str, tuple[int, list[dict[str, Any]]]]:
-    """name -> (users, bodies): one user on the base / on an adapter; 64 users on the base /
-    spread over the adapters."""
+# (users, bodies, each body's figure): one workload, run as one `vllm bench serve`-like run
+Workload = tuple[int, list[dict[str, Any]], list[str]]
+
+
+def workloads(vocab: int, users: int) -> list[Workload]:
+    """One user alternating base and adapter requests (each pair the same prompt, so that
+    both sample the same state of a shared machine: its 1-user TPOT moves by 30% from one
+    request to the next here); `users` users on the base; as many spread over the
+    adapters."""
     one = random_bodies(8, vocab, 128, 128)
     many = random_bodies(2 * users, vocab, 128, 128)
-    return {
-        "1 user, base": (1, one),
-        "1 user, adapter": (1, [{**b, "model": "a0"} for b in one]),
-        f"{users} users, base": (users, many),
-        f"{users} users, {NUM_ADAPTERS} adapters": (
-            users,
-            [{**b, "model": f"a{i % NUM_ADAPTERS}"} for i, b in enumerate(many)],
-        ),
-    }
+    alternating = [pair for b in one for pair in (b, {**b, "model": "a0"})]
+    spread = [{**b, "model": f"a{i % NUM_ADAPTERS}"} for i, b in enumerate(many)]
+    return [
+        (1, alternating, ["1 user, base", "1 user, adapter"] * len(one)),
+        (users, many, [f"{users} users, base"] * len(many)),
+        (users, spread, [f"{users} users, {NUM_ADAPTERS} adapters"] * len(many)),
+    ]
 
 
-def measure(url: str, loads: dict, rounds: int) -> dict[str, tuple[float, float] | str]:
-    """name -> (median output tok/s, median TPOT ms) over `rounds`, workloads interleaved;
-    or, for a workload the server failed, its error (the rest are not run after it)."""
-    asyncio.run(run(url, next(iter(loads.values()))[1][:2], 2))  # NOTE: warm-up
-    figures: dict[str, list[tuple[float, float]]] = {name: [] for name in loads}
+def measure(url: str, loads: list[Workload], rounds: int) -> dict[str, tuple[float, float] | str]:
+    """figure -> (median output tok/s, median TPOT ms) over `rounds`, workloads interleaved;
+    or, for a workload the server failed, its error (the rest are not run after it). A
+    figure sharing its run with another (one user) has tok/s over its own requests' time."""
+    asyncio.run(run(url, loads[0][1][:2], 2))  # NOTE: warm-up
+    figures: dict[str, list[tuple[float, float]]] = {name: [] for _, _, ns in loads for name in ns}
     for _ in range(rounds):
-        for name, (users, bodies) in loads.items():
+        for users, bodies, names in loads:
             try:
                 seconds, timed = asyncio.run(run(url, bodies, users))
             except (AssertionError, OSError) as e:
-                return {**_medians(figures), name: f"failed: {str(e)[:200]}"}
-            tpots = [(t.latency - t.ttft) / (t.tokens - 1) for t in timed if t.tokens > 1]
-            tok_s = sum(t.tokens for t in timed) / seconds
-            figures[name].append((tok_s, 1e3 * statistics.median(tpots)))
+                return {**_medians(figures), names[0]: f"failed: {str(e)[:200]}"}
+            for name in dict.fromkeys(names):
+                own = [t for t, n in zip(timed, names, strict=True) if n == name]
+                tpots = [(t.latency - t.ttft) / (t.tokens - 1) for t in own if t.tokens > 1]
+                spent = seconds if len(own) == len(timed) else sum(t.latency for t in own)
+                tok_s = sum(t.tokens for t in own) / spent
+                figures[name].append((tok_s, 1e3 * statistics.median(tpots)))
     return dict(_medians(figures))
 
 
@@ -131,7 +141,9 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def tokenmill_figures(args: argparse.Namespace, loads: dict, adapters: dict, root: Path) -> dict:
+def tokenmill_figures(
+    args: argparse.Namespace, loads: list[Workload], adapters: dict, root: Path
+) -> dict:
     flags = ["--served-model-name", "m", "--dtype", args.dtype, "--max-model-len", "2048"]
     flags += lora_flags(adapters, args.rank)
     proc, url = start_server(args.model, flags, root / "tokenmill.log")
@@ -141,7 +153,9 @@ def tokenmill_figures(args: argparse.Namespace, loads: dict, adapters: dict, roo
         stop_server(proc)
 
 
-def vllm_figures(args: argparse.Namespace, loads: dict, adapters: dict, root: Path) -> dict:
+def vllm_figures(
+    args: argparse.Namespace, loads: list[Workload], adapters: dict, root: Path
+) -> dict:
     log = root / "vllm.log"
     peer = start_vllm(args.model, args.dtype, log, lora_flags(adapters, args.rank))
     try:
