@@ -41,6 +41,7 @@ namespace {
 
 constexpr int64_t MAX_SEGMENTS = 3;
 constexpr int64_t TABLE_WORDS = 2 + 5 * MAX_SEGMENTS;
+constexpr int LORA_PANELS = 4;  // a mode bit: y in the gate/up panel order (above)
 constexpr int64_t ROW_BLOCK = 8;  // rows whose sums interleave (independent chains)
 constexpr int64_t LANES = 16;
 constexpr int64_t PARALLEL_WORK = 1 << 18;  // multiply-adds from which a call splits
@@ -56,7 +57,6 @@ struct Rows {
 // ROW_BLOCK rows, ROW_BLOCK x GROUPS accumulators and GROUPS weight vectors fit the 32
 // registers (a lone row's chain is bound by the adds' latency, not their count).
 constexpr int64_t GROUPS = 3;
-constexpr int LORA_PANELS = 4;
 constexpr int64_t SPAN = GROUPS * LANES;
 
 // Where a row's output column c (of the table's order) lies in y: c itself, or (half
@@ -164,7 +164,8 @@ void shrink_block(const T* x, int64_t ldx, int64_t k, const W* a, int64_t rank, 
     }
   }
   for (int64_t r0 = 0; r0 < rank; r0 += SPAN) {
-    const int64_t at[GROUPS] = {r0, r0 + LANES, r0 + 2 * LANES};
+    int64_t at[GROUPS];
+    for (int64_t g = 0; g < GROUPS; ++g) at[g] = r0 + g * LANES;
     lanes<false>(rows.count, std::min(SPAN, rank - r0), xs, k, a + r0, rank, u_rows, at);
   }
 #else
