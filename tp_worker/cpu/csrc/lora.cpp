@@ -139,13 +139,25 @@ void lanes(int64_t rows, int64_t width, const float* const* s, int64_t len, cons
     default: return lanes_rows<8, ADD>(groups, s, len, w, stride, masks, out, at);
   }
 }
+#else
+// lanes_fixed's sums, one lane at a time.
+template <bool ADD, typename W>
+void lanes(int64_t rows, int64_t width, const float* const* s, int64_t len, const W* w,
+           int64_t stride, float* const* out, const int64_t* at) {
+  for (int64_t b = 0; b < rows; ++b)
+    for (int64_t lane = 0; lane < width; ++lane) {
+      float acc = 0.0f;
+      for (int64_t t = 0; t < len; ++t) acc += load(w + t * stride + lane) * s[b][t];
+      float* o = out[b] + at[lane / LANES] + lane % LANES;
+      *o = ADD ? *o + acc : acc;
+    }
+}
 #endif
 
 // u[row][0 : rank] for each row of the block: the sum over k of a[i][r] * x[row][i].
 template <typename T, typename W>
 void shrink_block(const T* x, int64_t ldx, int64_t k, const W* a, int64_t rank, Rows rows,
                   float* u, int64_t ldu) {
-#if defined(__AVX512F__)
   const float* xs[ROW_BLOCK];
   float* u_rows[ROW_BLOCK];
   thread_local std::vector<float> converted;  // NOTE: bfloat16 rows in float32 (exact)
@@ -157,9 +169,7 @@ void shrink_block(const T* x, int64_t ldx, int64_t k, const W* a, int64_t rank, 
       xs[b] = row;
     } else {
       float* out = converted.data() + b * k;
-      int64_t i = 0;
-      for (; i + LANES <= k; i += LANES) _mm512_storeu_ps(out + i, tokenmill::load16(row + i));
-      for (; i < k; ++i) out[i] = load(row + i);
+      for (int64_t i = 0; i < k; ++i) out[i] = load(row + i);
       xs[b] = out;
     }
   }
@@ -168,16 +178,6 @@ void shrink_block(const T* x, int64_t ldx, int64_t k, const W* a, int64_t rank, 
     for (int64_t g = 0; g < GROUPS; ++g) at[g] = r0 + g * LANES;
     lanes<false>(rows.count, std::min(SPAN, rank - r0), xs, k, a + r0, rank, u_rows, at);
   }
-#else
-  for (int64_t b = 0; b < rows.count; ++b) {
-    const int64_t m = rows.index[b];
-    for (int64_t r = 0; r < rank; ++r) {
-      float acc = 0.0f;
-      for (int64_t i = 0; i < k; ++i) acc += load(a + i * rank + r) * load(x + m * ldx + i);
-      u[m * ldu + r] = acc;
-    }
-  }
-#endif
 }
 
 // One segment of an adapter's expand for a block: y[row][cols.at(col + j)] += the sum over r
@@ -185,7 +185,6 @@ void shrink_block(const T* x, int64_t ldx, int64_t k, const W* a, int64_t rank, 
 template <typename W>
 void expand_block(const W* bm, int64_t n, int64_t rank, const float* u, int64_t ldu,
                   int64_t u0, Rows rows, float* y, int64_t ldy, int64_t col, Columns cols) {
-#if defined(__AVX512F__)
   const float* u_rows[ROW_BLOCK];
   float* y_rows[ROW_BLOCK];
   for (int64_t b = 0; b < rows.count; ++b) {
@@ -197,16 +196,6 @@ void expand_block(const W* bm, int64_t n, int64_t rank, const float* u, int64_t 
     for (int64_t g = 0; g < GROUPS; ++g) at[g] = cols.at(col + j0 + g * LANES);
     lanes<true>(rows.count, std::min(SPAN, n - j0), u_rows, rank, bm + j0, n, y_rows, at);
   }
-#else
-  for (int64_t b = 0; b < rows.count; ++b) {
-    const int64_t m = rows.index[b];
-    for (int64_t j = 0; j < n; ++j) {
-      float acc = 0.0f;
-      for (int64_t r = 0; r < rank; ++r) acc += load(bm + r * n + j) * u[m * ldu + u0 + r];
-      y[m * ldy + cols.at(col + j)] += acc;
-    }
-  }
-#endif
 }
 
 // f(0..items-1), over the threads where `parallel` (a small call stays on this thread: a
