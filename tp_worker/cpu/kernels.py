@@ -48,10 +48,12 @@ HEADERS = tuple(
         "argmax.h",
         "attention_common.h",
         "bf16.h",
+        "dequant.h",
         "epilogue.h",
         "exp.h",
         "kernels.h",
         "panel_queue.h",
+        "quant_kernels.h",
         "silu.h",
     )
 )
@@ -146,6 +148,11 @@ def load(path: Path) -> ctypes.CDLL:
         if hasattr(lib, name):
             getattr(lib, name).argtypes = [*lib.tm_linear.argtypes, _P, _I, _I]
             getattr(lib, name).restype = ctypes.c_int
+    if hasattr(lib, "tm_quant_linear_then"):
+        lib.tm_quant_linear_then.argtypes = lib.tm_linear_then.argtypes
+        lib.tm_quant_linear_then.restype = ctypes.c_int
+        lib.tm_quant_rows.argtypes = [_P, _P, _I, _I, _C, _P]
+        lib.tm_quant_rows.restype = ctypes.c_int
     lib.tm_amx_ready.argtypes = []
     lib.tm_amx_ready.restype = ctypes.c_int
     lib.tm_rms_norm.argtypes = [_P, _P, _P, _I, _I, _I, _F, _C, _C]

@@ -31,6 +31,14 @@ int tm_linear_amx_then(const void* x, int64_t m, int64_t k, int64_t lda, const v
                        int64_t n, const float* bias, void* out, int64_t ldc, int dtype,
                        int out_dtype, const void* residual, int glu, const void* then_packed,
                        int64_t then_n, int64_t then_k);
+// tm_linear_then's operands with quantized panels (linear.cpp, dequant.h): `table` holds
+// each panel's GGUF type and blocks' address.
+int tm_quant_linear_then(const void* x, int64_t m, int64_t k, int64_t lda, const void* table,
+                         int64_t n, const float* bias, void* out, int64_t ldc, int dtype,
+                         int out_dtype, const void* residual, int glu, const void* then_packed,
+                         int64_t then_n, int64_t then_k);
+int tm_quant_rows(const void* table, const int64_t* ids, int64_t count, int64_t k, int pairs,
+                  float* out);
 int tm_glu_mul(const void* gate_up, void* out, int64_t rows, int64_t inter, int dtype,
                int out_dtype, int act);
 int tm_glu_mul_panels(const float* panels, void* out, int64_t rows, int64_t inter, int64_t ldo,

@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include <omp.h>
 
@@ -44,6 +45,7 @@
 #include "bf16.h"
 #include "epilogue.h"
 #include "panel_queue.h"
+#include "quant_kernels.h"
 #include "kernels.h"
 
 namespace {
@@ -308,22 +310,34 @@ struct Product {
 
   // `after`: ask_ahead's, for the first block (the one that streams the panel in).
   void panel(int64_t p, int64_t first, int64_t last, intptr_t after) const {
+    panel_from(packed + p * panel_elems, p, first, last, after, true);
+  }
+
+  // Panel p's outputs from its weights at `weights` (packed, or a panel dequantized into a
+  // thread's buffer: `stream` false, as it is in the core's cache already).
+  void panel_from(const T* weights, int64_t p, int64_t first, int64_t last, intptr_t after,
+                  bool stream) const {
     alignas(64) float acc[MR * NR];
-    const int64_t col0 = p * NR, cols = std::min<int64_t>(NR, n - col0);
-    const float* b = bias ? bias + col0 : nullptr;
     for (int64_t m0 = first; m0 < last; m0 += MR) {
       const int rows = static_cast<int>(std::min<int64_t>(MR, last - m0));
       // NOTE: the first block of a pass brings the panel in; the others find it in L2.
-      kernel_for<T, K>(rows, m0 == first)(x + m0 * lda, lda, packed + p * panel_elems, k_len,
-                                          acc, after);
-      for (int r = 0; r < rows; ++r) {
-        const int64_t row = m0 + r;
-        if (glu) {
-          tokenmill::write_glu_row(acc + r * NR, b, out + row * ldc + p * NR / 2, glu);
-        } else {
-          tokenmill::write_row(acc + r * NR, cols, b, out + row * ldc + col0,
-                               residual ? residual + row * ldc + col0 : nullptr);
-        }
+      kernel_for<T, K>(rows, stream && m0 == first)(x + m0 * lda, lda, weights, k_len, acc,
+                                                    after);
+      write(acc, p, m0, rows);
+    }
+  }
+
+  // Rows m0 .. m0 + rows of panel p from their float32 sums acc [rows][NR]: the epilogue.
+  void write(const float* acc, int64_t p, int64_t m0, int rows) const {
+    const int64_t col0 = p * NR, cols = std::min<int64_t>(NR, n - col0);
+    const float* b = bias ? bias + col0 : nullptr;
+    for (int r = 0; r < rows; ++r) {
+      const int64_t row = m0 + r;
+      if (glu) {
+        tokenmill::write_glu_row(acc + r * NR, b, out + row * ldc + p * NR / 2, glu);
+      } else {
+        tokenmill::write_row(acc + r * NR, cols, b, out + row * ldc + col0,
+                             residual ? residual + row * ldc + col0 : nullptr);
       }
     }
   }
@@ -356,9 +370,82 @@ void linear(const T* x, int64_t m, int64_t k_len, int64_t lda, const T* packed, 
   }
 }
 
+// The product of x and quantized panels (dequant.h: `table` holds each panel's type and
+// address), with the bits of the packed product of the dequantized weight: up to FUSED_ROWS
+// rows, quant_kernels.h's microkernels dequantize in registers as they multiply (a decode
+// step reads the blocks once, and no panel is written); more rows, the panel is dequantized
+// into the thread's buffer and multiplied as a packed one.
+template <typename T, typename Out, template <int, Ask> class K>
+int quant_linear(const T* x, int64_t m, int64_t k_len, int64_t lda, const int64_t* table,
+                 int64_t n, const float* bias, Out* out, int64_t ldc, const Out* residual,
+                 int glu) {
+  const int64_t num_panels = (n + NR - 1) / NR;
+  const int64_t panel_elems = k_len * NR;  // NOTE: GGUF rows are whole blocks of 32 k
+  const Product<T, Out, K> product{x, k_len, lda, nullptr, panel_elems, n,
+                                   bias, out, ldc, residual, glu};
+  const int64_t pass_rows = rows_per_pass(k_len, sizeof(T));
+  const int64_t num_passes = (m + pass_rows - 1) / pass_rows;
+  tokenmill::PanelQueue queue(num_passes, omp_get_max_threads(), num_panels);
+  int status = 0;
+#pragma omp parallel reduction(| : status)
+  {
+    static thread_local std::vector<T> buffer;
+    const int thread = omp_get_thread_num();
+    for (int64_t pass = 0; pass < num_passes; ++pass) {
+      const int64_t first = pass * pass_rows, last = std::min(m, first + pass_rows);
+      for (int64_t p = queue.next(pass, thread); p >= 0; p = queue.next(pass, thread)) {
+        const auto* kernels = tokenmill::quant_kernels<T>(static_cast<int>(table[2 * p]));
+        const auto* src = reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(table[2 * p + 1]));
+        if (kernels == nullptr) {
+          status = 1;
+          continue;
+        }
+        if (last - first <= tokenmill::FUSED_ROWS && kernels->fused[1] != nullptr) {
+          alignas(64) float acc[tokenmill::FUSED_ROWS * NR];
+          const int rows = static_cast<int>(last - first);
+          kernels->fused[rows](x + first * lda, lda, src, k_len, acc);
+          product.write(acc, p, first, rows);
+          continue;
+        }
+        if (buffer.size() < static_cast<size_t>(panel_elems)) buffer.resize(panel_elems);
+        kernels->dequant(src, k_len, buffer.data());
+        product.panel_from(buffer.data(), p, first, last, 0, false);
+      }
+    }
+  }
+  return status;
+}
+
 }  // namespace
 
 extern "C" {
+
+// tm_linear_then's product with quantized weights: `table` [panels][2] int64, each panel's
+// GGUF type code and the address of its blocks (dequant.h's layout), k a multiple of 32.
+// No product runs next (then_*: ignored); -1 for an unsupported combination or type.
+int tm_quant_linear_then(const void* x, int64_t m, int64_t k, int64_t lda, const void* table,
+                         int64_t n, const float* bias, void* out, int64_t ldc, int dtype,
+                         int out_dtype, const void* residual, int glu, const void*, int64_t,
+                         int64_t) {
+  if ((glu && (n % NR != 0 || residual != nullptr)) || k % 32 != 0) return -1;
+  const auto* panels = static_cast<const int64_t*>(table);
+  int status = -1;
+  if (dtype == 0 && out_dtype == 0) {
+    status = quant_linear<float, float, F32>(static_cast<const float*>(x), m, k, lda, panels, n,
+                                             bias, static_cast<float*>(out), ldc,
+                                             static_cast<const float*>(residual), glu);
+  } else if (dtype == 1 && out_dtype == 1) {
+    status = quant_linear<uint16_t, uint16_t, BF16>(
+        static_cast<const uint16_t*>(x), m, k, lda, panels, n, bias, static_cast<uint16_t*>(out),
+        ldc, static_cast<const uint16_t*>(residual), glu);
+  } else if (dtype == 1 && out_dtype == 0) {
+    status = quant_linear<uint16_t, float, BF16>(
+        static_cast<const uint16_t*>(x), m, k, lda, panels, n, bias, static_cast<float*>(out),
+        ldc, static_cast<const float*>(residual), glu);
+  }
+  return status == 0 ? 0 : -1;
+}
+
 
 // x [m, k] (row stride lda), packed: W [n, k] packed as above, bias [n] float32 or null,
 // out [m, n] (row stride ldc), residual [m, n] in out's dtype and row stride, or null.
@@ -398,6 +485,27 @@ int tm_linear_then(const void* x, int64_t m, int64_t k, int64_t lda, const void*
     return -1;
   }
   return 0;
+}
+
+// Rows `ids` [count] of quantized panels (`table` as tm_quant_linear_then's, k weights a row,
+// packed for bfloat16 where `pairs`) into out [count, k] float32: an embedding's lookup. -1
+// for a type not served in blocks.
+int tm_quant_rows(const void* table, const int64_t* ids, int64_t count, int64_t k, int pairs,
+                  float* out) {
+  const auto* panels = static_cast<const int64_t*>(table);
+  int status = 0;
+#pragma omp parallel for schedule(static) reduction(| : status)
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t p = ids[i] / NR;
+    const tokenmill::QuantLayout l = tokenmill::quant_layout(static_cast<int>(panels[2 * p]));
+    if (l.block_k == 0) {
+      status = 1;
+      continue;
+    }
+    const auto* src = reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(panels[2 * p + 1]));
+    tokenmill::dequant_lane(l, src, k, pairs != 0, static_cast<int>(ids[i] % NR), out + i * k);
+  }
+  return status == 0 ? 0 : -1;
 }
 
 // Which microkernels this build has: 1 = AVX-512 float32, 2 = AVX512_BF16 (bit flags).
