@@ -148,7 +148,7 @@ def pack_panels(rows: QuantRows, pairs: bool) -> torch.Tensor:
         a = a.reshape(panels, PANEL, blocks_a_row, *a.shape[1:])
         return np.moveaxis(a, 1, -1)
 
-    parts = [np.ascontiguousarray(lanes(d)).view(np.uint8)]
+    parts: list[np.ndarray] = [np.ascontiguousarray(lanes(d)).view(np.uint8)]
     if groups is not None:
         parts.append(np.ascontiguousarray(lanes(groups)).view(np.uint8))
     q_lanes = lanes(q)  # [P, B, S, 32]: unit k holds k's lanes in order
@@ -178,9 +178,10 @@ def pack_panels(rows: QuantRows, pairs: bool) -> torch.Tensor:
 
 def dequantize(rows: QuantRows) -> torch.Tensor:
     """The float32 weights the `gguf` package gives for rows [rows, width]."""
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
 
-    values = gguf_dequantize(rows.blocks.numpy(), rows.qtype)
+    values = gguf_dequantize(rows.blocks.numpy(), GGMLQuantizationType(rows.qtype))
     return torch.from_numpy(np.ascontiguousarray(values)).reshape(rows.rows, rows.width)
 
 
