@@ -31,8 +31,17 @@ from tokenmill.tp_worker.cpu.ops import (
     row_stride,
 )
 
-Q4_0, Q8_0, Q4_K, Q5_K, Q6_K = 2, 8, 12, 13, 14
-TYPE_NAMES = {Q4_0: "Q4_0", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
+TYPE_NAMES = {
+    Q4_0: "Q4_0",
+    Q4_1: "Q4_1",
+    Q5_0: "Q5_0",
+    Q5_1: "Q5_1",
+    Q8_0: "Q8_0",
+    Q4_K: "Q4_K",
+    Q5_K: "Q5_K",
+    Q6_K: "Q6_K",
+}
 
 
 @dataclass(frozen=True)
@@ -51,7 +60,7 @@ class Layout:
 
     def panel_block_bytes(self) -> int:
         groups = self.block_k // self.group_k
-        sc = (32 * groups * (2 if self.mins else 1)) if self.scales else 0
+        sc = (32 * groups * (2 if self.mins else 1)) if self.scales else 0  # NOTE: sc and m
         q = self.block_k * (32 if self.whole_bytes else 16)
         return 64 * (2 if self.mins else 1) + sc + q + self.block_k * self.planes * 4
 
@@ -59,6 +68,9 @@ class Layout:
 LAYOUTS = {
     Q8_0: Layout(32, 32, False, False, True, 128, 0, 34),
     Q4_0: Layout(32, 32, False, False, False, 8, 0, 18),
+    Q4_1: Layout(32, 32, False, True, False, 0, 0, 20),
+    Q5_0: Layout(32, 32, False, False, False, 16, 1, 22),
+    Q5_1: Layout(32, 32, False, True, False, 0, 1, 24),
     Q4_K: Layout(256, 32, True, True, False, 0, 0, 144),
     Q5_K: Layout(256, 32, True, True, False, 0, 1, 176),
     Q6_K: Layout(256, 16, True, False, False, 32, 2, 210),
@@ -106,10 +118,18 @@ def _parts(qtype: int, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray | Non
     if qtype == Q8_0:
         d, qs = blocks[:, :2], blocks[:, 2:]
         return d.view(np.uint16), None, (qs.view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-    if qtype == Q4_0:
-        d, qs = blocks[:, :2], blocks[:, 2:]
+    if qtype in (Q4_0, Q4_1, Q5_0, Q5_1):
+        scales = 4 if qtype in (Q4_1, Q5_1) else 2  # NOTE: d, then m where the type has one
+        high = 4 if qtype in (Q5_0, Q5_1) else 0
+        d = blocks[:, :scales].copy().view(np.uint16)
+        d[:, 1:] ^= 0x8000  # NOTE: dmin = -m (dequant.h: B = dmin), exact in float16
+        qs = blocks[:, scales + high :]
         q = (qs.reshape(n, 1, 16) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)) & 15
-        return d.view(np.uint16), None, q.reshape(n, 32)
+        q = q.reshape(n, 32)
+        if high:
+            qh = blocks[:, scales : scales + 4].copy().view(np.uint32)
+            q = q | (((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4)
+        return d, None, q
     if qtype == Q6_K:
         ql, qh, sc, d = blocks[:, :128], blocks[:, 128:192], blocks[:, 192:208], blocks[:, 208:]
         low = (ql.reshape(n, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15

@@ -4,23 +4,24 @@
 // pack makes of the dequantized weight, bit for bit.
 //
 // Every type served here dequantizes as w = A q - B per group of G weights of a row: q an
-// unsigned integer of 4, 5, 6 or 8 bits, A = d * sc and B = dmin * m (Q4_K, Q5_K) or B = A *
-// OFFSET (the signed types, their q stored with OFFSET added: Q8_0 128, Q4_0 8, Q6_K 32), d and
-// dmin float16 per block of S weights, sc and m small integers per group (none in Q8_0 and Q4_0,
-// where A = d). A and B are exact in float32 (at most 11 + 8 bits) and so is A q for 4 and 5
-// bits, so one fused multiply-subtract gives the `gguf` package's float32 value: its (d * sc)
-// * q - dmin * m rounds the exact difference once, as the fma does; for Q6_K and Q8_0 its
-// A * (q - OFFSET) is the same exact value, rounded once. Every w is 0 or at least 2^-24 in
+// unsigned integer of 4, 5, 6 or 8 bits, A = d * sc (d where a type has no sc), B = dmin * m
+// (Q4_K, Q5_K), -m (Q4_1, Q5_1: their float16 m stored negated as dmin) or A * OFFSET (the
+// signed types, their q stored with OFFSET added: Q8_0 128, Q4_0 8, Q5_0 16, Q6_K 32); d and
+// dmin float16 per block of S weights, sc and m small integers per group. A and B are exact in
+// float32 (at most 11 + 8 bits) and so is A q for 4 and 5 bits, so one fused multiply-subtract
+// gives the `gguf` package's float32 value: its (d * sc) * q - dmin * m (or d * q + m) rounds
+// the exact result once, as the fma does; for Q6_K and Q8_0 its A * (q - OFFSET) is the same
+// exact value, rounded once. Every w is 0 or at least 2^-24 in
 // magnitude (a whole multiple of float16's smallest step), never a float32 subnormal, so the
 // hardware's bfloat16 conversion rounds it as torch does.
 //
 // A panel holds 32 rows (output features), lane j = row j, and is a sequence of blocks of S k;
 // a block, in bytes (each part a multiple of 64):
-//   d     float16 [32]               dmin  float16 [32]        (Q4_K, Q5_K)
+//   d     float16 [32]               dmin  float16 [32]        (Q4_K, Q5_K, Q4_1, Q5_1)
 //   sc    int8 [S / G][32]           m     int8 [S / G][32]    (sc: K types; m: Q4_K, Q5_K)
 //   q     [S] units of 32 values: 16 bytes, byte i holding value i in its low 4 bits and value
 //         16 + i in its high ones (Q8_0: 32 bytes, value i in byte i)
-//   bits  uint32 [S][PLANES]: bit i of plane p is value i's bit 4 + p (Q5_K 1 plane, Q6_K 2)
+//   bits  uint32 [S][PLANES]: bit i of plane p is value i's bit 4 + p (Q5_* 1 plane, Q6_K 2)
 // Which (k, lane) a unit's value i is depends on the panel's dtype. float32 ("lanes"): unit k
 // holds k's 32 lanes in order. bfloat16 ("pairs"): units k and k + 1 (k even) hold the pair
 // (k, k + 1) of lanes 0-15, then of lanes 16-31, each as 16 values (k, j), (k + 1, j) for j
@@ -41,11 +42,11 @@
 namespace tokenmill {
 
 // ggml's type codes (gguf's GGMLQuantizationType) of the types served in blocks.
-enum QuantType { Q4_0 = 2, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum QuantType { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
 struct QuantLayout {
   int64_t block_k, group_k;  // S and G
-  bool scales, mins, bytes;  // sc present, dmin and m present, q in whole bytes
+  bool scales, mins, bytes;  // sc present, dmin present (with m where scales), q in whole bytes
   int offset, planes;
 
   int64_t groups() const { return block_k / group_k; }
@@ -60,6 +61,9 @@ inline QuantLayout quant_layout(int type) {
   switch (type) {
     case Q8_0: return {32, 32, false, false, true, 128, 0};
     case Q4_0: return {32, 32, false, false, false, 8, 0};
+    case Q4_1: return {32, 32, false, true, false, 0, 0};
+    case Q5_0: return {32, 32, false, false, false, 16, 1};
+    case Q5_1: return {32, 32, false, true, false, 0, 1};
     case Q4_K: return {256, 32, true, true, false, 0, 0};
     case Q5_K: return {256, 32, true, true, false, 0, 1};
     case Q6_K: return {256, 16, true, false, false, 32, 2};
@@ -136,9 +140,11 @@ inline float dequant_one(const QuantLayout& l, const QuantBlock& b, bool pairs, 
   const int64_t g = k / l.group_k;
   float a = half_to_float(b.d[lane]);
   if (l.scales) a = a * static_cast<float>(b.sc[g * 32 + lane]);
-  const float m = l.mins ? half_to_float(b.d[32 + lane]) *
-                               static_cast<float>(b.sc[(l.groups() + g) * 32 + lane])
-                         : a * static_cast<float>(l.offset);
+  float m = a * static_cast<float>(l.offset);
+  if (l.mins) {
+    m = half_to_float(b.d[32 + lane]);
+    if (l.scales) m = m * static_cast<float>(b.sc[(l.groups() + g) * 32 + lane]);
+  }
   return std::fma(a, static_cast<float>(q), -m);
 }
 
@@ -184,6 +190,24 @@ struct Format<Q4_0> {
   static constexpr int64_t S = 32, G = 32;
   static constexpr bool SCALES = false, MINS = false, BYTES = false;
   static constexpr int OFFSET = 8, PLANES = 0;
+};
+template <>
+struct Format<Q4_1> {
+  static constexpr int64_t S = 32, G = 32;
+  static constexpr bool SCALES = false, MINS = true, BYTES = false;
+  static constexpr int OFFSET = 0, PLANES = 0;
+};
+template <>
+struct Format<Q5_0> {
+  static constexpr int64_t S = 32, G = 32;
+  static constexpr bool SCALES = false, MINS = false, BYTES = false;
+  static constexpr int OFFSET = 16, PLANES = 1;
+};
+template <>
+struct Format<Q5_1> {
+  static constexpr int64_t S = 32, G = 32;
+  static constexpr bool SCALES = false, MINS = true, BYTES = false;
+  static constexpr int OFFSET = 0, PLANES = 1;
 };
 template <>
 struct Format<Q4_K> {
@@ -234,8 +258,10 @@ class PanelReader {
     __m512 a[2] = {d_[0], d_[1]}, b[2];
     for (int h = 0; h < 2; ++h) {
       if constexpr (F::SCALES) a[h] = _mm512_mul_ps(d_[h], int8_16(sc + g * 32 + 16 * h));
-      if constexpr (F::MINS)
+      if constexpr (F::MINS && F::SCALES)
         b[h] = _mm512_mul_ps(dmin_[h], int8_16(sc + (F::S / F::G + g) * 32 + 16 * h));
+      else if constexpr (F::MINS)
+        b[h] = dmin_[h];
       else
         b[h] = _mm512_mul_ps(a[h], _mm512_set1_ps(static_cast<float>(F::OFFSET)));
     }

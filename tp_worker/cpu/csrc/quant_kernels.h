@@ -159,6 +159,9 @@ const QuantKernels<T>* quant_kernels(int type) {
   switch (type) {
     case Q8_0: return kernels_of<T, Q8_0>();
     case Q4_0: return kernels_of<T, Q4_0>();
+    case Q4_1: return kernels_of<T, Q4_1>();
+    case Q5_0: return kernels_of<T, Q5_0>();
+    case Q5_1: return kernels_of<T, Q5_1>();
     case Q4_K: return kernels_of<T, Q4_K>();
     case Q5_K: return kernels_of<T, Q5_K>();
     case Q6_K: return kernels_of<T, Q6_K>();
