@@ -119,27 +119,27 @@ def _parts(qtype: int, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray | Non
         d, qs = blocks[:, :2], blocks[:, 2:]
         return d.view(np.uint16), None, (qs.view(np.int8).astype(np.int16) + 128).astype(np.uint8)
     if qtype in (Q4_0, Q4_1, Q5_0, Q5_1):
-        scales = 4 if qtype in (Q4_1, Q5_1) else 2  # NOTE: d, then m where the type has one
+        first = 4 if qtype in (Q4_1, Q5_1) else 2  # NOTE: d, then m where the type has one
         high = 4 if qtype in (Q5_0, Q5_1) else 0
-        d = blocks[:, :scales].copy().view(np.uint16)
+        d = blocks[:, :first].copy().view(np.uint16)
         d[:, 1:] ^= 0x8000  # NOTE: dmin = -m (dequant.h: B = dmin), exact in float16
-        qs = blocks[:, scales + high :]
+        qs = blocks[:, first + high :]
         q = (qs.reshape(n, 1, 16) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)) & 15
         q = q.reshape(n, 32)
         if high:
-            qh = blocks[:, scales : scales + 4].copy().view(np.uint32)
+            qh = blocks[:, first : first + 4].copy().view(np.uint32)
             q = q | (((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4)
         return d, None, q
     if qtype == Q6_K:
         ql, qh, sc, d = blocks[:, :128], blocks[:, 128:192], blocks[:, 192:208], blocks[:, 208:]
         low = (ql.reshape(n, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15
-        high = (qh.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
-        q = low.reshape(n, -1, 32) | (high.reshape(n, -1, 32) << 4)
+        top = (qh.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
+        q = low.reshape(n, -1, 32) | (top.reshape(n, -1, 32) << 4)
         return d.view(np.uint16), sc.view(np.int8), q.reshape(n, 256)
     from gguf.quants import Q4_K as GgufQ4K  # NOTE: its 6-bit scale unpacking
 
-    d, scales = blocks[:, :4], blocks[:, 4:16]
-    sc, m = GgufQ4K.get_scale_min(scales)
+    d, packed_scales = blocks[:, :4], blocks[:, 4:16]
+    sc, m = GgufQ4K.get_scale_min(packed_scales)
     qs = blocks[:, 16 + (32 if qtype == Q5_K else 0) :]
     q = (qs.reshape(n, -1, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15
     q = q.reshape(n, -1, 32)
