@@ -4,7 +4,8 @@ The first start from a GGUF file converts it in a subprocess (gguf_convert.py: i
 torch, transformers and gguf, which the frontend never needs) into
 ~/.cache/tokenmill/gguf/<key>/, where the key is the file's SHA-256 with the versions of
 the converter, transformers and gguf. Every later start finds that directory and loads it as
-it loads any safetensors checkpoint. The file's digest is kept by its path, size, mtime and
+it loads any safetensors checkpoint (its quantized matrices as the file's blocks, which the
+worker multiplies as they are). The file's digest is kept by its path, size, mtime and
 inode, so a later start reads the file's metadata, not its bytes.
 """
 
@@ -21,13 +22,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from tokenmill.frontend.cache import cache_dir
 
 logger = logging.getLogger(__name__)
 
 # NOTE: bumped whenever gguf_convert.py writes something else for the same file.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 _CHUNK = 1 << 20
 _STALE_S = 24 * 3600
 
@@ -150,3 +152,22 @@ def _read_index(path: Path) -> dict:
     except (OSError, ValueError):
         return {}
     return index if isinstance(index, dict) else {}
+
+
+def transformers_model(model_dir: Path, dtype: Any) -> Any:
+    """transformers' model of the checkpoint tokenmill serves from `model_dir` (tests'
+    oracles, benchmarks' trainers): of a converted GGUF file, transformers loading the file
+    itself under the converted config (the directory's quantized tensors are blocks that
+    transformers does not read); else the directory's."""
+    import transformers
+
+    source = model_dir / "gguf_source.json"
+    if not source.is_file():
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        return model.eval()
+    file = Path(json.loads(source.read_text())["file"])
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        file.parent, gguf_file=file.name, config=config, dtype=dtype
+    )
+    return model.eval()

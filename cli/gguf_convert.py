@@ -1,12 +1,15 @@
 """A GGUF file as a Hugging Face checkpoint directory (a subprocess of `tokenmill serve`, once
 per file: gguf_checkpoint.py caches what it writes, keyed by the file's content).
 
-Weights: the `gguf` package reads the file memory-mapped and dequantizes one tensor at a time
-(F16 and BF16 tensors are kept as they are, every other type becomes the float32 values
-llama.cpp's own dequantization gives); llama.cpp's row order of q and k (each head's rotary
-halves interleaved) is undone; the names become Hugging Face's; safetensors shards of up to
-2 GiB are written as they fill (a shard's tensors are in memory until it is written). The
-worker then loads them into the serving dtype like any checkpoint.
+Weights: the `gguf` package reads the file memory-mapped, one tensor at a time. The dense
+layers' matrices and the embeddings in a type the worker multiplies in its blocks
+(BLOCK_TYPES) are written as those blocks, a uint8 row of them per matrix row, and named in
+gguf_source.json's "blocks" with their ggml type; F16 and BF16 tensors are kept as they are;
+every other tensor becomes the float32 values the gguf package's dequantization gives.
+llama.cpp's row order of q and k (each head's rotary halves interleaved) is undone (whole rows
+of blocks move); the names become Hugging Face's; safetensors shards of up to 2 GiB are
+written as they fill (a shard's tensors are in memory until it is written). The worker then
+loads them like any checkpoint (model/weights.py; the blocks: model/blocks.py).
 The config and the tokenizer (chat template included) are what transformers builds from the
 file's metadata, so ids and shapes are transformers' own, as for every checkpoint.
 
@@ -136,6 +139,13 @@ _LLAMA3_GRID = [
     for high in (4.0, 2.0, 8.0)
 ]
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# NOTE: the ggml types the worker multiplies in their blocks (tp_worker/cpu/quantized.py's
+# LAYOUTS), and the tensors it takes that way: a dense layer's matrices and the embeddings
+BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+_BLOCK_TENSORS = re.compile(
+    r"model\.embed_tokens\.weight|lm_head\.weight|model\.layers\.\d+\."
+    r"(self_attn\.(q|k|v|o|qkv)_proj|mlp\.(gate|up|down|gate_up)_proj)\.weight"
+)
 
 
 class Unservable(ValueError):
@@ -301,11 +311,32 @@ def dequantized(tensor) -> torch.Tensor:
     return floats.bfloat16() if tensor.tensor_type == GGMLQuantizationType.BF16 else floats
 
 
+def kept_in_blocks(name: str, tensor, architecture: str) -> bool:
+    """Whether the tensor of Hugging Face name `name` goes to the worker as its blocks."""
+    return (
+        tensor.tensor_type.name in BLOCK_TYPES
+        and _BLOCK_TENSORS.fullmatch(name) is not None
+        and architecture != "granite"  # NOTE: its residual multiplier is folded into weights
+    )
+
+
+def blocks_of(tensor) -> torch.Tensor:
+    """A quantized tensor's blocks as [rows, bytes a row] uint8 (the file's bytes)."""
+    data = np.array(tensor.data, dtype=np.uint8)
+    return torch.from_numpy(data.reshape(int(tensor.shape[-1]), -1))
+
+
 def hf_tensors(
-    reader, architecture: str, num_heads: int, num_kv_heads: int, scope: str = "mlp"
+    reader,
+    architecture: str,
+    num_heads: int,
+    num_kv_heads: int,
+    scope: str = "mlp",
+    blocks: dict[str, int] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, tensor) for each tensor of the file, one at a time (a layer's
-    experts, stacked in the file, one expert's at a time)."""
+    experts, stacked in the file, one expert's at a time); where `blocks` is given, the
+    tensors kept_in_blocks as their blocks, each named in it with its ggml type."""
     stacked: dict[tuple[int, str], torch.Tensor] = {}  # NOTE: gpt-oss's, until gate meets up
     for tensor in reader.tensors:
         if tensor.name in (_ROPE_FACTORS, *_LONGROPE):
@@ -318,7 +349,11 @@ def hf_tensors(
             yield from _expert_tensors(dequantized(tensor), int(experts[1]), experts[2], scope)
             continue
         name = hf_name(tensor.name, architecture, scope)
-        values = dequantized(tensor)
+        if blocks is not None and kept_in_blocks(name, tensor, architecture):
+            blocks[name] = int(tensor.tensor_type)
+            values = blocks_of(tensor)
+        else:
+            values = dequantized(tensor)
         if name.endswith("shared_expert_gate.weight"):
             values = values.reshape(1, -1)  # NOTE: llama.cpp's is a vector, Hugging Face's a row
         if architecture in PERMUTED and ".self_attn.q_proj." in name:
@@ -602,9 +637,15 @@ def convert(path: Path, out: Path) -> None:
     config = write_config_and_tokenizer(path, out, reader, architecture)
     num_heads, num_kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     scope = "block_sparse_moe" if config["architectures"] == [MIXTRAL] else "mlp"
-    tensors = hf_tensors(reader, architecture, num_heads, num_kv_heads, scope)
+    blocks: dict[str, int] = {}
+    tensors = hf_tensors(reader, architecture, num_heads, num_kv_heads, scope, blocks)
     total = write_shards(tensors, out)
-    source = {"file": str(path), "architecture": architecture, "tensor_types": types}
+    source = {
+        "file": str(path),
+        "architecture": architecture,
+        "tensor_types": types,
+        "blocks": blocks,
+    }
     (out / "gguf_source.json").write_text(json.dumps(source, indent=2) + "\n")
     for file in out.iterdir():
         file.chmod(0o644)  # NOTE: safetensors writes 0600; the cache is readable like a checkpoint

@@ -18,14 +18,14 @@ import torch
 import transformers
 from gguf import GGMLQuantizationType as Q
 from gguf_files import edited, finish, hf_to_gguf
-from helpers import assert_matches_oracle, make_engine
-from safetensors.torch import load_file
+from helpers import assert_matches_oracle, float_tensors, make_engine
+from safetensors.torch import load_file, save_file
 
 from tokenmill.cli import default_model, gguf_checkpoint, gguf_convert
 from tokenmill.cli.make_model.weights import write_weights
 from tokenmill.frontend.tokenizer import Tokenizer
 from tokenmill.offline.engine import OfflineRequest
-from tokenmill.tp_worker.model.weights import checkpoint_files
+from tokenmill.tp_worker.model.weights import checkpoint_files, gguf_block_types
 
 # NOTE: the types the gguf package quantizes from float32 (the tiny checkpoint's rows of 64
 # and 128 fit their blocks of 32), and the K types, whose blocks of 256 need wider rows.
@@ -63,8 +63,9 @@ def _converted(file: Path, tmp: Path) -> Path:
 
 
 def _assert_loads_as_transformers(file: Path, out: Path, own_config: bool = False) -> None:
-    """own_config: transformers given the converted config (where its GGUF config is wrong)."""
-    ours = load_file(str(out / "model.safetensors"))
+    """own_config: transformers given the converted config (where its GGUF config is wrong).
+    The tensors kept as their blocks are compared as the gguf package dequantizes them."""
+    ours = float_tensors(out)
     norms = [t for name, t in ours.items() if name.endswith("norm.weight")]
     assert norms and all(not torch.equal(n, torch.ones_like(n)) for n in norms)
     extra = {"config": transformers.AutoConfig.from_pretrained(out)} if own_config else {}
@@ -132,9 +133,26 @@ def test_a_qwen2_file(tiny_checkpoint, tmp_path: Path) -> None:
     assert json.loads((out / "config.json").read_text())["model_type"] == "qwen2"
 
 
+def _float_checkpoint(model_dir: Path) -> Path:
+    """A converted checkpoint with its blocks dequantized by the gguf package (a checkpoint
+    transformers loads), beside it; model_dir itself where it holds no blocks."""
+    blocks = gguf_block_types(model_dir)
+    if not blocks:
+        return model_dir
+    out = model_dir.parent / f"{model_dir.name}-float"
+    if not out.exists():
+        shutil.copytree(model_dir, out, ignore=shutil.ignore_patterns("*.safetensors"))
+        tensors = float_tensors(model_dir)
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        (out / "gguf_source.json").unlink()
+    return out
+
+
 def _assert_served_as(model_dir: Path, source: Path) -> None:
     """The engine on a converted file: prompt logprobs and 16 greedy tokens (float32) as
-    transformers computes them on the Hugging Face checkpoint the file was written from."""
+    transformers computes them on the Hugging Face checkpoint the file was written from (or,
+    given the converted one, on its weights)."""
+    source = _float_checkpoint(source)
     hf = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     prompt = Tokenizer(model_dir).encode(TEXTS[1])
     request = OfflineRequest(prompt, max_tokens=16, num_top=5, prompt_logprob_start=0)

@@ -13,6 +13,7 @@ import transformers
 from conftest import ARCHS
 from helpers import assert_matches_oracle, assert_top_close, make_engine, oracle
 
+from tokenmill.cli.gguf_checkpoint import transformers_model
 from tokenmill.frontend.tokenizer import Tokenizer as FrontendTokenizer
 from tokenmill.offline.engine import OfflineRequest
 
@@ -195,7 +196,7 @@ def _assert_bfloat16_promise(model_dir, cpu_kernels: bool = True) -> None:
 
 
 def _hf(model_dir, dtype: torch.dtype) -> torch.nn.Module:
-    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    return transformers_model(model_dir, dtype)
 
 
 def test_an_image_and_text_gemma3_checkpoint_serves_its_text_model(

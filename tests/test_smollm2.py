@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from helpers import assert_matches_oracle, make_engine, oracle
+from helpers import assert_matches_oracle, float_tensors, make_engine, oracle
 
 from tokenmill.cli.default_model import DEFAULT_MODEL_NAME, packaged_gguf
-from tokenmill.cli.gguf_checkpoint import gguf_checkpoint
+from tokenmill.cli.gguf_checkpoint import gguf_checkpoint, transformers_model
 from tokenmill.frontend.api.chat_template import ChatTemplate
 from tokenmill.frontend.tokenizer import Tokenizer
 from tokenmill.offline.engine import OfflineOutput, OfflineRequest
@@ -94,7 +94,7 @@ def tokenizer(smollm2: Path) -> Tokenizer:
 
 
 def _hf(model_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
-    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    return transformers_model(model_dir, dtype)
 
 
 def _prompt_400(tokenizer: Tokenizer) -> list[int]:
@@ -347,16 +347,15 @@ def test_constrained_output_on_the_real_model(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_the_packaged_file_converts_to_what_transformers_loads(smollm2: Path) -> None:
-    """Every tensor of the converted Q4_1 file is the float32 transformers dequantizes."""
-    from safetensors.torch import load_file
-
+    """Every tensor of the converted Q4_1 file (its blocks as the gguf package dequantizes
+    them) is the float32 transformers dequantizes."""
     file = packaged_gguf()
     assert file is not None
     theirs = transformers.AutoModelForCausalLM.from_pretrained(
         file.parent, gguf_file=file.name, dtype=torch.float32
     ).state_dict()
     theirs.pop("lm_head.weight")  # NOTE: tied to the embedding
-    ours = load_file(str(smollm2 / "model.safetensors"))
+    ours = float_tensors(smollm2)
     assert set(ours) == set(theirs)
     for name, tensor in theirs.items():
         assert torch.equal(ours[name], tensor), name

@@ -78,6 +78,8 @@ class ModelRunner:
         )
         if self.cpu_kernels:
             self.model.use_cpu_kernels()
+        else:
+            self.model.dequantize_blocks()  # NOTE: a GGUF file's, for torch's products
         self.lora_slots = self._lora_slots()
         self.attention_backend = pick_attention_backend(config.attention_backend, self.cpu_kernels)
         if self.attention_backend == "triton":

@@ -29,10 +29,12 @@ from tokenmill.protocol.control import (
     WorkerAction,
 )
 from tokenmill.tp_worker.cpu.host_memory import give_memory_back
+from tokenmill.tp_worker.cpu.quantized import LAYOUTS
 from tokenmill.tp_worker.model.decoder import CausalLM
 from tokenmill.tp_worker.model.weights import (
     checkpoint_files,
     dummy_weights,
+    gguf_block_types,
     load_tensor,
     load_weights,
 )
@@ -62,6 +64,12 @@ def read_manifest(model_dir: Path) -> Manifest:
                 part = f.get_slice(name)
                 dtype = part.get_dtype()
                 manifest[name] = (tuple(part.get_shape()), _DTYPES.get(dtype, dtype.lower()))
+    # NOTE: a GGUF file's blocks stand for the float32 weights they dequantize to: new
+    # weights come as those (and are served as float weights from then on)
+    for name, qtype in gguf_block_types(model_dir).items():
+        (rows, row_bytes), _ = manifest[name]
+        layout = LAYOUTS[qtype]
+        manifest[name] = ((rows, row_bytes // layout.file_bytes * layout.block_k), "float32")
     return manifest
 
 

@@ -96,7 +96,9 @@ def transformers_logprobs(
 ) -> np.ndarray:
     """Teacher-forced logprobs of `ids`, the model in `dtype`, its logits' log-softmax in
     `softmax_dtype`."""
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    from tokenmill.cli.gguf_checkpoint import transformers_model
+
+    hf = transformers_model(model_dir, dtype)
     with torch.no_grad():
         logits = hf(torch.tensor([ids])).logits[0].to(softmax_dtype)
     logprobs = torch.log_softmax(logits, dim=-1)[:-1]

@@ -38,12 +38,13 @@ def make_adapters(model: Path, out: Path, rank: int) -> dict[str, Path]:
     """NUM_ADAPTERS random PEFT adapters on `model`: name -> directory."""
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+
+    from tokenmill.cli.gguf_checkpoint import transformers_model
 
     adapters = {}
     for i in range(NUM_ADAPTERS):
         torch.manual_seed(i)
-        base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        base = transformers_model(Path(model), torch.float32)
         config = LoraConfig(r=rank, lora_alpha=rank, target_modules=TARGETS,
                             init_lora_weights=False)  # fmt: skip
         get_peft_model(base, config).save_pretrained(out / f"a{i}")

@@ -161,10 +161,12 @@ def greedy_check(base_url: str, model: Any, tokenizer: Any) -> tuple[float, floa
 
 
 def run_model(name: str, args: argparse.Namespace, logs: Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from tokenmill.cli.gguf_checkpoint import transformers_model
 
     path = model_dir(name)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = transformers_model(Path(path), torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(path)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     server_args = ["--served-model-name", "m", "--dtype", "float32", "--enable-rl-control",

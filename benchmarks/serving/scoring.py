@@ -154,9 +154,10 @@ def first_label_probabilities(url: str, path: str, work: Workload) -> list[float
 def transformers_logprobs(model: Path, work: Workload, dtype: str) -> list[float]:
     """log P(first label) of the check prompts by transformers in `dtype`."""
     import torch
-    import transformers
 
-    lm = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype))
+    from tokenmill.cli.gguf_checkpoint import transformers_model
+
+    lm = transformers_model(Path(model), getattr(torch, dtype))
     query, items = check_prompts(work)
     values = []
     with torch.no_grad():

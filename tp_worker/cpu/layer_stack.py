@@ -36,6 +36,7 @@ from tokenmill.tp_worker.cpu.ops import (
     product_rows,
     rows_alias,
 )
+from tokenmill.tp_worker.cpu.quantized import QuantLinear
 from tokenmill.tp_worker.model import moe as moe_module
 
 if TYPE_CHECKING:
@@ -71,7 +72,10 @@ FIELDS = (
     "lora_o",
     "lora_gate_up",
     "lora_down",
+    "quantized",
 )
+# NOTE: csrc/layer_stack.cpp's QuantBit: the products whose weights are a GGUF file's blocks
+QUANT_BITS = {"qkv_proj": 1, "o_proj": 2, "gate_up_proj": 4, "down_proj": 8}
 # NOTE: the products whose adapters' tables (model/lora.py's ProjectionLora) the stack reads
 LORA_PRODUCTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 K_COLUMN, V_COLUMN = FIELDS.index("k"), FIELDS.index("v")
@@ -106,7 +110,13 @@ class LayerStack:
         self.softcap = first.attention_settings.softcap
         activation = _kernel(dense[0].gate_up_proj).activation if dense else self.moe[0].activation
         self.activation = ACTIVATION_CODES[activation]
-        self.linear_amx = _kernel(first.qkv_proj).amx
+        # NOTE: every dense product's choice (PackedLinear.amx); one in blocks never is
+        self.linear_amx = any(
+            _kernel(getattr(layer, name)).amx
+            for layer in layers
+            for name in QUANT_BITS
+            if getattr(layer, name) is not None
+        )
         self.attention_amx = uses_amx(dtype, self.head_dim)  # NOTE: as PagedAttention.attend
         # NOTE: the experts' panels' addresses, gate/up then down, one array per MoE layer
         self._panels = [_expert_panels(moe) for moe in self.moe]
@@ -138,6 +148,11 @@ class LayerStack:
                 "mlp_out_norm": _address(layer.mlp_out_norm),
                 "window": layer.attention_settings.window,
                 "local_rope": int(layer.local_rope),
+                "quantized": sum(
+                    bit
+                    for name, bit in QUANT_BITS.items()
+                    if isinstance(getattr(getattr(layer, name), "kernel", None), QuantLinear)
+                ),
             }
             for name, address in addresses.items():
                 row[FIELDS.index(name)] = address
@@ -410,7 +425,7 @@ def _expert_panels(moe: SparseMoe) -> ctypes.Array[ctypes.c_void_p]:
     return (ctypes.c_void_p * (2 * len(gate_up)))(*gate_up, *down)
 
 
-def _kernel(linear: torch.nn.Module | None) -> PackedLinear:
+def _kernel(linear: torch.nn.Module | None) -> PackedLinear | QuantLinear:
     kernel = getattr(linear, "kernel", None)
-    assert isinstance(kernel, PackedLinear), linear
+    assert isinstance(kernel, (PackedLinear, QuantLinear)), linear
     return kernel

@@ -26,6 +26,7 @@ from tokenmill.tp_worker.cpu.ops import (
     slice_sums_cpu,
     soft_cap_cpu,
 )
+from tokenmill.tp_worker.cpu.quantized import QuantLinear
 from tokenmill.tp_worker.cuda import rowwise as rowwise_triton
 from tokenmill.tp_worker.cuda.linear import triton_linear
 from tokenmill.tp_worker.model.attention import Attention
@@ -158,7 +159,7 @@ class DecoderLayer(nn.Module):
         # NOTE: the last layer's keys and values alone (use_kv_kernel), for the steps where
         # it attends from a few tokens only: their q/k/v then go through qkv_proj, and every
         # other token's q is never computed.
-        self.kv_kernel: PackedLinear | None = None
+        self.kv_kernel: PackedLinear | QuantLinear | None = None
 
     def use_kv_kernel(self) -> None:
         """Packs the k and v rows of qkv_proj on their own (before its weights are freed).
@@ -166,9 +167,13 @@ class DecoderLayer(nn.Module):
         (csrc/linear.cpp's rule), so k and v get the fused product's bits."""
         q_out = self.num_heads * self.head_dim
         bias = self.qkv_proj.bias
-        self.kv_kernel = PackedLinear(
-            self.qkv_proj.weight.data[q_out:], None if bias is None else bias.data[q_out:]
-        )
+        kv_bias = None if bias is None else bias.data[q_out:]
+        segments = self.qkv_proj.block_segments(q_out)
+        if segments:  # NOTE: a GGUF file's blocks (model/blocks.py)
+            self.kv_kernel = QuantLinear(segments, self.qkv_proj.weight.dtype, kv_bias)
+            return
+        self.qkv_proj.dequantize_blocks()
+        self.kv_kernel = PackedLinear(self.qkv_proj.weight.data[q_out:], kv_bias)
 
     def norm_heads(self, rows: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
         """rows [T, width], heads side by side from the first column: the first `heads` (q)
@@ -316,7 +321,7 @@ class CausalLM(nn.Module):
             self.embedding_multiplier = torch.tensor(
                 config.embedding_multiplier, dtype=dtype
             ).item()
-        self.lm_head_kernel: PackedLinear | None = None
+        self.lm_head_kernel: PackedLinear | QuantLinear | None = None
         self.layer_stack: LayerStack | None = None  # csrc/layer_stack.cpp, use_cpu_kernels
         self.triton_lm_head = False
         # NOTE: --enable-lora: the adapters' embedding and lm_head deltas (lora.py)
@@ -335,7 +340,13 @@ class CausalLM(nn.Module):
                 module.cpu_kernel = True
             elif isinstance(module, SparseMoe):
                 module.use_cpu_kernel()
-        self.lm_head_kernel = PackedLinear(self.lm_head.weight.data, None)
+        if self.embed_tokens.use_blocks() and self.lm_head is self.embed_tokens:
+            self.lm_head_kernel = self.embed_tokens.quant
+        elif self.lm_head.use_blocks():
+            self.lm_head_kernel = self.lm_head.quant
+        else:
+            self.lm_head.dequantize_blocks()
+            self.lm_head_kernel = PackedLinear(self.lm_head.weight.data, None)
         self.layer_stack = LayerStack.of(
             [layer for layer in self.layers if isinstance(layer, DecoderLayer)],
             self.dtype,
@@ -343,6 +354,13 @@ class CausalLM(nn.Module):
         )
         if self.lm_head is not self.embed_tokens:
             self.lm_head.weight.data = self.lm_head.weight.data.new_empty(0)
+
+    def dequantize_blocks(self) -> None:
+        """A GGUF file's blocks as float weights, for the paths that multiply those (torch,
+        CUDA): use_cpu_kernels multiplies them as they are instead."""
+        for module in self.modules():
+            if isinstance(module, (ShardedLinear, VocabEmbedding)):
+                module.dequantize_blocks()
 
     def log_routing(self) -> RoutingLog:
         """From now on, every MoE layer adds its tokens' experts to the log returned."""
@@ -358,6 +376,8 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, ShardedLinear):
                 module.kernel = None
+            elif isinstance(module, VocabEmbedding):
+                module.quant = None
             elif isinstance(module, DecoderLayer):
                 module.kv_kernel = None
             elif isinstance(module, SparseMoe):

@@ -51,6 +51,8 @@ class DraftModel:
         self.model.eval()
         if cpu_kernels:
             self.model.use_cpu_kernels()
+        else:
+            self.model.dequantize_blocks()
         if attention_backend == "triton":
             self.model.use_triton_kernels()
         self.cpu_kernels = cpu_kernels

@@ -23,7 +23,7 @@ from safetensors import safe_open
 
 from tokenmill.tp_worker.model.decoder import CausalLM, DecoderLayer
 from tokenmill.tp_worker.model.lora import EmbeddingDelta, ProjectionDelta, Segment, stored
-from tokenmill.tp_worker.model.weights import _head_rows, _qkv_rows, text_model_name
+from tokenmill.tp_worker.model.weights import head_rows, qkv_rows, text_model_name
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -310,8 +310,8 @@ def _column_delta(
 def _qkv_shard(model: CausalLM, part: str) -> tuple[tuple[int, int], int]:
     config = model.config
     heads = config.num_heads if part == "q" else config.num_kv_heads
-    rows = _head_rows(heads, config.head_dim, part, model)
-    return (rows.start, rows.stop), _qkv_rows(model, part).start
+    rows = head_rows(heads, config.head_dim, part, model)
+    return (rows.start, rows.stop), qkv_rows(model, part).start
 
 
 def _lm_head(model: CausalLM, a: torch.Tensor, b: torch.Tensor) -> ProjectionDelta:

@@ -16,7 +16,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.tp_worker.cpu.ops import PackedLinear, cast_rows_cpu, fuses_gate_up, glu_mul_cpu
+from tokenmill.tp_worker.cpu.ops import (
+    PANEL,
+    PackedLinear,
+    cast_rows_cpu,
+    fuses_gate_up,
+    glu_mul_cpu,
+)
+from tokenmill.tp_worker.cpu.quantized import QuantLinear, QuantRows, dequantize
 from tokenmill.tp_worker.cuda import linear as linear_triton
 from tokenmill.tp_worker.cuda.linear import triton_linear
 from tokenmill.tp_worker.model.lora_rows import LoraRows
@@ -96,16 +103,61 @@ class ShardedLinear(nn.Module):
             if bias
             else None
         )
-        self.kernel: PackedLinear | None = None
+        self.kernel: PackedLinear | QuantLinear | None = None
         self.triton = False  # cuda/linear.py, switched on by CausalLM.use_triton_kernels
         self.lora: ProjectionLora | None = None  # --enable-lora: the adapters' deltas (lora.py)
+        # NOTE: a GGUF file's blocks by their first row (model/blocks.py), until packed or
+        # dequantized into the weight
+        self.blocks: dict[int, QuantRows] = {}
+
+    def take_blocks(self, first_row: int, rows: QuantRows) -> bool:
+        """This rank's rows [first_row, + rows) of the weight as GGUF blocks."""
+        if rows.width != self.in_features or first_row + rows.rows > self.out_features:
+            raise ValueError(
+                f"blocks of [{rows.rows}, {rows.width}] do not fit at row {first_row} of "
+                f"[{self.out_features}, {self.in_features}]"
+            )
+        self.blocks[first_row] = rows
+        return True
+
+    def block_segments(self, first_row: int = 0) -> list[QuantRows] | None:
+        """The blocks from `first_row` on, in row order, where they are every row from there
+        and each segment but the last is whole panels (QuantLinear's rule); else None."""
+        segments: list[QuantRows] = []
+        at = first_row
+        for start in sorted(row for row in self.blocks if row >= first_row):
+            if start != at or (segments and segments[-1].rows % PANEL):
+                return None
+            segments.append(self.blocks[start])
+            at += self.blocks[start].rows
+        return segments if segments and at == self.out_features else None
 
     def use_cpu_kernel(self) -> None:
-        """Multiply through csrc/linear.cpp from now on; the unpacked weight is freed."""
+        """Multiply through csrc/linear.cpp from now on; the unpacked weight is freed. GGUF
+        blocks are multiplied as they are (cpu/quantized.py) where they can be, else
+        dequantized first."""
         fused = bool(self.glu) and fuses_gate_up(self.weight.shape[0])
         bias = None if self.row_parallel and self.group.size > 1 else self.bias
-        self.kernel = PackedLinear(self.weight.data, bias, glu=fused, activation=self.glu or "silu")
+        segments = self.block_segments()
+        if fused and segments and len({s.qtype for s in segments}) > 1:
+            segments = None  # NOTE: gate and up of two types: no panel holds both
+        if segments:
+            self.kernel = QuantLinear(
+                segments, self.weight.dtype, bias, glu=fused, activation=self.glu or "silu"
+            )
+            self.blocks = {}
+        else:
+            self.dequantize_blocks()
+            self.kernel = PackedLinear(
+                self.weight.data, bias, glu=fused, activation=self.glu or "silu"
+            )
         self.weight.data = self.weight.data.new_empty(0)
+
+    def dequantize_blocks(self) -> None:
+        """The GGUF blocks taken, as the float weight (for any path but QuantLinear)."""
+        for first, rows in self.blocks.items():
+            self.weight.data[first : first + rows.rows].copy_(dequantize(rows))
+        self.blocks = {}
 
     def forward(
         self,
@@ -233,14 +285,50 @@ class VocabEmbedding(nn.Module):
             requires_grad=False,
         )
 
+        self.blocks: QuantRows | None = None  # NOTE: a GGUF file's, until packed or dequantized
+        # NOTE: the rows as QuantLinear panels (use_blocks): the lookup's and the lm_head's
+        self.quant: QuantLinear | None = None
+
+    def take_blocks(self, rows: QuantRows) -> bool:
+        """The whole vocabulary's embeddings as GGUF blocks (this rank keeps its rows)."""
+        local = rows.select(slice(self.vocab_start, self.vocab_end))
+        if local.width != self.weight.shape[1] or local.rows > self.weight.shape[0]:
+            raise ValueError(f"embedding blocks [{rows.rows}, {rows.width}] do not fit")
+        self.blocks = local
+        return True
+
+    def use_blocks(self) -> bool:
+        """The rows from their blocks from now on (the weight freed), where it has blocks."""
+        if self.blocks is None:
+            return False
+        rows, padding = self.blocks, self.weight.shape[0] - self.blocks.rows
+        if padding:  # NOTE: the vocabulary padded for the ranks: zero blocks give zero rows
+            zeros = rows.blocks.new_zeros(padding, rows.blocks.shape[1])
+            rows = QuantRows(rows.qtype, torch.cat([rows.blocks, zeros]), rows.width)
+        self.quant = QuantLinear([rows], self.weight.dtype)
+        self.blocks = None
+        self.weight.data = self.weight.data.new_empty(0)
+        return True
+
+    def dequantize_blocks(self) -> None:
+        if self.blocks is not None:
+            self.weight.data[: self.blocks.rows].copy_(dequantize(self.blocks))
+            self.blocks = None
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.group.size == 1:
-            return F.embedding(ids, self.weight)
+            return self._rows(ids)
         local = ids - self.vocab_start
-        outside = (local < 0) | (local >= self.weight.shape[0])
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        outside = (local < 0) | (local >= self.vocab_end - self.vocab_start)
+        out = self._rows(local.masked_fill(outside, 0))
         out.masked_fill_(outside.unsqueeze(-1), 0)
         return self.group.all_reduce(out)
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant is None:
+            return F.embedding(ids, self.weight)
+        rows = self.quant.rows(ids).to(self.weight.dtype)
+        return rows.view(*ids.shape, rows.shape[-1])
 
 
 def _padded(vocab_size: int, tp_size: int) -> int:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from tokenmill.tp_worker.cpu.quantized import LAYOUTS, QuantRows
 from tokenmill.tp_worker.model import mxfp4
 from tokenmill.tp_worker.model.config import ModelConfig
 from tokenmill.tp_worker.model.decoder import CausalLM, DecoderLayer, local_kv_heads
@@ -57,19 +58,26 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def load_weights(model: CausalLM, model_dir: Path) -> None:
+    # NOTE: imported here: model/blocks.py builds on this module's loading
+    from tokenmill.tp_worker.model.blocks import load_blocks
+
     files = checkpoint_files(model_dir)
     expected = _expected_names(model)
+    gguf_blocks = gguf_block_types(model_dir)
     started = time.monotonic()
     for number, path in enumerate(files, 1):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 if _NOT_TEXT.fullmatch(name) or name.endswith(_SCALES):
                     continue  # NOTE: not read (a vision tower's hundreds of MB), or read below
-                if name.endswith(_BLOCKS):
-                    name, tensor = _dequantized(files, f, name)
+                if name in gguf_blocks:
+                    loaded = load_blocks(model, name, _quant_rows(f, name, gguf_blocks[name]))
+                elif name.endswith(_BLOCKS):
+                    loaded = load_tensor(model, *_dequantized(files, f, name))
+                    name = name.removesuffix(_BLOCKS)
                 else:
-                    tensor = f.get_tensor(name)
-                if load_tensor(model, name, tensor):
+                    loaded = load_tensor(model, name, f.get_tensor(name))
+                if loaded:
                     expected.discard(text_model_name(name))
         if len(files) > 1:
             logger.info(
@@ -83,6 +91,23 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
         raise ValueError(
             f"checkpoint {model_dir} lacks {len(expected)} tensors, e.g. {sorted(expected)[:3]}"
         )
+
+
+def gguf_block_types(model_dir: Path) -> dict[str, int]:
+    """The tensors a converted GGUF checkpoint holds as their blocks, with their ggml types
+    (cli/gguf_convert.py's gguf_source.json); {} for any other checkpoint."""
+    source = model_dir / "gguf_source.json"
+    if not source.is_file():
+        return {}
+    return {str(k): int(v) for k, v in json.loads(source.read_text()).get("blocks", {}).items()}
+
+
+def _quant_rows(f: Any, name: str, qtype: int) -> QuantRows:
+    blocks = f.get_tensor(name)
+    layout = LAYOUTS.get(qtype)
+    if layout is None or blocks.dtype != torch.uint8 or blocks.shape[1] % layout.file_bytes:
+        raise ValueError(f"{name}: blocks of ggml type {qtype} that tokenmill does not read")
+    return QuantRows(qtype, blocks, blocks.shape[1] // layout.file_bytes * layout.block_k)
 
 
 # NOTE: an MXFP4 tensor's two parts (gpt-oss's experts: model/mxfp4.py)
@@ -314,7 +339,7 @@ def _load_layer(model: CausalLM, layer: DecoderLayer, part: str, tensor: torch.T
         norm = layer.q_norm if which == "q" else layer.k_norm
         if config.qk_norm == "projection":  # NOTE: OLMo 2's: this rank's heads' share
             heads = config.num_heads if which == "q" else config.num_kv_heads
-            tensor = tensor[_head_rows(heads, config.head_dim, which, model)]
+            tensor = tensor[head_rows(heads, config.head_dim, which, model)]
         # NOTE: per head (Qwen3, Gemma 3): every rank's
         return norm is not None and _copy(norm.weight, _norm_weight(config, tensor))
     if part == "self_attn.o_proj.bias" and layer.o_proj.bias is not None:
@@ -332,9 +357,9 @@ def _load_layer(model: CausalLM, layer: DecoderLayer, part: str, tensor: torch.T
     proj = re.fullmatch(r"self_attn\.([qkv])_proj\.(weight|bias)", part)
     if proj is None:
         return False
-    rows = _qkv_rows(model, proj[1])
+    rows = qkv_rows(model, proj[1])
     shard = tensor[
-        _head_rows(
+        head_rows(
             config.num_heads if proj[1] == "q" else config.num_kv_heads,
             config.head_dim,
             proj[1],
@@ -376,7 +401,7 @@ def _residual_scaled(config: ModelConfig, tensor: torch.Tensor) -> torch.Tensor:
     return tensor.float() * config.residual_multiplier
 
 
-def _qkv_rows(model: CausalLM, which: str) -> slice:
+def qkv_rows(model: CausalLM, which: str) -> slice:
     head_dim = model.config.head_dim
     q_size = model.config.num_heads // model.group.size * head_dim
     kv_size = local_kv_heads(model.config, model.group) * head_dim
@@ -384,7 +409,7 @@ def _qkv_rows(model: CausalLM, which: str) -> slice:
     return slice(start, start + (q_size if which == "q" else kv_size))
 
 
-def _head_rows(num_heads: int, head_dim: int, which: str, model: CausalLM) -> slice:
+def head_rows(num_heads: int, head_dim: int, which: str, model: CausalLM) -> slice:
     group = model.group
     if which != "q" and num_heads < group.size:
         # NOTE: fewer KV heads than ranks: each rank keeps a copy of the head its q heads use.

@@ -49,11 +49,14 @@ inline void* mutable_at(int64_t address) {
 // num_experts gate/up bias addresses, then num_experts down ones (float32, as packed).
 // LORA_QKV, LORA_O, LORA_GATE_UP, LORA_DOWN: the adapters' tables of those products
 // (csrc/lora.cpp's layout, one row per slot), 0 where LoRA is off or a product has none.
+// QUANTIZED is not an address: a bit per product (QuantBit) whose weights are a GGUF file's
+// blocks, its field then the panels' table that tm_quant_linear_then takes.
 enum Field {
   INPUT_NORM, QKV, QKV_BIAS, O, POST_NORM, GATE_UP, DOWN, K_CACHE, V_CACHE, Q_NORM, K_NORM,
   ATTN_OUT_NORM, MLP_OUT_NORM, WINDOW, LOCAL_ROPE, ROUTER, EXPERTS, MOE_INDEX, SINKS, O_BIAS,
-  ROUTER_BIAS, EXPERT_BIASES, LORA_QKV, LORA_O, LORA_GATE_UP, LORA_DOWN, FIELDS
+  ROUTER_BIAS, EXPERT_BIASES, LORA_QKV, LORA_O, LORA_GATE_UP, LORA_DOWN, QUANTIZED, FIELDS
 };
+enum QuantBit { QKV_BIT = 1, O_BIT = 2, GATE_UP_BIT = 4, DOWN_BIT = 8 };
 
 // The model's shape, cpu/layer_stack.py's order.
 // qk_norm: 1 per head, 2 per projection; activation: silu.h's code for the gate/up epilogue;
@@ -171,12 +174,13 @@ int adapted_residual_product(Linear linear, const void* in, int64_t tokens, int6
 // The gate/up product with adapters: its float32 sums (in the panel order: cpu/ops.py's
 // gate_up_panels), each token's delta added there, then act(gate) * up rounded once into the
 // activated rows (tm_glu_mul_panels: the bits of the fused epilogue over the same sums).
-int adapted_gate_up(Linear linear, const int64_t* w, const Shape& s, const Scratch& b,
-                    int64_t tokens, int64_t normed_lda, const Lora& lora, const int64_t* table) {
+int adapted_gate_up(Linear linear, const int64_t* w, int64_t then, const Shape& s,
+                    const Scratch& b, int64_t tokens, int64_t normed_lda, const Lora& lora,
+                    const int64_t* table) {
   const int dtype = static_cast<int>(s.dtype);
   const int64_t width = 2 * s.inter;
   int status = linear(b.normed, tokens, s.hidden, normed_lda, at<void>(w[GATE_UP]), width,
-                      nullptr, b.lora_gate_up, width, dtype, 0, nullptr, 0, at<void>(w[DOWN]),
+                      nullptr, b.lora_gate_up, width, dtype, 0, nullptr, 0, at<void>(then),
                       s.hidden, s.inter);
   status |= add_deltas(lora, table, b.normed, tokens, s.hidden, normed_lda, b, b.lora_gate_up,
                        width, dtype, true);
@@ -242,11 +246,24 @@ int run_experts(const int64_t* w, const Shape& s, const Scratch& b, float* x, in
   return status;
 }
 
-// `next_qkv`: the next layer's q/k/v weights, or 0 after the last layer of the call.
+// A layer's products: the dense kernel (Shape's, on AMX or not), or tm_quant_linear_then where
+// a product's weights are blocks (QUANTIZED); and what a product streams in under its last
+// panels, none where the next product's weights are blocks (their table is no panel).
+struct Products {
+  const int64_t* w;
+  Linear dense;
+
+  Linear of(int bit) const { return (w[QUANTIZED] & bit) ? tm_quant_linear_then : dense; }
+  int64_t then(Field field, int bit) const { return (w[QUANTIZED] & bit) ? 0 : w[field]; }
+};
+
+// `next_qkv`: the next layer's q/k/v panels, or 0 after the last layer of the call (or where
+// they are blocks).
 int run_layer(const int64_t* w, const Shape& s, const Plan& p, const Scratch& b, float* x,
               int64_t tokens, const Rope& rope, const int64_t* slots, float eps, float scale,
               float softcap, int64_t next_qkv, const Lora& lora) {
-  auto* linear = s.linear_amx ? tm_linear_amx_then : tm_linear_then;
+  const Products products{w, s.linear_amx ? tm_linear_amx_then : tm_linear_then};
+  const Linear qkv_product = products.of(QKV_BIT);
   auto* attention = s.attention_amx ? tm_paged_attention_amx : tm_paged_attention;
   const int dtype = static_cast<int>(s.dtype);
   const int64_t qkv_n = (s.heads + 2 * s.kv_heads) * s.head_dim, q_width = s.heads * s.head_dim;
@@ -254,14 +271,16 @@ int run_layer(const int64_t* w, const Shape& s, const Plan& p, const Scratch& b,
   int status = norm_or_cast(x, w[INPUT_NORM], b, tokens, s.hidden, eps, dtype);
   const auto* qkv_bias = static_cast<const float*>(at<float>(w[QKV_BIAS]));
   if (const int64_t* table = lora.table(w, LORA_QKV)) {
-    status |= linear(b.normed, tokens, s.hidden, normed_lda, at<void>(w[QKV]), qkv_n, qkv_bias,
-                     b.lora_y, qkv_n, dtype, 0, nullptr, 0, at<void>(w[O]), s.hidden, q_width);
+    status |= qkv_product(b.normed, tokens, s.hidden, normed_lda, at<void>(w[QKV]), qkv_n,
+                          qkv_bias, b.lora_y, qkv_n, dtype, 0, nullptr, 0,
+                          at<void>(products.then(O, O_BIT)), s.hidden, q_width);
     status |= add_deltas(lora, table, b.normed, tokens, s.hidden, normed_lda, b, b.lora_y, qkv_n,
                           dtype);
     status |= tm_cast_rows(b.lora_y, b.qkv, tokens, qkv_n, qkv_n, dtype);
   } else {
-    status |= linear(b.normed, tokens, s.hidden, normed_lda, at<void>(w[QKV]), qkv_n, qkv_bias,
-                     b.qkv, qkv_n, dtype, dtype, nullptr, 0, at<void>(w[O]), s.hidden, q_width);
+    status |= qkv_product(b.normed, tokens, s.hidden, normed_lda, at<void>(w[QKV]), qkv_n,
+                          qkv_bias, b.qkv, qkv_n, dtype, dtype, nullptr, 0,
+                          at<void>(products.then(O, O_BIT)), s.hidden, q_width);
   }
   if (w[Q_NORM] != 0) {
     const bool whole = s.qk_norm == 2;
@@ -292,20 +311,24 @@ int run_layer(const int64_t* w, const Shape& s, const Plan& p, const Scratch& b,
     attended_lda = row_stride(tokens, b.attended_stride, q_width);
   }
   const bool moe = w[ROUTER] != 0;
-  status |= residual_product(linear, attended, tokens, q_width, attended_lda, w[O], w[O_BIAS],
-                             w[ATTN_OUT_NORM], s, b, x, eps, moe ? w[ROUTER] : w[GATE_UP],
+  status |= residual_product(products.of(O_BIT), attended, tokens, q_width, attended_lda, w[O],
+                             w[O_BIAS], w[ATTN_OUT_NORM], s, b, x, eps,
+                             moe ? w[ROUTER] : products.then(GATE_UP, GATE_UP_BIT),
                              moe ? s.experts : 2 * s.inter, s.hidden, lora,
                              lora.table(w, LORA_O));
   status |= norm_or_cast(x, w[POST_NORM], b, tokens, s.hidden, eps, dtype);
-  if (moe) return status | run_experts(w, s, b, x, tokens, normed_lda, linear, next_qkv);
+  if (moe) return status | run_experts(w, s, b, x, tokens, normed_lda, products.dense, next_qkv);
+  const Linear gate_up = products.of(GATE_UP_BIT);
   if (const int64_t* table = lora.table(w, LORA_GATE_UP)) {
-    status |= adapted_gate_up(linear, w, s, b, tokens, normed_lda, lora, table);
+    status |= adapted_gate_up(gate_up, w, products.then(DOWN, DOWN_BIT), s, b, tokens,
+                              normed_lda, lora, table);
   } else {
-    status |= linear(b.normed, tokens, s.hidden, normed_lda, at<void>(w[GATE_UP]), 2 * s.inter,
-                     nullptr, b.activated, b.activated_stride, dtype, dtype, nullptr,
-                     static_cast<int>(s.activation), at<void>(w[DOWN]), s.hidden, s.inter);
+    status |= gate_up(b.normed, tokens, s.hidden, normed_lda, at<void>(w[GATE_UP]), 2 * s.inter,
+                      nullptr, b.activated, b.activated_stride, dtype, dtype, nullptr,
+                      static_cast<int>(s.activation), at<void>(products.then(DOWN, DOWN_BIT)),
+                      s.hidden, s.inter);
   }
-  status |= residual_product(linear, b.activated, tokens, s.inter,
+  status |= residual_product(products.of(DOWN_BIT), b.activated, tokens, s.inter,
                              row_stride(tokens, b.activated_stride, s.inter), w[DOWN], 0,
                              w[MLP_OUT_NORM], s, b, x, eps, next_qkv,
                              (s.heads + 2 * s.kv_heads) * s.head_dim, s.hidden, lora,
@@ -350,7 +373,8 @@ int tm_layer_stack(const int64_t* weights, int64_t num_layers, const int64_t* sh
   const Lora lora{lora_slots, num_lora_slots};
   const Rope rope{cos, sin, local_cos ? local_cos : cos, local_sin ? local_sin : sin};
   for (int64_t layer = 0; layer < num_layers; ++layer) {
-    const int64_t next_qkv = layer + 1 < num_layers ? weights[(layer + 1) * FIELDS + QKV] : 0;
+    const int64_t* next = weights + (layer + 1) * FIELDS;
+    const int64_t next_qkv = layer + 1 < num_layers && !(next[QUANTIZED] & QKV_BIT) ? next[QKV] : 0;
     const int status = run_layer(weights + layer * FIELDS, s, p, b, x, tokens, rope, slots, eps,
                                  scale, softcap, next_qkv, lora);
     if (status != 0) return status;
