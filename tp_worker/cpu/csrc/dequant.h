@@ -20,8 +20,11 @@
 //   d     float16 [32]               dmin  float16 [32]        (Q4_K, Q5_K, Q4_1, Q5_1)
 //   sc    int8 [S / G][32]           m     int8 [S / G][32]    (sc: K types; m: Q4_K, Q5_K)
 //   q     [S] units of 32 values: 16 bytes, byte i holding value i in its low 4 bits and value
-//         16 + i in its high ones (Q8_0: 32 bytes, value i in byte i)
-//   bits  uint32 [S][PLANES]: bit i of plane p is value i's bit 4 + p (Q5_* 1 plane, Q6_K 2)
+//         16 + i in its high ones (Q8_0 and Q6_K: 32 bytes, value i in byte i)
+//   bits  uint32 [S][PLANES]: bit i of plane p is value i's bit 4 + p (Q5_*: 1 plane)
+// NOTE: Q6_K's q in whole bytes (8 bits a weight, not the file's 6.56): with two bit planes
+// its one-row product ran at 17.5 G weights/s on a 2-core Zen 4, in bytes at 22.7 (at one
+// row every type but Q8_0 is bound by this arithmetic, not by memory).
 // Which (k, lane) a unit's value i is depends on the panel's dtype. float32 ("lanes"): unit k
 // holds k's 32 lanes in order. bfloat16 ("pairs"): units k and k + 1 (k even) hold the pair
 // (k, k + 1) of lanes 0-15, then of lanes 16-31, each as 16 values (k, j), (k + 1, j) for j
@@ -66,7 +69,7 @@ inline QuantLayout quant_layout(int type) {
     case Q5_1: return {32, 32, false, true, false, 0, 1};
     case Q4_K: return {256, 32, true, true, false, 0, 0};
     case Q5_K: return {256, 32, true, true, false, 0, 1};
-    case Q6_K: return {256, 16, true, false, false, 32, 2};
+    case Q6_K: return {256, 16, true, false, true, 32, 0};
     default: return {0, 1, false, false, false, 0, 0};
   }
 }
@@ -224,118 +227,133 @@ struct Format<Q5_K> {
 template <>
 struct Format<Q6_K> {
   static constexpr int64_t S = 256, G = 16;
-  static constexpr bool SCALES = true, MINS = false, BYTES = false;
-  static constexpr int OFFSET = 32, PLANES = 2;
+  static constexpr bool SCALES = true, MINS = false, BYTES = true;
+  static constexpr int OFFSET = 32, PLANES = 0;
 };
 
-// One panel's weights k by k (float32, LANES) or pair by pair (bfloat16), in vectors: the
-// reader walks its blocks and groups as k advances (group() at each group's first k).
+inline __m512 half16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+inline __m512 int8_16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// A group's A and B in vectors: float32 (lanes) a[0..1] for lanes 0-15 and 16-31; bfloat16
+// (pairs) a[v] for vector v of a pair's four (lanes 8v .. 8v + 7, each twice: k, k + 1).
+struct GroupScales {
+  __m512 a[4], b[4];
+};
+
 template <int TYPE, bool PAIRS>
-class PanelReader {
+inline GroupScales group_scales(const QuantBlock& block, int64_t g) {
   using F = Format<TYPE>;
-
- public:
-  explicit PanelReader(const uint8_t* panel) : next_(panel), layout_(quant_layout(TYPE)) {}
-
-  // At k, the first of a group (k ascending from 0): that group's A and B.
-  void group(int64_t k) {
-    const int64_t in_block = k % F::S;
-    if (in_block == 0) {
-      block_ = next_;
-      next_ += layout_.block_bytes();
-      const auto* d = reinterpret_cast<const uint16_t*>(block_);
-      d_[0] = half16(d);
-      d_[1] = half16(d + 16);
-      if constexpr (F::MINS) {
-        dmin_[0] = half16(d + 32);
-        dmin_[1] = half16(d + 48);
-      }
-      q_ = block_ + layout_.d_bytes() + layout_.sc_bytes();
-      bits_ = q_ + layout_.q_bytes();
-    }
-    const int64_t g = in_block / F::G;
-    const auto* sc = reinterpret_cast<const int8_t*>(block_ + layout_.d_bytes());
-    __m512 a[2] = {d_[0], d_[1]}, b[2];
-    for (int h = 0; h < 2; ++h) {
-      if constexpr (F::SCALES) a[h] = _mm512_mul_ps(d_[h], int8_16(sc + g * 32 + 16 * h));
-      if constexpr (F::MINS && F::SCALES)
-        b[h] = _mm512_mul_ps(dmin_[h], int8_16(sc + (F::S / F::G + g) * 32 + 16 * h));
-      else if constexpr (F::MINS)
-        b[h] = dmin_[h];
-      else
-        b[h] = _mm512_mul_ps(a[h], _mm512_set1_ps(static_cast<float>(F::OFFSET)));
-    }
-    if constexpr (!PAIRS) {
-      for (int h = 0; h < 2; ++h) a_[h] = a[h], b_[h] = b[h];
-    } else {
-      // NOTE: vector v of a pair's four holds lanes 8v .. 8v + 7, each twice (k, k + 1)
-      const __m512i low = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-      const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
-      for (int v = 0; v < 4; ++v) {
-        const __m512i idx = v % 2 ? high : low;
-        a_[v] = _mm512_permutexvar_ps(idx, a[v / 2]);
-        b_[v] = _mm512_permutexvar_ps(idx, b[v / 2]);
-      }
+  GroupScales out;
+  __m512 a[2], b[2];
+  for (int h = 0; h < 2; ++h) {
+    a[h] = half16(block.d + 16 * h);
+    if constexpr (F::SCALES) a[h] = _mm512_mul_ps(a[h], int8_16(block.sc + g * 32 + 16 * h));
+    if constexpr (F::MINS && F::SCALES)
+      b[h] = _mm512_mul_ps(half16(block.d + 32 + 16 * h),
+                           int8_16(block.sc + (F::S / F::G + g) * 32 + 16 * h));
+    else if constexpr (F::MINS)
+      b[h] = half16(block.d + 32 + 16 * h);
+    else
+      b[h] = _mm512_mul_ps(a[h], _mm512_set1_ps(static_cast<float>(F::OFFSET)));
+  }
+  if constexpr (!PAIRS) {
+    for (int h = 0; h < 2; ++h) out.a[h] = a[h], out.b[h] = b[h];
+  } else {
+    const __m512i low = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
+    for (int v = 0; v < 4; ++v) {
+      const __m512i idx = v % 2 ? high : low;
+      out.a[v] = _mm512_permutexvar_ps(idx, a[v / 2]);
+      out.b[v] = _mm512_permutexvar_ps(idx, b[v / 2]);
     }
   }
+  return out;
+}
 
-  // float32: k's 32 weights, lanes 0-15 and 16-31.
-  void lanes(int64_t k, __m512 (&w)[2]) const {
-    __m512i q[2];
-    unit(k % F::S, q);
-    for (int h = 0; h < 2; ++h) w[h] = _mm512_fmsub_ps(a_[h], _mm512_cvtepi32_ps(q[h]), b_[h]);
+// Unit u's 32 values (a block's q and bits) as two vectors of 16 integers.
+template <int TYPE>
+inline void quant_unit(const QuantBlock& block, int64_t u, __m512i* q) {
+  using F = Format<TYPE>;
+  if constexpr (F::BYTES) {
+    const auto* p = reinterpret_cast<const __m128i*>(block.q + u * 32);
+    q[0] = _mm512_cvtepu8_epi32(_mm_loadu_si128(p));
+    q[1] = _mm512_cvtepu8_epi32(_mm_loadu_si128(p + 1));
+  } else {
+    const __m512i v =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block.q + u * 16)));
+    q[0] = _mm512_and_si512(v, _mm512_set1_epi32(15));
+    q[1] = _mm512_srli_epi32(v, 4);
+    for (int p = 0; p < F::PLANES; ++p) {
+      uint32_t plane;
+      std::memcpy(&plane, block.bits + (u * F::PLANES + p) * 4, 4);
+      const __m512i bit = _mm512_set1_epi32(16 << p);
+      q[0] = _mm512_mask_or_epi32(q[0], static_cast<__mmask16>(plane), q[0], bit);
+      q[1] = _mm512_mask_or_epi32(q[1], static_cast<__mmask16>(plane >> 16), q[1], bit);
+    }
   }
+}
+
+// float32: k's 32 weights of a block (k within it), lanes 0-15 and 16-31.
+template <int TYPE>
+inline void quant_lanes(const QuantBlock& block, const GroupScales& s, int64_t k, __m512 (&w)[2]) {
+  __m512i q[2];
+  quant_unit<TYPE>(block, k, q);
+  for (int h = 0; h < 2; ++h) w[h] = _mm512_fmsub_ps(s.a[h], _mm512_cvtepi32_ps(q[h]), s.b[h]);
+}
 
 #if defined(__AVX512BF16__)
-  // bfloat16, k even: the panel's row of the pair (k, k + 1), lanes 0-15 and 16-31.
-  void pair(int64_t k, __m512i (&row)[2]) const {
-    __m512i q[4];
-    unit(k % F::S, q);
-    unit(k % F::S + 1, q + 2);
-    __m512 w[4];
-    for (int v = 0; v < 4; ++v) w[v] = _mm512_fmsub_ps(a_[v], _mm512_cvtepi32_ps(q[v]), b_[v]);
-    row[0] = (__m512i)_mm512_cvtne2ps_pbh(w[1], w[0]);
-    row[1] = (__m512i)_mm512_cvtne2ps_pbh(w[3], w[2]);
-  }
+// bfloat16, k even (within the block): the panel's row of the pair (k, k + 1), lanes 0-15
+// and 16-31.
+template <int TYPE>
+inline void quant_pair(const QuantBlock& block, const GroupScales& s, int64_t k,
+                       __m512i (&row)[2]) {
+  __m512i q[4];
+  quant_unit<TYPE>(block, k, q);
+  quant_unit<TYPE>(block, k + 1, q + 2);
+  __m512 w[4];
+  for (int v = 0; v < 4; ++v) w[v] = _mm512_fmsub_ps(s.a[v], _mm512_cvtepi32_ps(q[v]), s.b[v]);
+  row[0] = (__m512i)_mm512_cvtne2ps_pbh(w[1], w[0]);
+  row[1] = (__m512i)_mm512_cvtne2ps_pbh(w[3], w[2]);
+}
 #endif
 
- private:
-  static __m512 half16(const uint16_t* p) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  }
-  static __m512 int8_16(const int8_t* p) {
-    return _mm512_cvtepi32_ps(
-        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  }
+// Bytes ahead of its q that a panel's walk asks for: a decode step's loop keeps too few loads
+// in flight to stream the blocks from memory (Q6_K's product waited on its loads half its
+// time on a Zen 4); asked ahead, they arrive under the arithmetic. Past the panel's end the
+// address points at the next panel or at nothing (a prefetch never faults).
+constexpr int64_t QUANT_AHEAD = 4096;
 
-  // Unit u's 32 values as two vectors of 16 integers.
-  void unit(int64_t u, __m512i* q) const {
-    if constexpr (F::BYTES) {
-      const auto* p = reinterpret_cast<const __m128i*>(q_ + u * 32);
-      q[0] = _mm512_cvtepu8_epi32(_mm_loadu_si128(p));
-      q[1] = _mm512_cvtepu8_epi32(_mm_loadu_si128(p + 1));
-    } else {
-      const __m512i v =
-          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q_ + u * 16)));
-      q[0] = _mm512_and_si512(v, _mm512_set1_epi32(15));
-      q[1] = _mm512_srli_epi32(v, 4);
-      for (int p = 0; p < F::PLANES; ++p) {
-        uint32_t plane;
-        std::memcpy(&plane, bits_ + (u * F::PLANES + p) * 4, 4);
-        const __m512i bit = _mm512_set1_epi32(16 << p);
-        q[0] = _mm512_mask_or_epi32(q[0], static_cast<__mmask16>(plane), q[0], bit);
-        q[1] = _mm512_mask_or_epi32(q[1], static_cast<__mmask16>(plane >> 16), q[1], bit);
+// body(k, k within its block, block, scales) for every k of a panel of k_len weights a row,
+// in ascending order (float32: each k; bfloat16: each even k), block by block, group by
+// group: loops whose scales stay in registers (a reader object whose state crossed the
+// blocks ran at half the speed with blocks of 256).
+template <int TYPE, int STEP, typename Body>
+inline void walk_panel(const uint8_t* panel, int64_t k_len, Body&& body) {
+  using F = Format<TYPE>;
+  const QuantLayout layout = quant_layout(TYPE);
+  constexpr int64_t unit_bytes = F::BYTES ? 32 : 16;
+  for (int64_t b0 = 0; b0 < k_len; b0 += F::S, panel += layout.block_bytes()) {
+    const QuantBlock block(layout, panel);
+    for (int64_t g = 0; g < F::S / F::G; ++g) {
+      const GroupScales scales = group_scales<TYPE, STEP == 2>(block, g);
+      for (int64_t k = g * F::G; k < (g + 1) * F::G; k += STEP) {
+        const auto ahead = reinterpret_cast<uintptr_t>(block.q) + k * unit_bytes + QUANT_AHEAD;
+        _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
+        if constexpr (F::PLANES > 0) {  // NOTE: the bit planes: a stream of their own
+          const auto bits = reinterpret_cast<uintptr_t>(block.bits) + k * F::PLANES * 4;
+          _mm_prefetch(reinterpret_cast<const char*>(bits + QUANT_AHEAD), _MM_HINT_T0);
+        }
+        body(b0 + k, k, block, scales);
       }
     }
   }
-
-  const uint8_t* next_;
-  const uint8_t* block_ = nullptr;
-  const uint8_t* q_ = nullptr;
-  const uint8_t* bits_ = nullptr;
-  QuantLayout layout_;
-  __m512 d_[2], dmin_[2], a_[4], b_[4];
-};
+}
 #endif
 
 }  // namespace tokenmill

@@ -41,38 +41,36 @@ constexpr int64_t QUANT_NR = 32, QUANT_KB = 64;  // linear.cpp's NR and KB
 
 template <int TYPE>
 void dequant_f32(const uint8_t* panel, int64_t k_len, float* out) {
-  PanelReader<TYPE, false> reader(panel);
-  for (int64_t k = 0; k < k_len; ++k) {
-    if (k % Format<TYPE>::G == 0) reader.group(k);
+  walk_panel<TYPE, 1>(panel, k_len, [&](int64_t k, int64_t in_block, const QuantBlock& block,
+                                        const GroupScales& scales) {
     __m512 w[2];
-    reader.lanes(k, w);
+    quant_lanes<TYPE>(block, scales, in_block, w);
     _mm512_storeu_ps(out + k * QUANT_NR, w[0]);
     _mm512_storeu_ps(out + k * QUANT_NR + 16, w[1]);
-  }
+  });
 }
 
 // acc [R][32] = x [R rows] . panel in float32, linear.cpp's kernel_f32 order.
 template <int TYPE, int R>
 void fused_f32(const float* x, int64_t lda, const uint8_t* panel, int64_t k_len, float* acc) {
-  PanelReader<TYPE, false> reader(panel);
-  __m512 total[R][2];
-  for (int64_t k0 = 0; k0 < k_len; k0 += QUANT_KB) {
-    __m512 c[R][2];
-    for (int r = 0; r < R; ++r) c[r][0] = c[r][1] = _mm512_setzero_ps();
-    const int64_t k1 = std::min(k_len, k0 + QUANT_KB);
-    for (int64_t k = k0; k < k1; ++k) {
-      if (k % Format<TYPE>::G == 0) reader.group(k);
-      __m512 w[2];
-      reader.lanes(k, w);
-      for (int r = 0; r < R; ++r) {
-        const __m512 v = _mm512_set1_ps(x[r * lda + k]);
-        c[r][0] = _mm512_fmadd_ps(v, w[0], c[r][0]);
-        c[r][1] = _mm512_fmadd_ps(v, w[1], c[r][1]);
-      }
+  // NOTE: a block of 64 k ends inside or at the end of a group (every G divides 64)
+  __m512 total[R][2], c[R][2];
+  walk_panel<TYPE, 1>(panel, k_len, [&](int64_t k, int64_t in_block, const QuantBlock& block,
+                                        const GroupScales& scales) {
+    if (k % QUANT_KB == 0)
+      for (int r = 0; r < R; ++r) c[r][0] = c[r][1] = _mm512_setzero_ps();
+    __m512 w[2];
+    quant_lanes<TYPE>(block, scales, in_block, w);
+    for (int r = 0; r < R; ++r) {
+      const __m512 v = _mm512_set1_ps(x[r * lda + k]);
+      c[r][0] = _mm512_fmadd_ps(v, w[0], c[r][0]);
+      c[r][1] = _mm512_fmadd_ps(v, w[1], c[r][1]);
     }
-    for (int r = 0; r < R; ++r)
-      for (int h = 0; h < 2; ++h) total[r][h] = k0 == 0 ? c[r][h] : _mm512_add_ps(total[r][h], c[r][h]);
-  }
+    if ((k + 1) % QUANT_KB == 0 || k + 1 == k_len)
+      for (int r = 0; r < R; ++r)
+        for (int h = 0; h < 2; ++h)
+          total[r][h] = k < QUANT_KB ? c[r][h] : _mm512_add_ps(total[r][h], c[r][h]);
+  });
   for (int r = 0; r < R; ++r) {
     _mm512_storeu_ps(acc + r * QUANT_NR, total[r][0]);
     _mm512_storeu_ps(acc + r * QUANT_NR + 16, total[r][1]);
@@ -83,27 +81,25 @@ void fused_f32(const float* x, int64_t lda, const uint8_t* panel, int64_t k_len,
 #if defined(__AVX512BF16__)
 template <int TYPE>
 void dequant_bf16(const uint8_t* panel, int64_t k_len, uint16_t* out) {
-  PanelReader<TYPE, true> reader(panel);
-  for (int64_t k = 0; k < k_len; k += 2) {
-    if (k % Format<TYPE>::G == 0) reader.group(k);
+  walk_panel<TYPE, 2>(panel, k_len, [&](int64_t k, int64_t in_block, const QuantBlock& block,
+                                        const GroupScales& scales) {
     __m512i row[2];
-    reader.pair(k, row);
+    quant_pair<TYPE>(block, scales, in_block, row);
     _mm512_storeu_si512(out + k * QUANT_NR, row[0]);
     _mm512_storeu_si512(out + k * QUANT_NR + 32, row[1]);
-  }
+  });
 }
 
 // acc [R][32] = x [R rows] . panel in bfloat16, linear.cpp's kernel_bf16 order (k even).
 template <int TYPE, int R>
 void fused_bf16(const uint16_t* x, int64_t lda, const uint8_t* panel, int64_t k_len,
                 float* acc) {
-  PanelReader<TYPE, true> reader(panel);
   __m512 c[R][2];
   for (int r = 0; r < R; ++r) c[r][0] = c[r][1] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < k_len; k += 2) {
-    if (k % Format<TYPE>::G == 0) reader.group(k);
+  walk_panel<TYPE, 2>(panel, k_len, [&](int64_t k, int64_t in_block, const QuantBlock& block,
+                                        const GroupScales& scales) {
     __m512i row[2];
-    reader.pair(k, row);
+    quant_pair<TYPE>(block, scales, in_block, row);
     for (int r = 0; r < R; ++r) {
       uint32_t word;
       std::memcpy(&word, x + r * lda + k, 4);
@@ -111,7 +107,7 @@ void fused_bf16(const uint16_t* x, int64_t lda, const uint8_t* panel, int64_t k_
       c[r][0] = _mm512_dpbf16_ps(c[r][0], v, (__m512bh)row[0]);
       c[r][1] = _mm512_dpbf16_ps(c[r][1], v, (__m512bh)row[1]);
     }
-  }
+  });
   for (int r = 0; r < R; ++r) {
     _mm512_storeu_ps(acc + r * QUANT_NR, c[r][0]);
     _mm512_storeu_ps(acc + r * QUANT_NR + 16, c[r][1]);
