@@ -46,6 +46,28 @@ def small_checkpoint(checkpoint_root: Path) -> Path:
     return build_checkpoint(checkpoint_root / "small-llama", "llama", "small")
 
 
+@pytest.fixture(scope="session")
+def wide_checkpoint(tiny_checkpoint, checkpoint_root: Path) -> Path:
+    """The tiny llama's tokenizer with rows of 256 and 512: the GGUF K types' blocks fit."""
+    import json
+    import shutil
+
+    from tokenmill.cli.make_model.weights import write_weights
+
+    out = checkpoint_root / "wide-llama"
+    if (out / "model.safetensors").exists():
+        return out
+    out.mkdir()
+    for path in tiny_checkpoint("llama").iterdir():
+        if path.suffix != ".safetensors":
+            shutil.copy(path, out / path.name)
+    config = json.loads((out / "config.json").read_text())
+    config.update(hidden_size=256, intermediate_size=512, head_dim=64)
+    (out / "config.json").write_text(json.dumps(config))
+    write_weights(out, config, seed=1, num_used_tokens=config["vocab_size"])
+    return out
+
+
 def _session_server(model, tmp_path_factory: pytest.TempPathFactory, name: str, *args: str):
     """A real server (all processes) for the session; it must exit 0 on SIGTERM."""
     from server_process import start_server

@@ -40,20 +40,6 @@ def own_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.Monk
     monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
 
 
-@pytest.fixture(scope="module")
-def wide_checkpoint(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny llama's tokenizer with rows of 256 and 512: the K types' blocks fit."""
-    out = tmp_path_factory.mktemp("wide-llama")
-    for path in tiny_checkpoint("llama").iterdir():
-        if path.suffix != ".safetensors":
-            shutil.copy(path, out / path.name)
-    config = json.loads((out / "config.json").read_text())
-    config.update(hidden_size=256, intermediate_size=512, head_dim=64)
-    (out / "config.json").write_text(json.dumps(config))
-    write_weights(out, config, seed=1, num_used_tokens=config["vocab_size"])
-    return out
-
-
 def _converted(file: Path, tmp: Path) -> Path:
     """The file converted in this process (what the subprocess of gguf_checkpoint runs)."""
     out = tmp / f"{file.stem}-converted"

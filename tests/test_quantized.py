@@ -2,15 +2,26 @@
 csrc/quant_kernels.h): for every served type, in float32 and bfloat16, the product has every
 bit of the packed product of the weight the `gguf` package dequantizes (rounded to the dtype),
 at one row (the fused microkernels) and at many (a panel dequantized into a buffer), with a
-bias, a residual and the gate/up epilogue; an embedding's rows are gguf's values; and the
-build without any AVX gives the same bits."""
+bias, a residual and the gate/up epilogue; an embedding's rows are gguf's values; the build
+without any AVX gives the same bits. End to end, a Q4_K_M-like file served from its blocks
+gives the bits of its dequantized weights, and the same bits alone, in a batch, chunked and
+decoded several steps at a time (the numbers against transformers on a file: test_gguf.py)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import gguf
 import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as dequantize_file_tensor_data
+from gguf_files import edited, encode, hf_to_gguf
+from helpers import make_engine
 
+from tokenmill.cli.gguf_checkpoint import gguf_checkpoint
+from tokenmill.offline.engine import OfflineOutput, OfflineRequest
 from tokenmill.tp_worker.cpu import kernels as cpu_kernels
 from tokenmill.tp_worker.cpu import quantized
 from tokenmill.tp_worker.cpu.ops import PackedLinear
@@ -109,3 +120,74 @@ def test_a_row_split_off_its_blocks_is_refused() -> None:
     assert rows.columns(256, 512).width == 256
     with pytest.raises(ValueError, match="multiples of 256"):
         rows.columns(128, 512)
+
+
+@pytest.fixture(scope="module")
+def q4_k_file(wide_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wide llama as Q4_K (llama.cpp's usual matrices) with its embeddings in Q6_K and
+    its v rows in Q8_0 (a q/k/v product of segments of two types)."""
+    folder = tmp_path_factory.mktemp("q4k")
+    q4_k = hf_to_gguf(wide_checkpoint, folder / "wide-Q4_K.gguf", GGMLQuantizationType.Q4_K)
+    rng = np.random.default_rng(0)
+    replaced = {}
+    for tensor in gguf.GGUFReader(q4_k).tensors:
+        kind = {"token_embd": GGMLQuantizationType.Q6_K, "attn_v": GGMLQuantizationType.Q8_0}
+        part = next((k for k in kind if k in tensor.name), None)
+        if part is not None:
+            values = dequantize_file_tensor(tensor)
+            replaced[tensor.name] = encode(values, kind[part], rng)
+    return edited(q4_k, folder / "wide-Q4_K_M.gguf", tensors=replaced)
+
+
+def dequantize_file_tensor(tensor) -> np.ndarray:  # noqa: ANN001 (a gguf ReaderTensor)
+    return np.asarray(dequantize_file_tensor_data(tensor.data, tensor.tensor_type))
+
+
+def _requests() -> list[OfflineRequest]:
+    rng = np.random.default_rng(0)
+    return [
+        OfflineRequest(
+            rng.integers(3, 500, n).tolist(),
+            max_tokens=8,
+            num_top=5,
+            prompt_logprob_start=n // 3,
+            temperature=0.8,
+            top_p=0.9,
+            seed=i,
+        )
+        for i, n in enumerate([3, 19, 40, 7, 66])
+    ]
+
+
+def _same(a: OfflineOutput, b: OfflineOutput) -> None:
+    assert a.output_ids == b.output_ids
+    for field in ("logprobs", "top_ids", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs"):
+        np.testing.assert_array_equal(getattr(a, field), getattr(b, field), field)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_file_served_in_blocks_has_the_bits_of_its_dequantized_weights_in_every_schedule(
+    q4_k_file: Path, dtype: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path / "cache"))
+    model = gguf_checkpoint(q4_k_file)
+    requests = _requests()
+    served = make_engine(model, dtype=dtype)
+    runner = served.runner
+    kernels = [m.kernel for m in runner.model.modules() if hasattr(m, "kernel")]
+    assert kernels and all(isinstance(k, QuantLinear) for k in kernels)
+    assert isinstance(runner.model.lm_head_kernel, QuantLinear)
+    qkv = runner.model.layers[0].qkv_proj.kernel
+    assert qkv.qtypes == [quantized.Q4_K, quantized.Q4_K, quantized.Q8_0]
+    batched = served.generate(requests)
+    for request, together in zip(requests, batched, strict=True):
+        _same(served.generate([request])[0], together)
+    chunked = make_engine(model, dtype=dtype, max_prefill_tokens=16, decode_steps=3)
+    for a, b in zip(chunked.generate(requests), batched, strict=True):
+        _same(a, b)
+    monkeypatch.setenv("TOKENMILL_CPU_GGUF_BLOCKS", "0")
+    dense = make_engine(model, dtype=dtype)
+    layers = dense.runner.model.modules()
+    assert not any(isinstance(getattr(m, "kernel", None), QuantLinear) for m in layers)
+    for a, b in zip(dense.generate(requests), batched, strict=True):
+        _same(a, b)

@@ -13,6 +13,7 @@ their 6-bit group scales take a byte each; Q6_K 8.5: its q in whole bytes, for s
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -108,6 +109,12 @@ class QuantRows:
 
 def serves(qtype: int) -> bool:
     return qtype in LAYOUTS
+
+
+def blocks_enabled() -> bool:
+    """TOKENMILL_CPU_GGUF_BLOCKS=0 dequantizes a file's blocks to the serving dtype at load
+    instead (the packed float kernels, for an A/B: benchmarks/serving/quantized.py --dense)."""
+    return os.environ.get("TOKENMILL_CPU_GGUF_BLOCKS", "1") != "0"
 
 
 def _parts(qtype: int, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:

@@ -340,13 +340,10 @@ class CausalLM(nn.Module):
                 module.cpu_kernel = True
             elif isinstance(module, SparseMoe):
                 module.use_cpu_kernel()
-        if self.embed_tokens.use_blocks() and self.lm_head is self.embed_tokens:
-            self.lm_head_kernel = self.embed_tokens.quant
-        elif self.lm_head.use_blocks():
-            self.lm_head_kernel = self.lm_head.quant
-        else:
-            self.lm_head.dequantize_blocks()
-            self.lm_head_kernel = PackedLinear(self.lm_head.weight.data, None)
+        for table in {id(t): t for t in (self.embed_tokens, self.lm_head)}.values():
+            if not table.use_blocks():  # NOTE: a GGUF file's blocks, multiplied as they are
+                table.dequantize_blocks()
+        self.lm_head_kernel = self.lm_head.quant or PackedLinear(self.lm_head.weight.data, None)
         self.layer_stack = LayerStack.of(
             [layer for layer in self.layers if isinstance(layer, DecoderLayer)],
             self.dtype,

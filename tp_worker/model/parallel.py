@@ -23,7 +23,7 @@ from tokenmill.tp_worker.cpu.ops import (
     fuses_gate_up,
     glu_mul_cpu,
 )
-from tokenmill.tp_worker.cpu.quantized import QuantLinear, QuantRows, dequantize
+from tokenmill.tp_worker.cpu.quantized import QuantLinear, QuantRows, blocks_enabled, dequantize
 from tokenmill.tp_worker.cuda import linear as linear_triton
 from tokenmill.tp_worker.cuda.linear import triton_linear
 from tokenmill.tp_worker.model.lora_rows import LoraRows
@@ -123,6 +123,8 @@ class ShardedLinear(nn.Module):
     def block_segments(self, first_row: int = 0) -> list[QuantRows] | None:
         """The blocks from `first_row` on, in row order, where they are every row from there
         and each segment but the last is whole panels (QuantLinear's rule); else None."""
+        if not blocks_enabled():
+            return None
         segments: list[QuantRows] = []
         at = first_row
         for start in sorted(row for row in self.blocks if row >= first_row):
@@ -299,7 +301,7 @@ class VocabEmbedding(nn.Module):
 
     def use_blocks(self) -> bool:
         """The rows from their blocks from now on (the weight freed), where it has blocks."""
-        if self.blocks is None:
+        if self.blocks is None or not blocks_enabled():
             return False
         rows, padding = self.blocks, self.weight.shape[0] - self.blocks.rows
         if padding:  # NOTE: the vocabulary padded for the ranks: zero blocks give zero rows
