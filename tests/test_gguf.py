@@ -22,7 +22,6 @@ from helpers import assert_matches_oracle, float_tensors, make_engine
 from safetensors.torch import load_file, save_file
 
 from tokenmill.cli import default_model, gguf_checkpoint, gguf_convert
-from tokenmill.cli.make_model.weights import write_weights
 from tokenmill.frontend.tokenizer import Tokenizer
 from tokenmill.offline.engine import OfflineRequest
 from tokenmill.tp_worker.model.weights import checkpoint_files, gguf_block_types
