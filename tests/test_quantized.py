@@ -191,3 +191,35 @@ def test_a_file_served_in_blocks_has_the_bits_of_its_dequantized_weights_in_ever
     assert not any(isinstance(getattr(m, "kernel", None), QuantLinear) for m in layers)
     for a, b in zip(dense.generate(requests), batched, strict=True):
         _same(a, b)
+
+
+def test_tensor_parallel_2_keeps_each_ranks_share_in_blocks(
+    wide_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At TP 2 each rank keeps its rows of q/k/v and gate/up and its columns of o and down
+    (whole Q8_0 blocks) as blocks, the server's log says so, and prompt and greedy logprobs
+    are transformers' on the file (float32)."""
+    from helpers import oracle
+    from server_process import generate_once
+
+    from tokenmill.cli.gguf_checkpoint import transformers_model
+
+    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path / "cache"))
+    file = hf_to_gguf(wide_checkpoint, tmp_path / "wide-Q8_0.gguf", GGMLQuantizationType.Q8_0)
+    prompt = list(range(90, 140))
+    body = {
+        "input_ids": prompt,
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "sampling_params": {"max_new_tokens": 12, "temperature": 0},
+    }
+    log = tmp_path / "server.log"
+    answer = generate_once(file, log, body, "--tensor-parallel-size", "2", "--max-model-len", "512")
+    assert log.read_text().count(" products in GGUF blocks (Q8_0 ") == 2  # NOTE: a rank each
+    hf = transformers_model(gguf_checkpoint(file), torch.float32)
+    ids = prompt + answer["output_ids"]
+    ref = oracle(hf, ids)
+    meta = answer["meta_info"]
+    ours = [e[0] for e in meta["input_token_logprobs"][1:] + meta["output_token_logprobs"]]
+    np.testing.assert_allclose(ours, ref.of(np.arange(len(ids) - 1), ids[1:]), atol=1e-4, rtol=0)
+    assert answer["output_ids"] == ref.logprobs[len(prompt) - 1 :].argmax(-1).tolist()

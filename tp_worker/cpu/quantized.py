@@ -327,3 +327,15 @@ class QuantLinear:
             0,
         )
         assert status == 0, f"tm_quant_linear_then: unsupported {x.dtype} -> {out.dtype}"
+
+
+def summary(kernels: list[QuantLinear]) -> str:
+    """What a start logs of the products it multiplies in blocks: their count, the panels'
+    types and their memory."""
+    counts: dict[str, int] = {}
+    for kernel in kernels:
+        for qtype in set(kernel.qtypes):
+            counts[TYPE_NAMES[qtype]] = counts.get(TYPE_NAMES[qtype], 0) + 1
+    types = ", ".join(f"{name} {count}" for name, count in sorted(counts.items()))
+    size = sum(k.nbytes() for k in kernels) / 2**30
+    return f"{len(kernels)} products in GGUF blocks ({types}; {size:.2f} GiB)"

@@ -352,6 +352,15 @@ class CausalLM(nn.Module):
         if self.lm_head is not self.embed_tokens:
             self.lm_head.weight.data = self.lm_head.weight.data.new_empty(0)
 
+    def block_kernels(self) -> list[QuantLinear]:
+        """The products that multiply a GGUF file's blocks (each once: a tied lm_head is
+        the embedding's)."""
+        kernels = [getattr(m, "kernel", None) for m in self.modules()]
+        kernels += [getattr(m, "kv_kernel", None) for m in self.modules()]
+        kernels += [self.embed_tokens.quant, self.lm_head_kernel]
+        unique = {id(k): k for k in kernels if isinstance(k, QuantLinear)}
+        return list(unique.values())
+
     def dequantize_blocks(self) -> None:
         """A GGUF file's blocks as float weights, for the paths that multiply those (torch,
         CUDA): use_cpu_kernels multiplies them as they are instead."""
