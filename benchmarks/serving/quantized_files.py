@@ -169,6 +169,14 @@ def _copy_field(writer, field) -> None:
         writer.add_key_value(field.name, field.contents(), kind)
 
 
-if __name__ == "__main__":
+def main() -> int:
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     for path in (llama_1b("Q4_K_M"), llama_1b("Q8_0"), llama_8b_q4_k_m()):
         print(path, f"{path.stat().st_size / 2**20:.0f} MiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
