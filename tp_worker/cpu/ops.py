@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -128,31 +129,23 @@ def fuses_gate_up(out_features: int) -> bool:
     return out_features % PANEL == 0
 
 
-class PackedLinear:
-    """y = x W^T (+ b) for x [M, K] in the weight's dtype; with `glu` (W an MLP's gate_up,
-    gate rows then up rows, fuses_gate_up), y = act(x Wg^T) * (x Wu^T) [M, N / 2], act the
-    `activation` (ACTIVATION_CODES), with the bits of glu_mul_cpu over the unfused product's
-    float32 output."""
+class PanelProduct:
+    """What a product by packed panels does with its rows, whatever the panels hold (float
+    weights: PackedLinear; GGUF blocks: cpu/quantized.py's QuantLinear): y = x W^T (+ b) for
+    x [M, K] in `dtype`, with a residual or the gate/up epilogue. A subclass sets the fields
+    below and c_function, the C function its products call (tm_linear's arguments)."""
 
-    def __init__(
-        self,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        glu: bool = False,
-        activation: str = "silu",
-    ) -> None:
-        self.out_features, self.in_features = weight.shape
-        self.dtype = weight.dtype
-        self.glu = glu
-        self.activation = activation
-        if glu:
-            assert fuses_gate_up(self.out_features), self.out_features
-            weight = gate_up_panels(weight)
-            bias = None if bias is None else gate_up_panels(bias)
-        self.packed = pack(weight)
-        self.bias = None if bias is None else bias.float().contiguous()
-        # NOTE: chosen once per layer, so every call of a layer runs the same kernel.
-        self.amx = weight.dtype == torch.bfloat16 and amx_enabled()
+    out_features: int
+    in_features: int
+    dtype: torch.dtype
+    glu: bool
+    activation: str
+    packed: torch.Tensor  # NOTE: what the kernel and layer_stack.py's tables take
+    bias: torch.Tensor | None
+    amx: bool  # NOTE: on AMX tiles (layer_stack.py's Shape.linear_amx)
+
+    def c_function(self) -> Callable[..., int]:
+        raise NotImplementedError
 
     def __call__(
         self,
@@ -201,8 +194,7 @@ class PackedLinear:
     ) -> None:
         if x.shape[0] == 0:
             return
-        lib = library()
-        status = (lib.tm_linear_amx if self.amx else lib.tm_linear)(
+        status = self.c_function()(
             x.data_ptr(),
             x.shape[0],
             self.in_features,
@@ -217,7 +209,38 @@ class PackedLinear:
             None if residual is None else residual.data_ptr(),
             act,
         )
-        assert status == 0, f"tm_linear: unsupported {x.dtype} -> {out.dtype}"
+        assert status == 0, f"{type(self).__name__}: unsupported {x.dtype} -> {out.dtype}"
+
+
+class PackedLinear(PanelProduct):
+    """y = x W^T (+ b) for x [M, K] in the weight's dtype; with `glu` (W an MLP's gate_up,
+    gate rows then up rows, fuses_gate_up), y = act(x Wg^T) * (x Wu^T) [M, N / 2], act the
+    `activation` (ACTIVATION_CODES), with the bits of glu_mul_cpu over the unfused product's
+    float32 output."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        glu: bool = False,
+        activation: str = "silu",
+    ) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
+        self.glu = glu
+        self.activation = activation
+        if glu:
+            assert fuses_gate_up(self.out_features), self.out_features
+            weight = gate_up_panels(weight)
+            bias = None if bias is None else gate_up_panels(bias)
+        self.packed = pack(weight)
+        self.bias = None if bias is None else bias.float().contiguous()
+        # NOTE: chosen once per layer, so every call of a layer runs the same kernel.
+        self.amx = weight.dtype == torch.bfloat16 and amx_enabled()
+
+    def c_function(self) -> Callable[..., int]:
+        lib = library()
+        return lib.tm_linear_amx if self.amx else lib.tm_linear
 
 
 def rms_norm_cpu(

@@ -14,6 +14,7 @@ their 6-bit group scales take a byte each; Q6_K 8.5: its q in whole bytes, for s
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,16 +22,7 @@ import torch
 
 from tokenmill.tp_worker.cpu import huge_pages
 from tokenmill.tp_worker.cpu.kernels import library
-from tokenmill.tp_worker.cpu.ops import (
-    ACTIVATION_CODES,
-    DTYPE_CODES,
-    PANEL,
-    fuses_gate_up,
-    gate_up_panels,
-    product_input,
-    product_rows,
-    row_stride,
-)
+from tokenmill.tp_worker.cpu.ops import PANEL, PanelProduct, fuses_gate_up, gate_up_panels
 
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
 TYPE_NAMES = {
@@ -212,12 +204,13 @@ def dequantize(rows: QuantRows) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(values)).reshape(rows.rows, rows.width)
 
 
-class QuantLinear:
+class QuantLinear(PanelProduct):
     """PackedLinear's product with weights in GGUF blocks: y = x W^T (+ b) for x [M, K] in
     `dtype` (float32 or bfloat16), W the rows of `segments` one after the other (each but the
     last a whole number of panels; a glu layer's gate rows then up rows, of one type), with
-    the bits of PackedLinear(W dequantized and rounded to dtype). NOTE: never on AMX tiles,
-    whose rounding differs: a quantized layer has the AVX-512 kernels' bits on every CPU."""
+    the bits of PackedLinear(W dequantized and rounded to dtype), `packed` the panels' table
+    (type, address). NOTE: never on AMX tiles, whose rounding differs: a quantized layer has
+    the AVX-512 kernels' bits on every CPU."""
 
     amx = False
 
@@ -256,38 +249,6 @@ class QuantLinear:
     def nbytes(self) -> int:
         return sum(p.numel() for p in self.panels)
 
-    def __call__(
-        self,
-        x: torch.Tensor,
-        out_dtype: torch.dtype | None = None,
-        residual: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        assert x.dtype == self.dtype and x.dim() == 2 and x.shape[-1] == self.in_features
-        assert not (self.glu and residual is not None), "a glu product takes no residual"
-        x = product_input(x)
-        width = self.out_features // 2 if self.glu else self.out_features
-        dtype = out_dtype or self.dtype
-        out = (
-            product_rows(x.shape[0], width, dtype)
-            if self.glu
-            else x.new_empty(x.shape[0], width, dtype=dtype)
-        )
-        if residual is not None:
-            assert residual.shape == out.shape and residual.dtype == out.dtype, residual.shape
-            residual = residual.contiguous()
-        self._run(x, out, residual, ACTIVATION_CODES[self.activation] if self.glu else 0)
-        return out
-
-    def float_sums(self, x: torch.Tensor) -> torch.Tensor:
-        """PackedLinear.float_sums: x W^T (+ b) in float32, unrounded, W's rows in order."""
-        x = product_input(x)
-        out = x.new_empty(x.shape[0], self.out_features, dtype=torch.float32)
-        self._run(x, out, None, 0)
-        if not self.glu:
-            return out
-        rows = out.shape[0]
-        return out.view(rows, -1, 2, PANEL // 2).transpose(1, 2).reshape(rows, -1)
-
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """W's rows `ids` in float32 (an embedding's lookup; not a glu layer's)."""
         ids = ids.to(torch.int64).contiguous().view(-1)
@@ -303,30 +264,9 @@ class QuantLinear:
         assert status == 0, "tm_quant_rows: a type not served in blocks"
         return out
 
-    def _run(
-        self, x: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None, act: int
-    ) -> None:
-        if x.shape[0] == 0:
-            return
-        status = library().tm_quant_linear_then(
-            x.data_ptr(),
-            x.shape[0],
-            self.in_features,
-            row_stride(x),
-            self.packed.data_ptr(),
-            self.out_features,
-            None if self.bias is None else self.bias.data_ptr(),
-            out.data_ptr(),
-            row_stride(out),
-            DTYPE_CODES[x.dtype],
-            DTYPE_CODES[out.dtype],
-            None if residual is None else residual.data_ptr(),
-            act,
-            None,
-            0,
-            0,
-        )
-        assert status == 0, f"tm_quant_linear_then: unsupported {x.dtype} -> {out.dtype}"
+    def c_function(self) -> Callable[..., int]:
+        quant = library().tm_quant_linear_then
+        return lambda *args: quant(*args, None, 0, 0)  # NOTE: no next product named
 
 
 def summary(kernels: list[QuantLinear]) -> str:
