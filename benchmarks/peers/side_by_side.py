@@ -113,7 +113,7 @@ def llamacpp_gguf(args: argparse.Namespace, directory: Path) -> Path:
     kind = GGUF_TYPES[args.dtype]
     out = launch.CACHE / "gguf" / f"{directory.name}-{kind}.gguf"
     if not out.exists():
-        convert(directory, out, kind)
+        convert(launch.float_checkpoint(directory), out, kind)
     return out
 
 
