@@ -157,12 +157,10 @@ def float_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     dequantizes them (float32)."""
     from safetensors.torch import load_file
 
-    from tokenmill.tp_worker.cpu.quantized import LAYOUTS, QuantRows, dequantize
+    from tokenmill.tp_worker.cpu.quantized import QuantRows, dequantize
     from tokenmill.tp_worker.model.weights import gguf_block_types
 
     tensors = load_file(str(model_dir / "model.safetensors"))
     for name, qtype in gguf_block_types(model_dir).items():
-        layout = LAYOUTS[qtype]
-        width = tensors[name].shape[1] // layout.file_bytes * layout.block_k
-        tensors[name] = dequantize(QuantRows(qtype, tensors[name], width))
+        tensors[name] = dequantize(QuantRows.of(qtype, tensors[name]))
     return tensors

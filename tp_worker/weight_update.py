@@ -68,8 +68,7 @@ def read_manifest(model_dir: Path) -> Manifest:
     # weights come as those (and are served as float weights from then on)
     for name, qtype in gguf_block_types(model_dir).items():
         (rows, row_bytes), _ = manifest[name]
-        layout = LAYOUTS[qtype]
-        manifest[name] = ((rows, row_bytes // layout.file_bytes * layout.block_k), "float32")
+        manifest[name] = ((rows, LAYOUTS[qtype].width(row_bytes)), "float32")
     return manifest
 
 

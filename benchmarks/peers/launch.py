@@ -69,7 +69,7 @@ def float_checkpoint(directory: Path) -> Path:
 
     from safetensors.torch import load_file, save_file
 
-    from tokenmill.tp_worker.cpu.quantized import LAYOUTS, QuantRows, dequantize
+    from tokenmill.tp_worker.cpu.quantized import QuantRows, dequantize
     from tokenmill.tp_worker.model.weights import checkpoint_files, gguf_block_types
 
     blocks = gguf_block_types(directory)
@@ -82,9 +82,7 @@ def float_checkpoint(directory: Path) -> Path:
     for shard in checkpoint_files(directory):
         tensors = load_file(str(shard))
         for name in set(tensors) & set(blocks):
-            layout = LAYOUTS[blocks[name]]
-            width = tensors[name].shape[1] // layout.file_bytes * layout.block_k
-            tensors[name] = dequantize(QuantRows(blocks[name], tensors[name], width))
+            tensors[name] = dequantize(QuantRows.of(blocks[name], tensors[name]))
         save_file(tensors, str(partial / shard.name), metadata={"format": "pt"})
     partial.rename(out)
     return out

@@ -51,6 +51,10 @@ class Layout:
     planes: int
     file_bytes: int
 
+    def width(self, row_bytes: int) -> int:
+        """Weights in a file's row of `row_bytes` bytes of blocks."""
+        return row_bytes // self.file_bytes * self.block_k
+
     def panel_block_bytes(self) -> int:
         groups = self.block_k // self.group_k
         sc = (32 * groups * (2 if self.mins else 1)) if self.scales else 0  # NOTE: sc and m
@@ -79,6 +83,11 @@ class QuantRows:
     blocks: torch.Tensor
     width: int
 
+    @staticmethod
+    def of(qtype: int, blocks: torch.Tensor) -> QuantRows:
+        """A file's rows of blocks [rows, bytes a row], their width derived from the type."""
+        return QuantRows(qtype, blocks, LAYOUTS[qtype].width(blocks.shape[1]))
+
     @property
     def rows(self) -> int:
         return self.blocks.shape[0]
@@ -97,10 +106,6 @@ class QuantRows:
         first, last = start // layout.block_k, end // layout.block_k
         cut = self.blocks[:, first * layout.file_bytes : last * layout.file_bytes]
         return QuantRows(self.qtype, cut, end - start)
-
-
-def serves(qtype: int) -> bool:
-    return qtype in LAYOUTS
 
 
 def blocks_enabled() -> bool:

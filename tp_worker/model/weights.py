@@ -107,7 +107,7 @@ def _quant_rows(f: Any, name: str, qtype: int) -> QuantRows:
     layout = LAYOUTS.get(qtype)
     if layout is None or blocks.dtype != torch.uint8 or blocks.shape[1] % layout.file_bytes:
         raise ValueError(f"{name}: blocks of ggml type {qtype} that tokenmill does not read")
-    return QuantRows(qtype, blocks, blocks.shape[1] // layout.file_bytes * layout.block_k)
+    return QuantRows.of(qtype, blocks)
 
 
 # NOTE: an MXFP4 tensor's two parts (gpt-oss's experts: model/mxfp4.py)

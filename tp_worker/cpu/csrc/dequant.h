@@ -60,7 +60,7 @@ struct QuantLayout {
 };
 
 // The layout of `type`, or a layout with block_k 0 for a type not served in blocks.
-inline QuantLayout quant_layout(int type) {
+constexpr QuantLayout quant_layout(int type) {
   switch (type) {
     case Q8_0: return {32, 32, false, false, true, 128, 0};
     case Q4_0: return {32, 32, false, false, false, 8, 0};
@@ -180,55 +180,13 @@ void dequant_panel_portable(const QuantLayout& l, const uint8_t* src, int64_t k_
 }
 
 #if defined(__AVX512F__)
+// quant_layout(TYPE) as compile-time constants, for the kernels' templates.
 template <int TYPE>
-struct Format;
-template <>
-struct Format<Q8_0> {
-  static constexpr int64_t S = 32, G = 32;
-  static constexpr bool SCALES = false, MINS = false, BYTES = true;
-  static constexpr int OFFSET = 128, PLANES = 0;
-};
-template <>
-struct Format<Q4_0> {
-  static constexpr int64_t S = 32, G = 32;
-  static constexpr bool SCALES = false, MINS = false, BYTES = false;
-  static constexpr int OFFSET = 8, PLANES = 0;
-};
-template <>
-struct Format<Q4_1> {
-  static constexpr int64_t S = 32, G = 32;
-  static constexpr bool SCALES = false, MINS = true, BYTES = false;
-  static constexpr int OFFSET = 0, PLANES = 0;
-};
-template <>
-struct Format<Q5_0> {
-  static constexpr int64_t S = 32, G = 32;
-  static constexpr bool SCALES = false, MINS = false, BYTES = false;
-  static constexpr int OFFSET = 16, PLANES = 1;
-};
-template <>
-struct Format<Q5_1> {
-  static constexpr int64_t S = 32, G = 32;
-  static constexpr bool SCALES = false, MINS = true, BYTES = false;
-  static constexpr int OFFSET = 0, PLANES = 1;
-};
-template <>
-struct Format<Q4_K> {
-  static constexpr int64_t S = 256, G = 32;
-  static constexpr bool SCALES = true, MINS = true, BYTES = false;
-  static constexpr int OFFSET = 0, PLANES = 0;
-};
-template <>
-struct Format<Q5_K> {
-  static constexpr int64_t S = 256, G = 32;
-  static constexpr bool SCALES = true, MINS = true, BYTES = false;
-  static constexpr int OFFSET = 0, PLANES = 1;
-};
-template <>
-struct Format<Q6_K> {
-  static constexpr int64_t S = 256, G = 16;
-  static constexpr bool SCALES = true, MINS = false, BYTES = true;
-  static constexpr int OFFSET = 32, PLANES = 0;
+struct Format {
+  static constexpr QuantLayout L = quant_layout(TYPE);
+  static constexpr int64_t S = L.block_k, G = L.group_k;
+  static constexpr bool SCALES = L.scales, MINS = L.mins, BYTES = L.bytes;
+  static constexpr int OFFSET = L.offset, PLANES = L.planes;
 };
 
 inline __m512 half16(const uint16_t* p) {
