@@ -1,10 +1,11 @@
 """The quantized products' speed (tp_worker/cpu/quantized.py's QuantLinear on GGUF blocks):
 G weights/s and GB/s of blocks read, a product of 8,192 x 2,048 (an MLP's gate/up at
-Llama-3.2-1B's width), --layers such matrices in turn so that none is in a cache, at 1, 4
-and 16 rows, each type beside the packed bfloat16 product of a float weight of the same
+Llama-3.2-1B's width), --layers such matrices in turn so that none is in a cache, at --rows
+rows (1, 4 and 16), each type beside the packed bfloat16 product of a float weight of the same
 shape; the median of --rounds passes. Random blocks with float16 scales of a usual size.
 
     python benchmarks/kernels/quantized_kernels.py [--types Q4_K,Q6_K,Q8_0] [--dtype bfloat16]
+        [--rows 1,4,16]
 """
 
 from __future__ import annotations
@@ -53,10 +54,12 @@ def main() -> int:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--layers", type=int, default=12, help="matrices in turn (12)")
     p.add_argument("--rounds", type=int, default=10, help="passes (10)")
+    p.add_argument("--rows", default="1,4,16", help="comma list of row counts (1,4,16)")
     args = p.parse_args()
     dtype = getattr(torch, args.dtype)
     rng = np.random.default_rng(0)
     weights = ROWS * WIDTH * args.layers
+    counts = [int(m) for m in args.rows.split(",")]
     print(
         f"torch threads {torch.get_num_threads()}, {args.dtype}, {args.layers} x [{ROWS}, {WIDTH}]"
     )
@@ -66,14 +69,14 @@ def main() -> int:
         rows = random_rows(BY_NAME[name], rng)
         products = [QuantLinear([rows], dtype) for _ in range(args.layers)]
         size = sum(q.nbytes() for q in products)
-        for m in (1, 4, 16):
+        for m in counts:
             t = seconds(products, torch.randn(m, WIDTH).to(dtype), args.rounds)
             print(
                 f"| {name} | {m} | {t * 1e3:.2f} | {weights / t / 1e9:.1f} | {size / t / 1e9:.1f} |"
             )
         del products
     dense = [PackedLinear(torch.randn(ROWS, WIDTH).to(dtype), None) for _ in range(args.layers)]
-    for m in (1, 4, 16):
+    for m in counts:
         t = seconds(dense, torch.randn(m, WIDTH).to(dtype), args.rounds)
         size = weights * dtype.itemsize
         rates = f"{weights / t / 1e9:.1f} | {size / t / 1e9:.1f}"

@@ -53,6 +53,7 @@ HEADERS = tuple(
         "exp.h",
         "kernels.h",
         "panel_queue.h",
+        "quant_exact.h",
         "quant_kernels.h",
         "silu.h",
     )

@@ -1,8 +1,8 @@
 """GGUF's quantized weights kept in their blocks (tp_worker): a file's rows of blocks repacked
-into the panels csrc/dequant.h reads, and QuantLinear, which multiplies by them with the bits
-of PackedLinear over the weight the `gguf` package dequantizes (csrc/linear.cpp's
-tm_quant_linear_then dequantizes each panel into the core's cache, then runs the packed
-product's microkernels on it).
+into the panels csrc/dequant.h reads, and QuantLinear, which multiplies by them
+(csrc/linear.cpp's tm_quant_linear_then): in float32 with the bits of PackedLinear over the
+weight the `gguf` package dequantizes (csrc/quant_exact.h), in bfloat16 by the factored sums
+A (x . q) - B (sum of x) on those weights unrounded (csrc/quant_kernels.h).
 
 The served types, by ggml's codes: Q8_0, Q4_0, Q4_K, Q5_K and Q6_K (what Q4_K_M, Q5_K_M,
 Q6_K and Q8_0 files hold). A panel is 32 rows; per block of S weights a row it keeps the
@@ -213,9 +213,10 @@ class QuantLinear(PanelProduct):
     """PackedLinear's product with weights in GGUF blocks: y = x W^T (+ b) for x [M, K] in
     `dtype` (float32 or bfloat16), W the rows of `segments` one after the other (each but the
     last a whole number of panels; a glu layer's gate rows then up rows, of one type), with
-    the bits of PackedLinear(W dequantized and rounded to dtype), `packed` the panels' table
-    (type, address). NOTE: never on AMX tiles, whose rounding differs: a quantized layer has
-    the AVX-512 kernels' bits on every CPU."""
+    float32: the bits of PackedLinear(W dequantized); bfloat16: W's unrounded values summed
+    in one order per K (the module docstring), `packed` the panels' table (type, address).
+    NOTE: never on AMX tiles, whose rounding differs: a quantized layer has the AVX-512
+    kernels' bits on every CPU."""
 
     amx = False
 

@@ -74,6 +74,14 @@ constexpr QuantLayout quant_layout(int type) {
   }
 }
 
+// What a bfloat16 product adds to each q before it multiplies (quant_kernels.h): 128, which
+// lets a 4-6 bit q widen to the bfloat16 128 + q by one OR; Q8_0, -128 (its signed q).
+constexpr int quant_bias(int type) { return type == Q8_0 ? -128 : 128; }
+
+// Whether a bfloat16 product's accumulators hold its lanes as quant_words gives them for the
+// 4- and 5-bit types (0-7, 16-23, then 8-15, 24-31) rather than in order.
+constexpr bool quant_swapped(int type) { return !quant_layout(type).bytes; }
+
 // float16 -> float32, exact (subnormals included), as VCVTPH2PS.
 inline float half_to_float(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
@@ -122,33 +130,41 @@ inline void quant_slot(bool pairs, int64_t k, int lane, int64_t& unit, int& valu
   value = (lane % 16) / 8 * 16 + (lane % 8) * 2 + static_cast<int>(k % 2);
 }
 
-// (k, lane)'s weight of a block: A q - B, one rounding.
-inline float dequant_one(const QuantLayout& l, const QuantBlock& b, bool pairs, int64_t k,
-                         int lane) {
+// (k, lane)'s q of a block, as stored (unsigned).
+inline uint32_t quant_q(const QuantLayout& l, const QuantBlock& b, bool pairs, int64_t k,
+                        int lane) {
   int64_t unit;
   int value;
   quant_slot(pairs, k, lane, unit, value);
-  uint32_t q;
-  if (l.bytes) {
-    q = b.q[unit * 32 + value];
-  } else {
-    const uint8_t byte = b.q[unit * 16 + (value & 15)];
-    q = value < 16 ? byte & 15u : byte >> 4;
-    for (int p = 0; p < l.planes; ++p) {
-      uint32_t plane;
-      std::memcpy(&plane, b.bits + (unit * l.planes + p) * 4, 4);
-      q |= ((plane >> value) & 1u) << (4 + p);
-    }
+  if (l.bytes) return b.q[unit * 32 + value];
+  const uint8_t byte = b.q[unit * 16 + (value & 15)];
+  uint32_t q = value < 16 ? byte & 15u : byte >> 4;
+  for (int p = 0; p < l.planes; ++p) {
+    uint32_t plane;
+    std::memcpy(&plane, b.bits + (unit * l.planes + p) * 4, 4);
+    q |= ((plane >> value) & 1u) << (4 + p);
   }
-  const int64_t g = k / l.group_k;
-  float a = half_to_float(b.d[lane]);
+  return q;
+}
+
+// Group g's A and B for `lane` of a block (exact in float32).
+inline void quant_scales(const QuantLayout& l, const QuantBlock& b, int64_t g, int lane,
+                         float& a, float& m) {
+  a = half_to_float(b.d[lane]);
   if (l.scales) a = a * static_cast<float>(b.sc[g * 32 + lane]);
-  float m = a * static_cast<float>(l.offset);
+  m = a * static_cast<float>(l.offset);
   if (l.mins) {
     m = half_to_float(b.d[32 + lane]);
     if (l.scales) m = m * static_cast<float>(b.sc[(l.groups() + g) * 32 + lane]);
   }
-  return std::fma(a, static_cast<float>(q), -m);
+}
+
+// (k, lane)'s weight of a block: A q - B, one rounding (gguf's float32 value).
+inline float dequant_one(const QuantLayout& l, const QuantBlock& b, bool pairs, int64_t k,
+                         int lane) {
+  float a, m;
+  quant_scales(l, b, k / l.group_k, lane, a, m);
+  return std::fma(a, static_cast<float>(quant_q(l, b, pairs, k, lane)), -m);
 }
 
 // Lane `lane` of panel `src` (one row, k_len weights) in float32 (an embedding's rows).
@@ -157,25 +173,6 @@ inline void dequant_lane(const QuantLayout& l, const uint8_t* src, int64_t k_len
   for (int64_t b0 = 0; b0 < k_len; b0 += l.block_k, src += l.block_bytes()) {
     const QuantBlock b(l, src);
     for (int64_t k = 0; k < l.block_k; ++k) out[b0 + k] = dequant_one(l, b, pairs, k, lane);
-  }
-}
-
-// The portable form of dequant_panel: the float32 panel [K][32] (Out float, lanes) or the
-// bfloat16 one [K/2][32][2] (Out uint16_t, pairs), one element at a time.
-template <typename Out>
-void dequant_panel_portable(const QuantLayout& l, const uint8_t* src, int64_t k_len, Out* out) {
-  constexpr bool pairs = sizeof(Out) == 2;
-  for (int64_t b0 = 0; b0 < k_len; b0 += l.block_k, src += l.block_bytes()) {
-    const QuantBlock b(l, src);
-    for (int64_t k = 0; k < l.block_k; ++k)
-      for (int lane = 0; lane < 32; ++lane) {
-        const float w = dequant_one(l, b, pairs, k, lane);
-        const int64_t kk = b0 + k;
-        if constexpr (pairs)
-          out[(kk / 2 * 32 + lane) * 2 + kk % 2] = float_to_bf16(w);
-        else
-          out[kk * 32 + lane] = w;
-      }
   }
 }
 
@@ -198,38 +195,26 @@ inline __m512 int8_16(const int8_t* p) {
       _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
-// A group's A and B in vectors: float32 (lanes) a[0..1] for lanes 0-15 and 16-31; bfloat16
-// (pairs) a[v] for vector v of a pair's four (lanes 8v .. 8v + 7, each twice: k, k + 1).
+// A group's A and B for lanes 0-15 and 16-31.
 struct GroupScales {
-  __m512 a[4], b[4];
+  __m512 a[2], b[2];
 };
 
-template <int TYPE, bool PAIRS>
+template <int TYPE>
 inline GroupScales group_scales(const QuantBlock& block, int64_t g) {
   using F = Format<TYPE>;
   GroupScales out;
-  __m512 a[2], b[2];
   for (int h = 0; h < 2; ++h) {
-    a[h] = half16(block.d + 16 * h);
-    if constexpr (F::SCALES) a[h] = _mm512_mul_ps(a[h], int8_16(block.sc + g * 32 + 16 * h));
+    __m512 a = half16(block.d + 16 * h);
+    if constexpr (F::SCALES) a = _mm512_mul_ps(a, int8_16(block.sc + g * 32 + 16 * h));
+    out.a[h] = a;
     if constexpr (F::MINS && F::SCALES)
-      b[h] = _mm512_mul_ps(half16(block.d + 32 + 16 * h),
-                           int8_16(block.sc + (F::S / F::G + g) * 32 + 16 * h));
+      out.b[h] = _mm512_mul_ps(half16(block.d + 32 + 16 * h),
+                               int8_16(block.sc + (F::S / F::G + g) * 32 + 16 * h));
     else if constexpr (F::MINS)
-      b[h] = half16(block.d + 32 + 16 * h);
+      out.b[h] = half16(block.d + 32 + 16 * h);
     else
-      b[h] = _mm512_mul_ps(a[h], _mm512_set1_ps(static_cast<float>(F::OFFSET)));
-  }
-  if constexpr (!PAIRS) {
-    for (int h = 0; h < 2; ++h) out.a[h] = a[h], out.b[h] = b[h];
-  } else {
-    const __m512i low = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
-    for (int v = 0; v < 4; ++v) {
-      const __m512i idx = v % 2 ? high : low;
-      out.a[v] = _mm512_permutexvar_ps(idx, a[v / 2]);
-      out.b[v] = _mm512_permutexvar_ps(idx, b[v / 2]);
-    }
+      out.b[h] = _mm512_mul_ps(a, _mm512_set1_ps(static_cast<float>(F::OFFSET)));
   }
   return out;
 }
@@ -257,61 +242,59 @@ inline void quant_unit(const QuantBlock& block, int64_t u, __m512i* q) {
   }
 }
 
-// float32: k's 32 weights of a block (k within it), lanes 0-15 and 16-31.
-template <int TYPE>
-inline void quant_lanes(const QuantBlock& block, const GroupScales& s, int64_t k, __m512 (&w)[2]) {
-  __m512i q[2];
-  quant_unit<TYPE>(block, k, q);
-  for (int h = 0; h < 2; ++h) w[h] = _mm512_fmsub_ps(s.a[h], _mm512_cvtepi32_ps(q[h]), s.b[h]);
-}
-
-#if defined(__AVX512BF16__)
-// bfloat16, k even (within the block): the panel's row of the pair (k, k + 1), lanes 0-15
-// and 16-31.
-template <int TYPE>
-inline void quant_pair(const QuantBlock& block, const GroupScales& s, int64_t k,
-                       __m512i (&row)[2]) {
-  __m512i q[4];
-  quant_unit<TYPE>(block, k, q);
-  quant_unit<TYPE>(block, k + 1, q + 2);
-  __m512 w[4];
-  for (int v = 0; v < 4; ++v) w[v] = _mm512_fmsub_ps(s.a[v], _mm512_cvtepi32_ps(q[v]), s.b[v]);
-  row[0] = (__m512i)_mm512_cvtne2ps_pbh(w[1], w[0]);
-  row[1] = (__m512i)_mm512_cvtne2ps_pbh(w[3], w[2]);
-}
-#endif
-
 // Bytes ahead of its q that a panel's walk asks for: a decode step's loop keeps too few loads
 // in flight to stream the blocks from memory (Q6_K's product waited on its loads half its
 // time on a Zen 4); asked ahead, they arrive under the arithmetic. Past the panel's end the
 // address points at the next panel or at nothing (a prefetch never faults).
 constexpr int64_t QUANT_AHEAD = 4096;
 
-// body(k, k within its block, block, scales) for every k of a panel of k_len weights a row,
-// in ascending order (float32: each k; bfloat16: each even k), block by block, group by
-// group: loops whose scales stay in registers (a reader object whose state crossed the
-// blocks ran at half the speed with blocks of 256).
-template <int TYPE, int STEP, typename Body>
-inline void walk_panel(const uint8_t* panel, int64_t k_len, Body&& body) {
+// Into which cache a bfloat16 product asks for its q (quant_kernels.h). NOTE: measured on a
+// 2-core Zen 4 (one row, 4 x [8192, 2048] products, seconds for 300 passes): Q6_K, whose loop
+// does the least work a byte, 1.05 asked into L1 and 0.70-0.77 into L2; Q8_0 and Q4_K the
+// other way round (0.69 / 0.36 into L1, 1.1 / 0.5 into L2).
+constexpr _mm_hint quant_hint(int type) { return type == Q6_K ? _MM_HINT_T2 : _MM_HINT_T0; }
+
+#if defined(__AVX512BF16__)
+// The pair (k, k + 1) (k even, within the block) of a unit pair's 32 lanes as two vectors of
+// bfloat16 pairs, each value q + quant_bias (exact). Q6_K: lanes 0-15, then 16-31. The 4-
+// and 5-bit types: lanes 0-7 and 16-23, then 8-15 and 24-31 (QUANT_SWAPPED: the order in
+// which their two units' nibbles widen to words with one zero-extension and no shuffle).
+template <int TYPE>
+inline void quant_words(const QuantBlock& block, int64_t k, __m512i (&w)[2]) {
   using F = Format<TYPE>;
-  const QuantLayout layout = quant_layout(TYPE);
-  constexpr int64_t unit_bytes = F::BYTES ? 32 : 16;
-  for (int64_t b0 = 0; b0 < k_len; b0 += F::S, panel += layout.block_bytes()) {
-    const QuantBlock block(layout, panel);
-    for (int64_t g = 0; g < F::S / F::G; ++g) {
-      const GroupScales scales = group_scales<TYPE, STEP == 2>(block, g);
-      for (int64_t k = g * F::G; k < (g + 1) * F::G; k += STEP) {
-        const auto ahead = reinterpret_cast<uintptr_t>(block.q) + k * unit_bytes + QUANT_AHEAD;
-        _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
-        if constexpr (F::PLANES > 0) {  // NOTE: the bit planes: a stream of their own
-          const auto bits = reinterpret_cast<uintptr_t>(block.bits) + k * F::PLANES * 4;
-          _mm_prefetch(reinterpret_cast<const char*>(bits + QUANT_AHEAD), _MM_HINT_T0);
-        }
-        body(b0 + k, k, block, scales);
-      }
+  const __m512i magic = _mm512_set1_epi16(0x4300);  // bfloat16 128.0: 0x4300 | q is 128 + q
+  if constexpr (TYPE == Q8_0) {  // NOTE: q - 128, signed, exact in bfloat16 (8 bits)
+    for (int h = 0; h < 2; ++h) {
+      const auto* p = reinterpret_cast<const __m128i*>(block.q + (k + h) * 32);
+      const __m128i flip = _mm_set1_epi8(static_cast<char>(0x80));
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_xor_si128(_mm_loadu_si128(p), flip)));
+      const __m512 hi =
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_xor_si128(_mm_loadu_si128(p + 1), flip)));
+      w[h] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+    }
+  } else if constexpr (F::BYTES) {
+    for (int h = 0; h < 2; ++h)
+      w[h] = _mm512_or_si512(_mm512_cvtepu8_epi16(_mm256_loadu_si256(
+                                 reinterpret_cast<const __m256i*>(block.q + (k + h) * 32))),
+                             magic);
+  } else {
+    const __m512i bytes =
+        _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block.q + k * 16)));
+    w[0] = _mm512_ternarylogic_epi32(bytes, _mm512_set1_epi16(15), magic, 0xEA);  // (a & b) | c
+    w[1] = _mm512_or_si512(_mm512_srli_epi16(bytes, 4), magic);
+    for (int p = 0; p < F::PLANES; ++p) {
+      uint32_t p0, p1;
+      std::memcpy(&p0, block.bits + (k * F::PLANES + p) * 4, 4);
+      std::memcpy(&p1, block.bits + ((k + 1) * F::PLANES + p) * 4, 4);
+      const __m512i bit = _mm512_set1_epi16(static_cast<int16_t>(16 << p));
+      // NOTE: the bit is clear until set: an add is the OR
+      w[0] = _mm512_mask_add_epi16(w[0], (p0 & 0xffffu) | (p1 << 16), w[0], bit);
+      w[1] = _mm512_mask_add_epi16(w[1], (p0 >> 16) | (p1 & 0xffff0000u), w[1], bit);
     }
   }
 }
+#endif
+
 #endif
 
 }  // namespace tokenmill

@@ -45,6 +45,7 @@
 #include "bf16.h"
 #include "epilogue.h"
 #include "panel_queue.h"
+#include "quant_exact.h"
 #include "quant_kernels.h"
 #include "kernels.h"
 
@@ -370,38 +371,36 @@ void linear(const T* x, int64_t m, int64_t k_len, int64_t lda, const T* packed, 
   }
 }
 
-// The product of x and quantized panels (dequant.h: `table` holds each panel's type and
-// address), with the bits of the packed product of the dequantized weight: up to FUSED_ROWS
-// rows, quant_kernels.h's microkernels dequantize in registers as they multiply (a decode
-// step reads the blocks once, and no panel is written); more rows, the panel is dequantized
-// into the thread's buffer and multiplied as a packed one.
-template <typename T, typename Out, template <int, Ask> class K>
-int quant_linear(const T* x, int64_t m, int64_t k_len, int64_t lda, const int64_t* table,
-                 int64_t n, const float* bias, Out* out, int64_t ldc, const Out* residual,
+// The float32 product of x and quantized panels (dequant.h: `table` holds each panel's type
+// and address), with the bits of the packed product of gguf's weights (quant_exact.h): up to
+// EXACT_ROWS rows the microkernels dequantize in registers as they multiply; more rows, the
+// panel is dequantized into the thread's buffer and multiplied as a packed one.
+int exact_linear(const float* x, int64_t m, int64_t k_len, int64_t lda, const int64_t* table,
+                 int64_t n, const float* bias, float* out, int64_t ldc, const float* residual,
                  int glu) {
   const int64_t num_panels = (n + NR - 1) / NR;
   const int64_t panel_elems = k_len * NR;  // NOTE: GGUF rows are whole blocks of 32 k
-  const Product<T, Out, K> product{x, k_len, lda, nullptr, panel_elems, n,
-                                   bias, out, ldc, residual, glu};
-  const int64_t pass_rows = rows_per_pass(k_len, sizeof(T));
+  const Product<float, float, F32> product{x, k_len, lda, nullptr, panel_elems, n,
+                                           bias, out, ldc, residual, glu};
+  const int64_t pass_rows = rows_per_pass(k_len, sizeof(float));
   const int64_t num_passes = (m + pass_rows - 1) / pass_rows;
   tokenmill::PanelQueue queue(num_passes, omp_get_max_threads(), num_panels);
   int status = 0;
 #pragma omp parallel reduction(| : status)
   {
-    static thread_local std::vector<T> buffer;
+    static thread_local std::vector<float> buffer;
     const int thread = omp_get_thread_num();
     for (int64_t pass = 0; pass < num_passes; ++pass) {
       const int64_t first = pass * pass_rows, last = std::min(m, first + pass_rows);
       for (int64_t p = queue.next(pass, thread); p >= 0; p = queue.next(pass, thread)) {
-        const auto* kernels = tokenmill::quant_kernels<T>(static_cast<int>(table[2 * p]));
+        const auto* kernels = tokenmill::exact_kernels(static_cast<int>(table[2 * p]));
         const auto* src = reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(table[2 * p + 1]));
         if (kernels == nullptr) {
           status = 1;
           continue;
         }
-        if (last - first <= tokenmill::FUSED_ROWS && kernels->fused[1] != nullptr) {
-          alignas(64) float acc[tokenmill::FUSED_ROWS * NR];
+        if (last - first <= tokenmill::EXACT_ROWS && kernels->fused[1] != nullptr) {
+          alignas(64) float acc[tokenmill::EXACT_ROWS * NR];
           const int rows = static_cast<int>(last - first);
           kernels->fused[rows](x + first * lda, lda, src, k_len, acc);
           product.write(acc, p, first, rows);
@@ -414,6 +413,62 @@ int quant_linear(const T* x, int64_t m, int64_t k_len, int64_t lda, const int64_
     }
   }
   return status;
+}
+
+// The bfloat16 product of x and quantized panels in quant_kernels.h's arithmetic: each
+// panel's blocks are read as they are, by microkernels of up to QUANT_ROWS rows, and no panel
+// is written dequantized.
+template <typename Out>
+int quant_linear(const uint16_t* x, int64_t m, int64_t k_len, int64_t lda, const int64_t* table,
+                 int64_t n, const float* bias, Out* out, int64_t ldc, const Out* residual,
+                 int glu) {
+  const int64_t num_panels = (n + NR - 1) / NR;
+  const Product<uint16_t, Out, BF16> product{x,    k_len, lda, nullptr,  0,  n,
+                                             bias, out,   ldc, residual, glu};
+  // NOTE: the rows' group sums, once for every panel, for each group size the panels use
+  bool by16 = false, by32 = false;
+  for (int64_t p = 0; p < num_panels; ++p) {
+    const tokenmill::QuantLayout l = tokenmill::quant_layout(static_cast<int>(table[2 * p]));
+    if (l.block_k == 0) return 1;
+    (l.group_k == 16 ? by16 : by32) = true;
+  }
+  static thread_local std::vector<float> sums16, sums32;
+  const int64_t ld16 = k_len / 16, ld32 = k_len / 32;
+  if (by16) sums16.resize(m * ld16);
+  if (by32) sums32.resize(m * ld32);
+  // NOTE: the calling thread's buffers, by pointer (in the parallel regions a thread_local
+  // name is each thread's own)
+  float* xs16 = sums16.data();
+  float* xs32 = sums32.data();
+#pragma omp parallel for schedule(static) if (m > 16)
+  for (int64_t r = 0; r < m; ++r) {
+    if (by16) tokenmill::group_sums(x + r * lda, 1, k_len, lda, 16, xs16 + r * ld16);
+    if (by32) tokenmill::group_sums(x + r * lda, 1, k_len, lda, 32, xs32 + r * ld32);
+  }
+  const int64_t pass_rows = rows_per_pass(k_len, sizeof(uint16_t));
+  const int64_t num_passes = (m + pass_rows - 1) / pass_rows;
+  tokenmill::PanelQueue queue(num_passes, omp_get_max_threads(), num_panels);
+#pragma omp parallel
+  {
+    const int thread = omp_get_thread_num();
+    for (int64_t pass = 0; pass < num_passes; ++pass) {
+      const int64_t first = pass * pass_rows, last = std::min(m, first + pass_rows);
+      for (int64_t p = queue.next(pass, thread); p >= 0; p = queue.next(pass, thread)) {
+        const auto* kernels = tokenmill::quant_kernels(static_cast<int>(table[2 * p]));
+        const auto* src = reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(table[2 * p + 1]));
+        const bool small = kernels->group_k == 16;
+        const float* xs = small ? xs16 : xs32;
+        const int64_t ldxs = small ? ld16 : ld32;
+        alignas(64) float acc[tokenmill::QUANT_ROWS * NR];
+        for (int64_t m0 = first; m0 < last; m0 += tokenmill::QUANT_ROWS) {
+          const int rows = static_cast<int>(std::min<int64_t>(tokenmill::QUANT_ROWS, last - m0));
+          kernels->rows[rows](x + m0 * lda, lda, xs + m0 * ldxs, ldxs, src, k_len, acc);
+          product.write(acc, p, m0, rows);
+        }
+      }
+    }
+  }
+  return 0;
 }
 
 }  // namespace
@@ -431,17 +486,16 @@ int tm_quant_linear_then(const void* x, int64_t m, int64_t k, int64_t lda, const
   const auto* panels = static_cast<const int64_t*>(table);
   int status = -1;
   if (dtype == 0 && out_dtype == 0) {
-    status = quant_linear<float, float, F32>(static_cast<const float*>(x), m, k, lda, panels, n,
-                                             bias, static_cast<float*>(out), ldc,
-                                             static_cast<const float*>(residual), glu);
+    status = exact_linear(static_cast<const float*>(x), m, k, lda, panels, n, bias,
+                          static_cast<float*>(out), ldc, static_cast<const float*>(residual), glu);
   } else if (dtype == 1 && out_dtype == 1) {
-    status = quant_linear<uint16_t, uint16_t, BF16>(
-        static_cast<const uint16_t*>(x), m, k, lda, panels, n, bias, static_cast<uint16_t*>(out),
-        ldc, static_cast<const uint16_t*>(residual), glu);
+    status = quant_linear<uint16_t>(static_cast<const uint16_t*>(x), m, k, lda, panels, n, bias,
+                                    static_cast<uint16_t*>(out), ldc,
+                                    static_cast<const uint16_t*>(residual), glu);
   } else if (dtype == 1 && out_dtype == 0) {
-    status = quant_linear<uint16_t, float, BF16>(
-        static_cast<const uint16_t*>(x), m, k, lda, panels, n, bias, static_cast<float*>(out),
-        ldc, static_cast<const float*>(residual), glu);
+    status = quant_linear<float>(static_cast<const uint16_t*>(x), m, k, lda, panels, n, bias,
+                                 static_cast<float*>(out), ldc, static_cast<const float*>(residual),
+                                 glu);
   }
   return status == 0 ? 0 : -1;
 }
