@@ -12,7 +12,9 @@ from pathlib import Path
 
 
 def add_model_args(parser: argparse.ArgumentParser, default_preset: str) -> None:
-    parser.add_argument("--model", type=Path, help="HF checkpoint dir (default: a demo one)")
+    parser.add_argument(
+        "--model", type=Path, help="HF checkpoint dir or GGUF file (default: a demo one)"
+    )
     parser.add_argument(
         "--preset",
         choices=("small", "medium"),
@@ -22,8 +24,15 @@ def add_model_args(parser: argparse.ArgumentParser, default_preset: str) -> None
 
 
 def resolve_model(args: argparse.Namespace) -> Path:
-    """--model, or the demo checkpoint of --preset (built once into ~/.cache/tokenmill)."""
-    return args.model if args.model is not None else demo_model(args.preset)
+    """--model (a GGUF file: the directory it converts to, as `tokenmill serve` makes it), or
+    the demo checkpoint of --preset (built once into ~/.cache/tokenmill)."""
+    if args.model is None:
+        return demo_model(args.preset)
+    if args.model.suffix == ".gguf":
+        from tokenmill.cli.gguf_checkpoint import gguf_checkpoint
+
+        return gguf_checkpoint(args.model)
+    return args.model
 
 
 def demo_model(preset: str) -> Path:
