@@ -52,11 +52,11 @@ struct QuantLayout {
   bool scales, mins, bytes;  // sc present, dmin present (with m where scales), q in whole bytes
   int offset, planes;
 
-  int64_t groups() const { return block_k / group_k; }
-  int64_t d_bytes() const { return 64 * (mins ? 2 : 1); }
-  int64_t sc_bytes() const { return (scales ? 32 : 0) * groups() * (mins ? 2 : 1); }
-  int64_t q_bytes() const { return block_k * (bytes ? 32 : 16); }
-  int64_t block_bytes() const { return d_bytes() + sc_bytes() + q_bytes() + block_k * planes * 4; }
+  constexpr int64_t groups() const { return block_k / group_k; }
+  constexpr int64_t d_bytes() const { return 64 * (mins ? 2 : 1); }
+  constexpr int64_t sc_bytes() const { return (scales ? 32 : 0) * groups() * (mins ? 2 : 1); }
+  constexpr int64_t q_bytes() const { return block_k * (bytes ? 32 : 16); }
+  constexpr int64_t block_bytes() const { return d_bytes() + sc_bytes() + q_bytes() + block_k * planes * 4; }
 };
 
 // The layout of `type`, or a layout with block_k 0 for a type not served in blocks.
@@ -247,12 +247,6 @@ inline void quant_unit(const QuantBlock& block, int64_t u, __m512i* q) {
 // time on a Zen 4); asked ahead, they arrive under the arithmetic. Past the panel's end the
 // address points at the next panel or at nothing (a prefetch never faults).
 constexpr int64_t QUANT_AHEAD = 4096;
-
-// Into which cache a bfloat16 product asks for its q (quant_kernels.h). NOTE: measured on a
-// 2-core Zen 4 (one row, 4 x [8192, 2048] products, seconds for 300 passes): Q6_K, whose loop
-// does the least work a byte, 1.05 asked into L1 and 0.70-0.77 into L2; Q8_0 and Q4_K the
-// other way round (0.69 / 0.36 into L1, 1.1 / 0.5 into L2).
-constexpr _mm_hint quant_hint(int type) { return type == Q6_K ? _MM_HINT_T2 : _MM_HINT_T0; }
 
 #if defined(__AVX512BF16__)
 // The pair (k, k + 1) (k even, within the block) of a unit pair's 32 lanes as two vectors of

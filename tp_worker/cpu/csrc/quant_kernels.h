@@ -143,23 +143,24 @@ void quant_bf16(const uint16_t* x, int64_t lda, const float* xs, int64_t ldxs,
                 const uint8_t* panel, int64_t k_len, float* acc) {
   using F = Format<TYPE>;
   const QuantLayout layout = quant_layout(TYPE);
-  constexpr int64_t unit_bytes = F::BYTES ? 32 : 16;
+  constexpr int64_t block_bytes = quant_layout(TYPE).block_bytes();
   __m512 total[R][2];
   for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = _mm512_setzero_ps();
-  for (int64_t b0 = 0; b0 < k_len; b0 += F::S, panel += layout.block_bytes()) {
+  for (int64_t b0 = 0; b0 < k_len; b0 += F::S, panel += block_bytes) {
     const QuantBlock block(layout, panel);
+    const auto start = reinterpret_cast<uintptr_t>(panel);
     for (int64_t g = 0; g < F::S / F::G; ++g) {
       __m512 a[2], b[2];
       group_ab<TYPE>(block, g, a, b);
       __m512 c[R][2];
       for (int r = 0; r < R; ++r) c[r][0] = c[r][1] = _mm512_setzero_ps();
       for (int64_t k = g * F::G; k < (g + 1) * F::G; k += 2) {
-        const auto ahead = reinterpret_cast<uintptr_t>(block.q) + k * unit_bytes + QUANT_AHEAD;
-        _mm_prefetch(reinterpret_cast<const char*>(ahead), quant_hint(TYPE));
-        if constexpr (F::PLANES > 0) {  // NOTE: the bit planes: a stream of their own
-          const auto bits = reinterpret_cast<uintptr_t>(block.bits) + k * F::PLANES * 4;
-          _mm_prefetch(reinterpret_cast<const char*>(bits + QUANT_AHEAD), _MM_HINT_T0);
-        }
+        // NOTE: one cursor over the whole block (scales, q and bits) at the rate a pair
+        // consumes it, so that no line of the next blocks goes unasked
+        const auto ahead = start + k * block_bytes / F::S + QUANT_AHEAD;
+        _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
+        if constexpr (2 * block_bytes > 64 * F::S)
+          _mm_prefetch(reinterpret_cast<const char*>(ahead + 64), _MM_HINT_T0);
         __m512i w[2];
         quant_words<TYPE>(block, k, w);
         dot_words<R>(c, x + b0, lda, k, w);
