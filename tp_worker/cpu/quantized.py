@@ -8,7 +8,7 @@ The served types, by ggml's codes: Q8_0, Q4_0, Q4_K, Q5_K and Q6_K (what Q4_K_M,
 Q6_K and Q8_0 files hold). A panel is 32 rows; per block of S weights a row it keeps the
 block's float16 scales, its small integer group scales and the q values in lanes (dequant.h's
 layout): 4.5 to 8.5 bits a weight, about what the file holds (Q4_K 4.625 and Q5_K 5.625:
-their 6-bit group scales take a byte each; Q6_K 6.56, Q8_0 8.5).
+their 6-bit group scales take a byte each; Q6_K 8.5: its q in whole bytes, for speed).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ LAYOUTS = {
     Q5_1: Layout(32, 32, False, True, False, 0, 1, 24),
     Q4_K: Layout(256, 32, True, True, False, 0, 0, 144),
     Q5_K: Layout(256, 32, True, True, False, 0, 1, 176),
-    Q6_K: Layout(256, 16, True, False, False, 32, 2, 210),
+    Q6_K: Layout(256, 16, True, False, True, 32, 0, 210),  # NOTE: q in bytes (dequant.h)
 }
 
 

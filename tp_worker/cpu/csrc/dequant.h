@@ -1,7 +1,7 @@
 // GGUF's quantized weights, kept in their blocks, as linear.cpp multiplies them (tp_worker:
 // tm_quant_linear_then). cpu/quantized.py writes the layout below from a file's blocks; this
-// file gives back, for each k, the float32 weights the `gguf` package dequantizes, bit for bit
-// (quant_exact.h's products), and each q as a bfloat16 word (quant_kernels.h's).
+// file gives back, for each k, the weights of the float32 or bfloat16 panel that cpu/ops.py's
+// pack makes of the dequantized weight, bit for bit.
 //
 // Every type served here dequantizes as w = A q - B per group of G weights of a row: q an
 // unsigned integer of 4, 5, 6 or 8 bits, A = d * sc (d where a type has no sc), B = dmin * m
@@ -20,11 +20,11 @@
 //   d     float16 [32]               dmin  float16 [32]        (Q4_K, Q5_K, Q4_1, Q5_1)
 //   sc    int8 [S / G][32]           m     int8 [S / G][32]    (sc: K types; m: Q4_K, Q5_K)
 //   q     [S] units of 32 values: 16 bytes, byte i holding value i in its low 4 bits and value
-//         16 + i in its high ones (Q8_0: 32 bytes, value i in byte i)
-//   bits  uint32 [S][PLANES]: bit i of plane p is value i's bit 4 + p (Q5_*: 1 plane, Q6_K 2)
-// NOTE: Q6_K as a nibble and two bit planes (6.56 bits a weight, as the file) rather than in
-// whole bytes (8.56): its bfloat16 one-row product took 0.86-0.88x the time in an interleaved
-// A/B on a 2-core Zen 4 (2026-12-08; the same at 16 and 256 rows), being bound by memory.
+//         16 + i in its high ones (Q8_0 and Q6_K: 32 bytes, value i in byte i)
+//   bits  uint32 [S][PLANES]: bit i of plane p is value i's bit 4 + p (Q5_*: 1 plane)
+// NOTE: Q6_K's q in whole bytes (8 bits a weight, not the file's 6.56): with two bit planes
+// its one-row product ran at 17.5 G weights/s on a 2-core Zen 4, in bytes at 22.7 (at one
+// row every type but Q8_0 is bound by this arithmetic, not by memory).
 // Which (k, lane) a unit's value i is depends on the panel's dtype. float32 ("lanes"): unit k
 // holds k's 32 lanes in order. bfloat16 ("pairs"): units k and k + 1 (k even) hold the pair
 // (k, k + 1) of lanes 0-15, then of lanes 16-31, each as 16 values (k, j), (k + 1, j) for j
@@ -69,7 +69,7 @@ constexpr QuantLayout quant_layout(int type) {
     case Q5_1: return {32, 32, false, true, false, 0, 1};
     case Q4_K: return {256, 32, true, true, false, 0, 0};
     case Q5_K: return {256, 32, true, true, false, 0, 1};
-    case Q6_K: return {256, 16, true, false, false, 32, 2};
+    case Q6_K: return {256, 16, true, false, true, 32, 0};
     default: return {0, 1, false, false, false, 0, 0};
   }
 }
@@ -250,9 +250,9 @@ constexpr int64_t QUANT_AHEAD = 4096;
 
 #if defined(__AVX512BF16__)
 // The pair (k, k + 1) (k even, within the block) of a unit pair's 32 lanes as two vectors of
-// bfloat16 pairs, each value q + quant_bias (exact). Q8_0: lanes 0-15, then 16-31. The
-// others: lanes 0-7 and 16-23, then 8-15 and 24-31 (quant_swapped: the order in which their
-// two units' nibbles widen to words with one zero-extension and no shuffle).
+// bfloat16 pairs, each value q + quant_bias (exact). Q6_K: lanes 0-15, then 16-31. The 4-
+// and 5-bit types: lanes 0-7 and 16-23, then 8-15 and 24-31 (QUANT_SWAPPED: the order in
+// which their two units' nibbles widen to words with one zero-extension and no shuffle).
 template <int TYPE>
 inline void quant_words(const QuantBlock& block, int64_t k, __m512i (&w)[2]) {
   using F = Format<TYPE>;
@@ -266,8 +266,12 @@ inline void quant_words(const QuantBlock& block, int64_t k, __m512i (&w)[2]) {
           _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_xor_si128(_mm_loadu_si128(p + 1), flip)));
       w[h] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
     }
+  } else if constexpr (F::BYTES) {
+    for (int h = 0; h < 2; ++h)
+      w[h] = _mm512_or_si512(_mm512_cvtepu8_epi16(_mm256_loadu_si256(
+                                 reinterpret_cast<const __m256i*>(block.q + (k + h) * 32))),
+                             magic);
   } else {
-    static_assert(!F::BYTES, "q in whole bytes: Q8_0 only");
     const __m512i bytes =
         _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block.q + k * 16)));
     w[0] = _mm512_ternarylogic_epi32(bytes, _mm512_set1_epi16(15), magic, 0xEA);  // (a & b) | c
