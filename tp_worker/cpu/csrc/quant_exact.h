@@ -119,8 +119,12 @@ void fused_f32(const float* x, int64_t lda, const uint8_t* panel, int64_t k_len,
 }
 #endif
 
+// NOTE: static, so that its table is this library's own: as an inline function's static
+// local it would be one symbol (STB_GNU_UNIQUE) for the whole process, and a second build
+// loaded beside this one (the portable build in tests/test_quantized.py) would run this one's
+// kernels through it.
 template <int TYPE>
-const ExactKernels* exact_of() {
+static const ExactKernels* exact_of() {
 #if defined(__AVX512F__)
   static const ExactKernels k{
       dequant_f32<TYPE>,

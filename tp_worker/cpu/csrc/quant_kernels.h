@@ -181,7 +181,7 @@ void quant_bf16(const uint16_t* x, int64_t lda, const float* xs, int64_t ldxs,
   {nullptr, f<TYPE, 1>, f<TYPE, 2>, f<TYPE, 3>, f<TYPE, 4>, f<TYPE, 5>, f<TYPE, 6>, \
    f<TYPE, 7>, f<TYPE, 8>}
 template <int TYPE>
-const QuantKernels* table_of() {
+static const QuantKernels* table_of() {  // NOTE: static: quant_exact.h's exact_of says why
 #if defined(__AVX512BF16__)
   static const QuantKernels k{quant_layout(TYPE).group_k, TM_ROWS(quant_bf16)};
 #else
