@@ -23,8 +23,8 @@
 //         16 + i in its high ones (Q8_0 and Q6_K: 32 bytes, value i in byte i)
 //   bits  uint32 [S][PLANES]: bit i of plane p is value i's bit 4 + p (Q5_*: 1 plane)
 // NOTE: Q6_K's q in whole bytes (8 bits a weight, not the file's 6.56): with two bit planes
-// its one-row product ran at 17.5 G weights/s on a 2-core Zen 4, in bytes at 22.7 (at one
-// row every type but Q8_0 is bound by this arithmetic, not by memory).
+// its one-row product took longer on a 2-core Zen 4, under the dequantizing arithmetic (17.5
+// against 22.7 G weights/s) and under quant_kernels.h's (1.33x the time, kernels_ab.py).
 // Which (k, lane) a unit's value i is depends on the panel's dtype. float32 ("lanes"): unit k
 // holds k's 32 lanes in order. bfloat16 ("pairs"): units k and k + 1 (k even) hold the pair
 // (k, k + 1) of lanes 0-15, then of lanes 16-31, each as 16 values (k, j), (k + 1, j) for j
