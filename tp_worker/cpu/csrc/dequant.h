@@ -35,6 +35,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -81,6 +82,23 @@ constexpr int quant_bias(int type) { return type == Q8_0 ? -128 : 128; }
 // Whether a bfloat16 product's accumulators hold its lanes as quant_words gives them for the
 // 4- and 5-bit types (0-7, 16-23, then 8-15, 24-31) rather than in order.
 constexpr bool quant_swapped(int type) { return !quant_layout(type).bytes; }
+
+// pick(std::integral_constant<int, TYPE>) for a type served in blocks, or null: one list of
+// the served types for every table of kernels (quant_exact.h, quant_kernels.h).
+template <typename Pick>
+auto by_type(int type, Pick&& pick) -> decltype(pick(std::integral_constant<int, Q8_0>{})) {
+  switch (type) {
+    case Q8_0: return pick(std::integral_constant<int, Q8_0>{});
+    case Q4_0: return pick(std::integral_constant<int, Q4_0>{});
+    case Q4_1: return pick(std::integral_constant<int, Q4_1>{});
+    case Q5_0: return pick(std::integral_constant<int, Q5_0>{});
+    case Q5_1: return pick(std::integral_constant<int, Q5_1>{});
+    case Q4_K: return pick(std::integral_constant<int, Q4_K>{});
+    case Q5_K: return pick(std::integral_constant<int, Q5_K>{});
+    case Q6_K: return pick(std::integral_constant<int, Q6_K>{});
+    default: return nullptr;
+  }
+}
 
 // float16 -> float32, exact (subnormals included), as VCVTPH2PS.
 inline float half_to_float(uint16_t h) {

@@ -137,17 +137,7 @@ static const ExactKernels* exact_of() {
 
 // The float32 kernels for panels of `type`, or null for a type not served in blocks.
 inline const ExactKernels* exact_kernels(int type) {
-  switch (type) {
-    case Q8_0: return exact_of<Q8_0>();
-    case Q4_0: return exact_of<Q4_0>();
-    case Q4_1: return exact_of<Q4_1>();
-    case Q5_0: return exact_of<Q5_0>();
-    case Q5_1: return exact_of<Q5_1>();
-    case Q4_K: return exact_of<Q4_K>();
-    case Q5_K: return exact_of<Q5_K>();
-    case Q6_K: return exact_of<Q6_K>();
-    default: return nullptr;
-  }
+  return by_type(type, [](auto t) { return exact_of<decltype(t)::value>(); });
 }
 
 }  // namespace tokenmill

@@ -193,17 +193,7 @@ static const QuantKernels* table_of() {  // NOTE: static: quant_exact.h's exact_
 
 // The bfloat16 kernels for panels of `type`, or null for a type not served in blocks.
 inline const QuantKernels* quant_kernels(int type) {
-  switch (type) {
-    case Q8_0: return table_of<Q8_0>();
-    case Q4_0: return table_of<Q4_0>();
-    case Q4_1: return table_of<Q4_1>();
-    case Q5_0: return table_of<Q5_0>();
-    case Q5_1: return table_of<Q5_1>();
-    case Q4_K: return table_of<Q4_K>();
-    case Q5_K: return table_of<Q5_K>();
-    case Q6_K: return table_of<Q6_K>();
-    default: return nullptr;
-  }
+  return by_type(type, [](auto t) { return table_of<decltype(t)::value>(); });
 }
 
 }  // namespace tokenmill
